@@ -1,0 +1,42 @@
+# hpc-ddp developer entry points. `make demo` and `make test` work on a brand-new machine:
+# they create .venv and install what they need (Slurm and munge through apt-get for the tests).
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+SLURM_ENV := /var/tmp/hpc-ddp-slurm/env.sh
+
+.PHONY: install demo test test-fast slurm-up slurm-down bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# Install torch with its matching torchvision first, as one pair (see constraints.txt).
+	$(PY) -m pip install -q -c constraints.txt torch torchvision
+	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
+	$(PY) -c 'import torch, torchvision, submitit, click, jinja2; print("installed torch", torch.__version__, "torchvision", torchvision.__version__)'
+	touch $(STAMP)
+
+demo: install
+	$(PY) -m hpc_ddp.demo
+
+slurm-up:
+	@bash tests/slurm/slurm-up.sh | tee $(SLURM_ENV) | tail -n 1
+
+slurm-down:
+	@bash tests/slurm/slurm-down.sh
+
+# All tests, the real-Slurm ones included: brings the test Slurm up and takes it down again.
+test: install
+	@set -o pipefail; eval "$$(bash tests/slurm/slurm-up.sh | tail -n 1)"; \
+	$(PY) -m pytest -q tests; rc=$$?; bash tests/slurm/slurm-down.sh; exit $$rc
+
+# Unit and CLI tests only (no Slurm, no DDP processes).
+test-fast: install
+	$(PY) -m pytest -q -m 'not slurm and not e2e' tests
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info

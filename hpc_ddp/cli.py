@@ -1,0 +1,220 @@
+"""The `hpc-ddp` command. Thin: parse, build the spec, call the executor, print. Errors are translated
+once, here: a UserError prints one line and exits 2, any other HpcDdpError exits 1 with its cause.
+Importing this module must stay fast: no torch, no submitit at import time.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import shlex
+import sys
+from pathlib import Path
+
+import click
+
+from . import __version__
+from .config import is_job_file, job_file_layer, profile_layer, profiles_path, resolve_target
+from .distenv import from_environ
+from .errors import HpcDdpError, SpecError, UserError
+from .executors import choose_executor, get_executor
+from .procs import SubprocessCommands
+from .spec import JobSpec, Layer, Target, build_spec
+
+
+class Cli(click.Group):
+    """A click group that turns our errors (and click's usage errors) into one line and an exit code."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        try:
+            rv = super().main(args, prog_name or "hpc-ddp", complete_var, standalone_mode=False, **extra)
+        except click.exceptions.Exit as exc:
+            sys.exit(exc.exit_code)
+        except click.UsageError as exc:
+            _fail(exc.format_message(), 2)
+        except click.Abort:
+            _fail("aborted", 130)
+        except UserError as exc:
+            _fail(str(exc), exc.exit_code)
+        except HpcDdpError as exc:
+            _fail(str(exc), exc.exit_code)
+        except Exception as exc:  # a bug of ours: say what broke, keep the traceback for who asks
+            if os.environ.get("HPC_DDP_DEBUG"):
+                raise
+            _fail(f"internal error: {type(exc).__name__}: {exc} (set HPC_DDP_DEBUG=1 for the traceback)", 1)
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
+def _fail(message: str, code: int) -> None:
+    click.echo(f"hpc-ddp: error: {message}", err=True)
+    sys.exit(code)
+
+
+@click.group(cls=Cli, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="hpc-ddp")
+def cli() -> None:
+    """Run PyTorch DDP training on Slurm: nodes x GPUs, a correct torch.distributed environment on every
+    rank, and the exact batch script shown before anything queues."""
+
+
+# ---- options shared by submit and render, defined once ----
+
+_SPEC_OPTIONS = [
+    click.option("--nodes", help="Number of nodes."),
+    click.option("--gpus", help="GPUs per node."),
+    click.option("--tasks-per-node", help="Ranks per node [default: the GPU count, or 1]."),
+    click.option("--cpus-per-task", help="CPUs per rank (data loader workers need them)."),
+    click.option("--mem", help="Memory per node, e.g. 64G (0: all of it)."),
+    click.option("--time", help="Time limit: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS."),
+    click.option("--partition"), click.option("--account"), click.option("--qos"), click.option("--constraint"),
+    click.option("--job-name"),
+    click.option("--profile", help="A cluster profile from the profiles file (HPC_DDP_PROFILES)."),
+    click.option("--executor", type=click.Choice(["sbatch", "submitit", "local"]),
+                 help="[default: sbatch where Slurm's commands exist, else local]"),
+    click.option("--run-dir", help="Where logs, checkpoints and the script go [default: ./runs/NAME-TIME]."),
+    click.option("--sbatch-arg", "sbatch_args", multiple=True, help="Extra sbatch option, e.g. --sbatch-arg=--exclusive."),
+    click.option("--gpu-bind", type=click.Choice(["rank", "node"]),
+                 help="rank: each rank sees only its GPU (cuda:0); node: every rank sees the node's GPUs."),
+    click.option("--signal", help="Warning signal before the time limit [default: USR2]."),
+    click.option("--max-requeues", help="How often a checkpointed job may requeue itself [default: 10]."),
+    click.option("--epochs"), click.option("--lr"), click.option("--batch-size"),
+    click.option("--pass-local-rank", is_flag=True, default=None,
+                 help="Append --local_rank=N to the script's arguments (torch.distributed.launch style)."),
+    click.option("-m", "module", help="Run a module (like python -m) instead of a script."),
+    click.argument("argv", nargs=-1, type=click.UNPROCESSED),
+]
+
+
+def spec_options(fn):
+    for option in reversed(_SPEC_OPTIONS):
+        fn = option(fn)
+    return fn
+
+
+_NOT_SPEC = ("argv", "module", "dry_run", "as_json")
+
+
+def _build(params: dict) -> JobSpec:
+    argv = list(params["argv"])
+    module = params["module"]
+    cwd = Path.cwd()
+    head, args = (None, argv) if module else (argv[0] if argv else None, argv[1:])
+    args = args[1:] if args[:1] == ["--"] else args
+    flags = {k: v for k, v in params.items() if k not in _NOT_SPEC and v not in (None, ())}
+    layers: list[Layer] = []
+    if head and is_job_file(head):
+        job_layer = job_file_layer((cwd / head).resolve())
+        target = _job_target(job_layer, tuple(args), cwd)
+        job_values = {k: v for k, v in job_layer.values.items() if k not in ("script", "module", "args")}
+        layers.append(Layer(job_layer.origin, job_values, job_layer.allowed))
+    else:
+        target = resolve_target(head, module, tuple(args), cwd)
+    profile = flags.get("profile") or next((ly.values.get("profile") for ly in layers), None) \
+        or os.environ.get("HPC_DDP_PROFILE")
+    if profile:
+        layers.insert(0, profile_layer(str(profile), profiles_path(os.environ)))
+        flags.setdefault("profile", profile)
+    layers.append(Layer("command line", {f"{k}": v for k, v in flags.items()}))
+    return build_spec(layers, target=target, workdir=str(cwd), python=sys.executable)
+
+
+def _job_target(layer: Layer, extra_args: tuple[str, ...], cwd: Path) -> Target:
+    values = layer.values
+    args = tuple(values.get("args", ())) + extra_args
+    if not isinstance(values.get("args", []), list):
+        raise SpecError(f"{layer.origin}: args must be a list of strings")
+    if values.get("script") or values.get("module"):
+        return resolve_target(values.get("script"), values.get("module"), args, cwd)
+    raise SpecError(f"{layer.origin} names nothing to run",
+                    hint="add script = \"train.py\" or module = \"pkg.train\" to it")
+
+
+def _run_dir(spec: JobSpec, now: _dt.datetime) -> str:
+    if spec.run_dir:
+        return str(Path(spec.run_dir).expanduser().resolve())
+    return str(Path(spec.workdir) / "runs" / f"{spec.job_name}-{now:%Y%m%d-%H%M%S}")
+
+
+def _executor_for(spec: JobSpec, quiet: bool):
+    commands = SubprocessCommands()
+    name, why = choose_executor(spec.executor, commands.which("sbatch") is not None)
+    if not quiet or not spec.executor:
+        click.echo(f"hpc-ddp: executor {name} ({why})", err=True)
+    now = _dt.datetime.now()
+    command_line = shlex.join(["hpc-ddp", *sys.argv[1:]]) if sys.argv else "hpc-ddp"
+    executor = get_executor(name, commands=commands, generated_at=now.isoformat(timespec="seconds"),
+                            command_line=command_line) if name == "sbatch" else get_executor(name)
+    return executor, now
+
+
+@cli.command(context_settings={"allow_interspersed_args": False})
+@spec_options
+@click.option("--dry-run", is_flag=True, help="Print the exact script (or plan); submit nothing.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def submit(**params) -> None:
+    """Submit TARGET (a script, -m module, or a job file) on N nodes x G GPUs.
+
+    \b
+      hpc-ddp submit --nodes 4 --gpus 8 train.py -- --lr 0.1
+      hpc-ddp submit --dry-run --nodes 2 --gpus 4 -m mypkg.train
+    """
+    spec = _build(params)
+    executor, now = _executor_for(spec, quiet=params["as_json"])
+    plan = executor.plan(spec, _run_dir(spec, now))
+    if params["dry_run"]:
+        if params["as_json"]:
+            click.echo(json.dumps({"executor": plan.executor, "job_id": None, "run_dir": plan.run_dir,
+                                   "script": plan.dry_run_text(), "dry_run": True}, indent=2))
+        else:
+            click.echo(plan.dry_run_text(), nl=False)
+        return
+    sub = executor.submit(plan)
+    if params["as_json"]:
+        click.echo(json.dumps(sub.to_json(), indent=2))
+    elif sub.executor == "local":
+        click.echo(f"hpc-ddp: local job {sub.job_id} {sub.state.lower()} (exit code {sub.returncode}); "
+                   f"run dir {sub.run_dir}", err=True)
+    else:
+        click.echo(f"Submitted job {sub.job_id} ({sub.executor}); run dir {sub.run_dir}")
+    if sub.returncode:
+        sys.exit(1)
+
+
+@cli.command(context_settings={"allow_interspersed_args": False})
+@spec_options
+@click.option("--stdout", "to_stdout", is_flag=True, help="Print the script instead of writing the run dir.")
+def render(to_stdout: bool, **params) -> None:
+    """Write the sbatch script (and spec) into the run dir without submitting it."""
+    from .executors.base import write_run_dir
+    from .render import SCRIPT_NAME
+
+    spec = _build({**params, "executor": "sbatch"})
+    executor, now = _executor_for(spec, quiet=True)
+    plan = executor.plan(spec, _run_dir(spec, now))
+    if to_stdout:
+        click.echo(plan.script, nl=False)
+        return
+    run_dir = write_run_dir(plan)
+    (run_dir / SCRIPT_NAME).write_text(plan.script or "")
+    click.echo(f"Wrote {run_dir / SCRIPT_NAME}; submit it with: cd {shlex.quote(str(run_dir))} && sbatch {SCRIPT_NAME}")
+
+
+@cli.command("env")
+@click.option("--json", "as_json", is_flag=True, help="Print the DistEnv as one JSON object.")
+def env_cmd(as_json: bool) -> None:
+    """Show the distributed environment this process would get (rank, world size, master, ...)."""
+    dist = from_environ(os.environ, pid=os.getpid())
+    if as_json:
+        click.echo(json.dumps(dist.to_json()))
+        return
+    for key, value in dist.to_json().items():
+        click.echo(f"{key:17} {','.join(value) if isinstance(value, list) else value}")
+
+
+def main() -> None:
+    cli()
+
+
+if __name__ == "__main__":
+    main()

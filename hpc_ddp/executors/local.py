@@ -1,0 +1,160 @@
+"""The local executor: N simulated nodes x T tasks as processes on this machine, for trying things out.
+
+Each rank gets torchrun-style variables and runs the same per-rank runner as on Slurm. Like
+`srun --kill-on-bad-exit`, the first rank that fails stops the others. Output goes to the same per-rank
+log files as on Slurm and, prefixed by rank, to the terminal.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from ..distenv import port_for_job
+from ..render import runner_command
+from ..spec import JobSpec
+from .base import Plan, Submission, record_submission, write_run_dir
+
+_GRACE_S = 10
+
+
+def simulated_gpus(node: int, gpus: int, physical: int) -> str:
+    """CUDA_VISIBLE_DEVICES for simulated node `node`: its own slice of the real GPUs where there are
+    enough, else the node-local ids 0..gpus-1 (as Slurm would show a real node)."""
+    if physical >= gpus:
+        return ",".join(str((node * gpus + j) % physical) for j in range(gpus))
+    return ",".join(str(j) for j in range(gpus))
+
+
+def rank_envs(spec: JobSpec, job_id: str, port: int, physical_gpus: int) -> list[dict[str, str]]:
+    envs = []
+    for node in range(spec.nodes):
+        for local in range(spec.tasks_per_node):
+            env = {
+                "RANK": str(node * spec.tasks_per_node + local), "LOCAL_RANK": str(local),
+                "WORLD_SIZE": str(spec.world_size), "LOCAL_WORLD_SIZE": str(spec.tasks_per_node),
+                "GROUP_RANK": str(node), "GROUP_WORLD_SIZE": str(spec.nodes),
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                "HPC_DDP_HOSTS": ",".join(["localhost"] * spec.nodes), "HPC_DDP_JOB_ID": job_id,
+                "HPC_DDP_RESTART_COUNT": "0",
+            }
+            if spec.gpus:
+                env["CUDA_VISIBLE_DEVICES"] = simulated_gpus(node, spec.gpus, physical_gpus)
+            envs.append(env)
+    return envs
+
+
+class LocalExecutor:
+    name = "local"
+
+    def __init__(self, *, echo: bool = True, job_id: str | None = None, **_ignored):
+        self.echo = echo
+        self.job_id = job_id or f"local-{os.getpid()}-{int(time.time())}"
+
+    def plan(self, spec: JobSpec, run_dir: str) -> Plan:
+        cmd = shlex.join(runner_command(spec, run_dir))
+        lines = [f"# local executor: {spec.nodes} simulated node(s) x {spec.tasks_per_node} task(s) "
+                 f"= {spec.world_size} process(es) on this machine",
+                 f"# run dir: {run_dir}", f"# each rank runs: {spec.target.describe()}"]
+        for env in rank_envs(spec, self.job_id, port_for_job(self.job_id), _physical_gpus()):
+            shown = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items() if k not in ("HPC_DDP_HOSTS",))
+            lines.append(f"{shown} {cmd}")
+        return Plan("local", spec, run_dir, None, summary="\n".join(lines) + "\n")
+
+    def submit(self, plan: Plan) -> Submission:
+        run_dir = write_run_dir(plan)
+        log_dir = run_dir / "logs" / f"job-{self.job_id}" / "attempt-0"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        port = _free_port(port_for_job(self.job_id))
+        envs = rank_envs(plan.spec, self.job_id, port, _physical_gpus())
+        argv = runner_command(plan.spec, str(run_dir))
+        rc = _run_ranks(argv, envs, log_dir, echo=self.echo, cwd=plan.spec.workdir)
+        sub = Submission("local", self.job_id, str(run_dir), None,
+                         state="COMPLETED" if rc == 0 else "FAILED", returncode=rc)
+        record_submission(sub)
+        return sub
+
+
+def _physical_gpus() -> int:
+    gpus = Path("/proc/driver/nvidia/gpus")
+    return len(list(gpus.iterdir())) if gpus.is_dir() else 0
+
+
+def _free_port(start: int) -> int:
+    for port in range(start, start + 50):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                return port
+            except OSError:
+                continue
+    return start
+
+
+def _run_ranks(argv: list[str], envs: list[dict[str, str]], log_dir: Path, *, echo: bool, cwd: str) -> int:
+    procs, pumps = [], []
+    for rank, extra in enumerate(envs):
+        proc = subprocess.Popen(argv, env={**os.environ, **extra}, cwd=cwd, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        pump = threading.Thread(target=_pump, args=(proc, log_dir / f"rank-{rank}.log", f"[rank {rank}] ", echo),
+                                daemon=True)
+        pump.start()
+        procs.append(proc)
+        pumps.append(pump)
+    rc = _wait_all(procs)
+    for pump in pumps:
+        pump.join(timeout=5)
+    return rc
+
+
+def _pump(proc: subprocess.Popen, log_path: Path, prefix: str, echo: bool) -> None:
+    with open(log_path, "ab") as log:
+        for line in iter(proc.stdout.readline, b""):
+            log.write(line)
+            log.flush()
+            if echo:
+                sys.stdout.write(prefix + line.decode(errors="replace"))
+                sys.stdout.flush()
+
+
+def _wait_all(procs: list[subprocess.Popen]) -> int:
+    """Wait for every rank; when one fails, stop the rest (SIGTERM, then SIGKILL after a grace period)."""
+    first_failure = 0
+    try:
+        while any(p.poll() is None for p in procs):
+            failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
+            if failed and not first_failure:
+                first_failure = failed[0]
+                _stop(procs)
+            time.sleep(0.05)
+    except KeyboardInterrupt:
+        _stop(procs)
+        return 130
+    return first_failure or next((p.returncode for p in procs if p.returncode), 0)
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            _signal_group(p, signal.SIGTERM)
+    deadline = time.monotonic() + _GRACE_S
+    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+        time.sleep(0.05)
+    for p in procs:
+        if p.poll() is None:
+            _signal_group(p, signal.SIGKILL)
+            p.wait()
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass

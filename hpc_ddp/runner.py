@@ -1,0 +1,134 @@
+"""The per-rank runner: what each task of the job starts (`python -m hpc_ddp.runner RUN_DIR/spec.json`).
+
+It derives the DistEnv, exports the torchrun-compatible variables (and those managed platforms inject),
+narrows CUDA_VISIBLE_DEVICES to this rank's GPU, then replaces itself with the user's program (exec), so
+signals from Slurm go straight to it. Everything but `main` is pure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+from .distenv import DistEnv, from_environ
+from .errors import EnvError, HpcDdpError
+from .spec import JobSpec
+
+__all__ = ["select_gpus", "rank_environment", "program_argv", "load_spec", "main"]
+
+_NO_GPU = ("", "-1", "NoDevFiles", "none")
+
+
+def select_gpus(visible: str | None, local_rank: int, local_world_size: int, per_task: int, bind: str) -> str | None:
+    """This rank's CUDA_VISIBLE_DEVICES.
+
+    Slurm may expose all of the node's GPUs to every task (the default) or bind some to each task
+    (--gpus-per-task, --gpu-bind). With bind="rank" each rank ends up seeing only its own GPU(s), as
+    cuda:0; with bind="node" every rank sees the node's GPUs, as under torchrun.
+    """
+    if visible is None or visible.strip() in _NO_GPU or bind == "node":
+        return visible
+    ids = [x.strip() for x in visible.split(",") if x.strip()]
+    per_task = max(per_task, 1)
+    if len(ids) >= local_world_size * per_task:
+        return ",".join(ids[local_rank * per_task:(local_rank + 1) * per_task])
+    if len(ids) == per_task:
+        return ",".join(ids)  # Slurm already bound this task's GPUs
+    raise EnvError(
+        f"CUDA_VISIBLE_DEVICES={visible!r} lists {len(ids)} GPU(s), too few for {local_world_size} "
+        f"task(s) x {per_task} GPU(s) on this node",
+        hint="request as many GPUs per node as tasks per node (hpc-ddp submit --gpus N)",
+    )
+
+
+def gpu_visible(cuda_visible: str | None, nvidia_driver: bool) -> bool:
+    """A GPU is usable when the NVIDIA driver is loaded and CUDA_VISIBLE_DEVICES does not hide them all."""
+    return nvidia_driver and (cuda_visible is None or cuda_visible.strip() not in _NO_GPU)
+
+
+def rank_environment(spec: JobSpec, dist: DistEnv, env: Mapping[str, str], run_dir: str, *,
+                     nvidia_driver: bool) -> dict[str, str]:
+    """Variables to set for the user's program (added to its inherited environment)."""
+    per_task = spec.gpus // spec.tasks_per_node if spec.gpus else 0
+    cuda = select_gpus(env.get("CUDA_VISIBLE_DEVICES"), dist.local_rank, dist.local_world_size, per_task,
+                       spec.gpu_bind) if spec.gpus else env.get("CUDA_VISIBLE_DEVICES")
+    out = {
+        "MASTER_ADDR": dist.master_addr, "MASTER_PORT": str(dist.master_port),
+        "RANK": str(dist.rank), "LOCAL_RANK": str(dist.local_rank),
+        "WORLD_SIZE": str(dist.world_size), "LOCAL_WORLD_SIZE": str(dist.local_world_size),
+        "GROUP_RANK": str(dist.node_rank), "NODE_RANK": str(dist.node_rank),
+        "GROUP_WORLD_SIZE": str(dist.num_nodes), "ROLE_RANK": str(dist.rank),
+        "ROLE_WORLD_SIZE": str(dist.world_size),
+        "HPC_DDP_RUN_DIR": run_dir, "HPC_DDP_HOSTS": ",".join(dist.hosts),
+        "HPC_DDP_RESTART_COUNT": str(dist.restart_count),
+        # What managed training platforms inject, so scripts written for them run unchanged.
+        "BACKEND": env.get("HPC_DDP_BACKEND") or ("nccl" if gpu_visible(cuda, nvidia_driver) else "gloo"),
+        "WORKSPACE": run_dir, "WORKER_PER_NODE": str(dist.local_world_size),
+        "PYTHONUNBUFFERED": "1",
+    }
+    if dist.job_id:
+        out["HPC_DDP_JOB_ID"] = dist.job_id
+    if cuda is not None:
+        out["CUDA_VISIBLE_DEVICES"] = cuda
+    if "OMP_NUM_THREADS" not in env:
+        # torchrun's default; one thread per rank unless the job gave each task more CPUs.
+        out["OMP_NUM_THREADS"] = str(spec.cpus_per_task or env.get("SLURM_CPUS_PER_TASK") or 1)
+    for name, value in (("EPOCHS", spec.epochs), ("LR", spec.lr), ("BATCH_SIZE", spec.batch_size)):
+        if value is not None:
+            out[name] = str(value)
+    return out
+
+
+def program_argv(spec: JobSpec, dist: DistEnv, python: str) -> list[str]:
+    target = spec.target
+    if target.kind == "script":
+        argv = [python, target.value, *target.args]
+    elif target.kind == "module":
+        argv = [python, "-m", target.value, *target.args]
+    else:
+        argv = [python, "-m", "hpc_ddp.trainer", target.value, *target.args]
+    if spec.pass_local_rank:
+        argv.append(f"--local_rank={dist.local_rank}")
+    return argv
+
+
+def load_spec(path: str | os.PathLike) -> JobSpec:
+    try:
+        return JobSpec.from_dict(json.loads(Path(path).read_text()))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise HpcDdpError(f"cannot load the job spec {str(path)!r}: {exc}") from None
+
+
+def _nvidia_driver_loaded() -> bool:
+    gpus = Path("/proc/driver/nvidia/gpus")
+    return gpus.is_dir() and any(gpus.iterdir())
+
+
+def prepare(spec_path: str) -> tuple[list[str], dict[str, str]]:
+    """Everything the exec needs: the program's argv and its full environment."""
+    spec = load_spec(spec_path)
+    dist = from_environ(os.environ, pid=os.getpid())
+    run_dir = str(Path(spec_path).resolve().parent)
+    env = dict(os.environ)
+    env.update(rank_environment(spec, dist, os.environ, run_dir, nvidia_driver=_nvidia_driver_loaded()))
+    return program_argv(spec, dist, sys.executable), env
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        sys.exit("usage: python -m hpc_ddp.runner RUN_DIR/spec.json")
+    try:
+        program, env = prepare(args[0])
+    except HpcDdpError as exc:
+        print(f"hpc-ddp runner: error: {exc}", file=sys.stderr)
+        sys.exit(exc.exit_code)
+    sys.stdout.flush()
+    os.execve(program[0], program, env)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,327 @@
+"""The job spec: flags, job file, profile and defaults merged into one frozen, validated `JobSpec`.
+
+Precedence: flag > job file > profile > defaults. Every value is checked here, once, with an error that
+names where the value came from and the fix; later stages trust the spec. Pure: the caller reads the
+files (see `config`) and passes their contents in as layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import PurePosixPath
+from typing import Any
+
+from .errors import SpecError
+from .slurmtime import parse_time
+
+__all__ = ["JobSpec", "Target", "Layer", "build_spec", "SPEC_KEYS", "PROFILE_KEYS", "directive_safe"]
+
+EXECUTORS = ("sbatch", "submitit", "local")
+GPU_REQUESTS = ("gpus-per-node", "gres")
+GPU_BINDS = ("rank", "node")
+SIGNALS = ("USR1", "USR2", "TERM", "INT", "HUP", "URG", "XCPU")
+TARGET_KEYS = ("script", "module", "args")
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """What every rank runs: a script (absolute path), a module, or the built-in trainer (a job file)."""
+
+    kind: str  # "script" | "module" | "trainer"
+    value: str
+    args: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        head = {"script": [self.value], "module": ["-m", self.value], "trainer": ["hpc-ddp train", self.value]}
+        return " ".join(head[self.kind] + list(self.args))
+
+
+@dataclasses.dataclass(frozen=True)
+class JobSpec:
+    target: Target
+    job_name: str
+    workdir: str
+    python: str
+    nodes: int = 1
+    gpus: int = 0
+    tasks_per_node: int = 1
+    cpus_per_task: int | None = None
+    mem: str | None = None
+    time: int | None = None
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    constraint: str | None = None
+    executor: str | None = None
+    run_dir: str | None = None
+    sbatch_args: tuple[str, ...] = ()
+    gpu_request: str = "gpus-per-node"
+    gpu_bind: str = "rank"
+    setup: tuple[str, ...] = ()
+    scratch: str | None = None
+    template: str | None = None
+    signal: str = "USR2"
+    signal_lead: int = 120
+    max_requeues: int = 10
+    pass_local_rank: bool = False
+    epochs: int | None = None
+    lr: float | None = None
+    batch_size: int | None = None
+    profile: str | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.tasks_per_node
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "JobSpec":
+        fields = dict(data)
+        t = fields.pop("target")
+        fields["target"] = Target(t["kind"], t["value"], tuple(t["args"]))
+        for key in ("sbatch_args", "setup"):
+            fields[key] = tuple(fields[key])
+        return cls(**fields)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layer:
+    """One source of values, e.g. `Layer("job file jobs/a.toml", {...})`. `origin` prefixes messages."""
+
+    origin: str
+    values: Mapping[str, Any]
+    allowed: frozenset[str] | None = None  # None: every spec key
+
+
+# ---- value parsers: raw (str from a flag, or a TOML value) -> typed; raise SpecError(reason) ----
+
+def _count(minimum: int) -> Callable[[Any], int]:
+    def parse(raw: Any) -> int:
+        if isinstance(raw, bool):
+            raise ValueError("expected a whole number")
+        try:
+            value = int(str(raw).strip())
+        except ValueError:
+            raise ValueError(f"{raw!r} is not a whole number") from None
+        if value < minimum:
+            raise ValueError(f"{value} is below the minimum of {minimum}")
+        return value
+    return parse
+
+
+def _positive_float(raw: Any) -> float:
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        raise ValueError(f"{raw!r} is not a number") from None
+    if not value > 0:
+        raise ValueError(f"{value} must be greater than 0")
+    return value
+
+
+def _choice(options: Sequence[str]) -> Callable[[Any], str]:
+    def parse(raw: Any) -> str:
+        value = str(raw).strip().lower()
+        if value not in options:
+            raise ValueError(f"{raw!r} is not one of {', '.join(options)}")
+        return value
+    return parse
+
+
+def _bool(raw: Any) -> bool:
+    if isinstance(raw, bool):
+        return raw
+    text = str(raw).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{raw!r} is not true or false")
+
+
+def directive_safe(value: str) -> str:
+    """A value that can sit inside an `#SBATCH` line without ending it or starting a comment."""
+    if any(ord(c) < 32 or ord(c) == 127 for c in value):
+        raise ValueError("contains a control character (newline, NUL, ...), which would end the #SBATCH line")
+    for bad, why in (("#", "starts a comment in an #SBATCH line"), ('"', "is a quote"), ("'", "is a quote"),
+                     ("\\", "is an escape character")):
+        if bad in value:
+            raise ValueError(f"contains {bad!r}, which {why}")
+    if not value.strip():
+        raise ValueError("is empty")
+    return value
+
+
+def _name(raw: Any) -> str:
+    value = directive_safe(str(raw))
+    if value != value.strip():
+        raise ValueError("has leading or trailing spaces")
+    return value
+
+
+def _token(raw: Any) -> str:
+    value = _name(raw)
+    if any(c.isspace() for c in value):
+        raise ValueError("contains whitespace")
+    return value
+
+
+def _mem(raw: Any) -> str:
+    value = str(raw).strip()
+    if not re.fullmatch(r"\d+[KMGT]?", value, re.IGNORECASE):
+        raise ValueError(f"{value!r} is not a Slurm memory size (e.g. 32G, 4000M, 0 for all of a node's memory)")
+    return value.upper()
+
+
+def _time(raw: Any) -> int | None:
+    return parse_time(raw)
+
+
+def _signal(raw: Any) -> str:
+    value = str(raw).strip().upper().removeprefix("SIG")
+    if value not in SIGNALS:
+        raise ValueError(f"{raw!r} is not one of {', '.join(SIGNALS)}")
+    return value
+
+
+def _lines(raw: Any) -> tuple[str, ...]:
+    items = [raw] if isinstance(raw, str) else list(raw)
+    if any(not isinstance(x, str) for x in items):
+        raise ValueError("expected a list of strings")
+    if any("\0" in x for x in items):
+        raise ValueError("contains a NUL character")
+    return tuple(items)
+
+
+def _string(raw: Any) -> str:
+    if not isinstance(raw, str) or not raw.strip() or "\0" in raw:
+        raise ValueError(f"{raw!r} is not a usable string")
+    return raw
+
+
+def _args(raw: Any) -> tuple[str, ...]:
+    return _lines(raw)
+
+
+# sbatch options we set ourselves: giving them again through --sbatch-arg would fight the template.
+_MANAGED = {
+    "nodes": "--nodes", "ntasks-per-node": "--tasks-per-node", "ntasks": "--nodes and --tasks-per-node",
+    "gpus-per-node": "--gpus", "gres": "--gpus (and gpu_request = \"gres\" in the profile)",
+    "cpus-per-task": "--cpus-per-task", "mem": "--mem", "time": "--time", "partition": "--partition",
+    "account": "--account", "qos": "--qos", "constraint": "--constraint", "job-name": "--job-name",
+    "output": "--run-dir (logs go under it)", "error": "--run-dir (logs go under it)",
+    "open-mode": "nothing (the template appends)", "requeue": "nothing (the template requeues)",
+    "no-requeue": "max_requeues = 0", "signal": "signal / signal_lead in the job file",
+    "chdir": "nothing (the script changes to the submit directory itself)", "wrap": "a TARGET script",
+}
+# Other sbatch long options, so a typo is caught here and not after hours in the queue.
+_SBATCH_OPTIONS = {
+    "array", "begin", "comment", "contiguous", "core-spec", "cores-per-socket", "cpu-freq", "deadline",
+    "delay-boot", "dependency", "distribution", "exclude", "exclusive", "export", "get-user-env",
+    "gid", "gpu-bind", "gpu-freq", "gpus", "gpus-per-socket", "gpus-per-task", "hint", "hold",
+    "kill-on-invalid-dep", "licenses", "mail-type", "mail-user", "mcs-label", "mem-bind", "mem-per-cpu",
+    "mem-per-gpu", "mincpus", "network", "nice", "no-kill", "nodefile", "nodelist", "ntasks-per-core",
+    "ntasks-per-gpu", "ntasks-per-socket", "overcommit", "oversubscribe", "power", "priority", "profile",
+    "propagate", "reservation", "sockets-per-node", "spread-job", "switches", "thread-spec",
+    "threads-per-core", "time-min", "tmp", "uid", "use-min-nodes", "wait-all-nodes", "wckey",
+    "cluster-constraint", "clusters", "cpus-per-gpu", "extra-node-info", "mem-per-gpu",
+}
+
+
+def _sbatch_arg(raw: str) -> str:
+    value = str(raw).strip()
+    m = re.fullmatch(r"--([a-z][a-z0-9-]*)(?:=(.*))?", value, re.DOTALL)
+    if not m:
+        raise ValueError(f"{raw!r} is not of the form --option or --option=value (use the long form)")
+    name, arg = m.group(1), m.group(2)
+    if name in _MANAGED:
+        raise ValueError(f"--{name} is set by hpc-ddp; use {_MANAGED[name]} instead")
+    if name not in _SBATCH_OPTIONS:
+        close = difflib.get_close_matches(name, sorted(_SBATCH_OPTIONS | set(_MANAGED)), n=1)
+        raise ValueError(f"--{name} is not an sbatch option" + (f" (did you mean --{close[0]}?)" if close else ""))
+    if arg is not None:
+        directive_safe(arg)
+        if any(c.isspace() for c in arg):
+            raise ValueError("the value contains whitespace")
+    return value
+
+
+def _sbatch_args(raw: Any) -> tuple[str, ...]:
+    return tuple(_sbatch_arg(x) for x in _lines(raw))
+
+
+PARSERS: dict[str, Callable[[Any], Any]] = {
+    "nodes": _count(1), "gpus": _count(0), "tasks_per_node": _count(1), "cpus_per_task": _count(1),
+    "mem": _mem, "time": _time, "partition": _token, "account": _token, "qos": _token,
+    "constraint": _token, "job_name": _name, "executor": _choice(EXECUTORS), "run_dir": _string,
+    "sbatch_args": _sbatch_args, "gpu_request": _choice(GPU_REQUESTS), "gpu_bind": _choice(GPU_BINDS),
+    "setup": _lines, "scratch": _string, "template": _string, "signal": _signal,
+    "signal_lead": _count(10), "max_requeues": _count(0), "pass_local_rank": _bool,
+    "epochs": _count(1), "lr": _positive_float, "batch_size": _count(1), "python": _string,
+    "profile": _token, "script": _string, "module": _string, "args": _args,
+}
+SPEC_KEYS = frozenset(PARSERS)
+PROFILE_KEYS = SPEC_KEYS - {"script", "module", "args", "profile", "job_name", "run_dir", "pass_local_rank"}
+
+
+def _check_keys(layer: Layer) -> None:
+    allowed = layer.allowed if layer.allowed is not None else SPEC_KEYS
+    for key in layer.values:
+        if key not in allowed:
+            close = difflib.get_close_matches(key, sorted(allowed), n=1)
+            hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(sorted(allowed))}"
+            raise SpecError(f"{layer.origin}: unknown key {key!r}", hint=hint)
+
+
+def merge(layers: Sequence[Layer]) -> dict[str, tuple[Any, str]]:
+    """Lowest precedence first. Returns key -> (parsed value, origin of the value)."""
+    merged: dict[str, tuple[Any, str]] = {}
+    for layer in layers:
+        _check_keys(layer)
+        for key, raw in layer.values.items():
+            if raw is None:
+                continue
+            try:
+                merged[key] = (PARSERS[key](raw), layer.origin)
+            except SpecError as exc:
+                raise SpecError(f"{layer.origin}: {key}: {exc.message}", hint=exc.hint) from None
+            except ValueError as exc:
+                raise SpecError(f"{layer.origin}: {key}: {exc}") from None
+    return merged
+
+
+def build_spec(layers: Sequence[Layer], *, target: Target, workdir: str, python: str) -> JobSpec:
+    """Merge `layers` (lowest precedence first) and check the whole: the only way to make a JobSpec."""
+    merged = merge(layers)
+    values = {key: value for key, (value, _) in merged.items() if key not in TARGET_KEYS}
+    gpus = values.get("gpus", 0)
+    values.setdefault("tasks_per_node", gpus or 1)
+    values.setdefault("job_name", _default_job_name(target))
+    _check_whole(values, merged, target)
+    return JobSpec(target=target, workdir=workdir, python=values.pop("python", python), **values)
+
+
+def _default_job_name(target: Target) -> str:
+    stem = PurePosixPath(target.value).stem if target.kind != "module" else target.value.rsplit(".", 1)[-1]
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", stem).strip("_") or "job"
+    return name[:64]
+
+
+def _check_whole(values: dict[str, Any], merged: dict[str, tuple[Any, str]], target: Target) -> None:
+    gpus, tasks = values.get("gpus", 0), values["tasks_per_node"]
+    where = merged.get("tasks_per_node", (None, "default"))[1]
+    if gpus and (tasks > gpus or gpus % tasks):
+        raise SpecError(
+            f"{where}: {tasks} tasks per node do not fit {gpus} GPUs per node",
+            hint=f"use --tasks-per-node {gpus} (one task per GPU) or a divisor of {gpus}",
+        )
+    if values.get("pass_local_rank") and target.kind == "trainer":
+        raise SpecError("--pass-local-rank applies to your own scripts, not to the built-in trainer")
+    if values.get("template") and values.get("executor") == "submitit":
+        raise SpecError("a custom sbatch template cannot be used with the submitit executor",
+                        hint="use --executor sbatch, or drop the template")

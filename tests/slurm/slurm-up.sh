@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# Start a small real Slurm on this one machine, as root: munge, slurmctld and two slurmd nodes
+# (hpcn1, hpcn2) with 2 fake GPUs each declared through GRES, so --gpus-per-node is really scheduled
+# and srun sets CUDA_VISIBLE_DEVICES per task. Idempotent: a second call restarts the daemons.
+# The last line printed is the `export SLURM_CONF=...` line that points sbatch/srun/squeue at it.
+set -euo pipefail
+
+ROOT=${HPC_DDP_SLURM_ROOT:-/var/tmp/hpc-ddp-slurm}
+NODES=(hpcn1 hpcn2)
+ADDRS=(127.0.1.11 127.0.1.12)
+GPUS_PER_NODE=2
+CPUS_PER_NODE=4
+here=$(cd "$(dirname "$0")" && pwd)
+
+log() { printf 'slurm-up: %s\n' "$*" >&2; }
+
+install_packages() {
+    if command -v slurmctld >/dev/null && command -v munged >/dev/null && command -v sbatch >/dev/null; then
+        return
+    fi
+    log "installing slurm-wlm and munge (apt-get)"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq slurm-wlm munge >/dev/null
+}
+
+ensure_hosts() {
+    local i
+    for i in "${!NODES[@]}"; do
+        grep -qE "^${ADDRS[$i]}[[:space:]]+${NODES[$i]}\b" /etc/hosts \
+            || printf '%s %s\n' "${ADDRS[$i]}" "${NODES[$i]}" >> /etc/hosts
+    done
+}
+
+start_munge() {
+    mkdir -p /run/munge /var/log/munge /var/lib/munge /etc/munge
+    [ -s /etc/munge/munge.key ] || dd if=/dev/urandom of=/etc/munge/munge.key bs=1024 count=1 status=none
+    chown -R munge:munge /run/munge /var/log/munge /var/lib/munge /etc/munge
+    chmod 0700 /etc/munge /var/log/munge /var/lib/munge
+    chmod 0400 /etc/munge/munge.key
+    chmod 0755 /run/munge
+    if ! munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then
+        runuser -u munge -- munged --force
+        sleep 0.5
+    fi
+}
+
+make_fake_gpus() {
+    local n g dev
+    for n in "${NODES[@]}"; do
+        for ((g = 0; g < GPUS_PER_NODE; g++)); do
+            dev=/dev/hpcddp_${n}_gpu$g
+            [ -c "$dev" ] || mknod -m 666 "$dev" c 1 3   # same major/minor as /dev/null
+        done
+    done
+}
+
+write_config() {
+    mkdir -p "$ROOT"/{state,log,spool}
+    local gpu_range="[0-$((GPUS_PER_NODE - 1))]"
+    {
+        cat "$here/slurm.conf.in"
+        local i
+        for i in "${!NODES[@]}"; do
+            printf 'NodeName=%s NodeAddr=%s Port=%d CPUs=%d RealMemory=4000 Gres=gpu:%d State=UNKNOWN\n' \
+                "${NODES[$i]}" "${ADDRS[$i]}" $((6830 + i)) "$CPUS_PER_NODE" "$GPUS_PER_NODE"
+        done
+        printf 'PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP\n'
+        printf 'PartitionName=short Nodes=ALL MaxTime=00:10:00 State=UP\n'
+    } | sed "s|@ROOT@|$ROOT|g" > "$ROOT/slurm.conf"
+    : > "$ROOT/gres.conf"
+    for n in "${NODES[@]}"; do
+        printf 'NodeName=%s Name=gpu File=/dev/hpcddp_%s_gpu%s\n' "$n" "$n" "$gpu_range" >> "$ROOT/gres.conf"
+    done
+    printf 'AutoDetect=off\n' | cat - "$ROOT/gres.conf" > "$ROOT/gres.conf.tmp" && mv "$ROOT/gres.conf.tmp" "$ROOT/gres.conf"
+    printf 'ConstrainDevices=no\n' > "$ROOT/cgroup.conf"
+}
+
+stop_daemons() {
+    pkill -x slurmctld 2>/dev/null || true
+    pkill -x slurmd 2>/dev/null || true
+    for _ in $(seq 50); do
+        pgrep -x slurmctld >/dev/null || pgrep -x slurmd >/dev/null || return 0
+        sleep 0.1
+    done
+    pkill -9 -x slurmctld 2>/dev/null || true
+    pkill -9 -x slurmd 2>/dev/null || true
+}
+
+start_daemons() {
+    export SLURM_CONF=$ROOT/slurm.conf
+    slurmctld -c -L "$ROOT/log/slurmctld.log"   # -c: clean start, no jobs left from an earlier run
+    local n
+    for n in "${NODES[@]}"; do
+        mkdir -p "$ROOT/spool/$n"
+        slurmd -N "$n" -L "$ROOT/log/slurmd-$n.log"
+    done
+}
+
+wait_until_idle() {
+    local i
+    for i in $(seq 100); do
+        if [ "$(sinfo -h -p debug -t idle -o '%D' 2>/dev/null | head -1)" = "${#NODES[@]}" ]; then
+            return 0
+        fi
+        # Nodes may come up DOWN/"unexpectedly rebooted" after a restart; resume them.
+        scontrol update NodeName="$(IFS=,; echo "${NODES[*]}")" State=RESUME >/dev/null 2>&1 || true
+        sleep 0.3
+    done
+    log "nodes did not become idle; see $ROOT/log"
+    sinfo >&2 || true
+    return 1
+}
+
+install_packages
+ensure_hosts
+start_munge
+make_fake_gpus
+stop_daemons
+write_config
+start_daemons
+wait_until_idle
+sinfo -o '%P %a %l %D %t %N %G' >&2
+echo "export SLURM_CONF=$ROOT/slurm.conf"
