@@ -128,10 +128,15 @@ def _wait_all(procs: list[subprocess.Popen]) -> int:
     """Wait for every rank; when one fails, stop the rest (SIGTERM, then SIGKILL after a grace period)."""
     first_failure = 0
     try:
-        while any(p.poll() is None for p in procs):
-            failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
+        while True:
+            codes = [p.poll() for p in procs]  # poll every rank: any() would stop at the first live one
+            if all(code is not None for code in codes):
+                break
+            failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
             if failed and not first_failure:
-                first_failure = failed[0]
+                rank, first_failure = failed[0]
+                print(f"hpc-ddp: rank {rank} exited with code {first_failure}; stopping the other ranks",
+                      file=sys.stderr, flush=True)
                 _stop(procs)
             time.sleep(0.05)
     except KeyboardInterrupt:

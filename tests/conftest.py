@@ -1,0 +1,35 @@
+"""Shared fixtures. Paths with spaces, quotes and `;` catch quoting bugs (as submitit's tests do)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+PYTHON = sys.executable
+
+
+@pytest.fixture
+def weird_dir(tmp_path: Path) -> Path:
+    path = tmp_path / "it's a \"weird\" dir; $(echo no) `x`"
+    path.mkdir()
+    return path
+
+
+@pytest.fixture
+def slurm_conf() -> str:
+    """The test Slurm (make slurm-up). `make test` always brings it up, so there these never skip."""
+    conf = os.environ.get("SLURM_CONF")
+    if not conf or not Path(conf).exists() or not shutil.which("sbatch"):
+        pytest.skip("the test Slurm is not up here (run `make slurm-up` or `make test`)")
+    return conf
+
+
+def write_script(directory: Path, name: str, text: str) -> Path:
+    path = directory / name
+    path.write_text(text)
+    return path

@@ -1,0 +1,64 @@
+"""Helpers for end-to-end tests: run the real CLI, wait for Slurm jobs, read what the ranks recorded."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PROBE = Path(__file__).parent / "allreduce_probe.py"
+
+
+def hpc_ddp(*args: str, cwd: Path, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hpc_ddp", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def copy_probe(directory: Path) -> Path:
+    target = directory / "allreduce_probe.py"
+    shutil.copy(PROBE, target)
+    return target
+
+
+def wait_for_job(job_id: str, timeout: float = 180) -> str:
+    """Poll until the job leaves the queue; return its final state from scontrol (MinJobAge keeps it)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        info = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True).stdout
+        state = re.search(r"JobState=(\S+)", info)
+        if state and state.group(1) not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED"):
+            return state.group(1)
+        time.sleep(0.5)
+    subprocess.run(["scancel", job_id])
+    raise AssertionError(f"job {job_id} did not finish within {timeout} s")
+
+
+def read_probe(run_dir: Path) -> list[dict]:
+    files = sorted((run_dir / "probe").glob("rank-*.json"))
+    return sorted((json.loads(f.read_text()) for f in files), key=lambda r: r["rank"])
+
+
+def check_probe(seen: list[dict], *, nodes: int, tasks: int, master: str, node_names: list[str] | None) -> None:
+    world = nodes * tasks
+    assert [r["rank"] for r in seen] == list(range(world))
+    ports = {r["MASTER_PORT"] for r in seen}
+    assert len(ports) == 1, ports
+    gpus_seen = set()
+    for r in seen:
+        rank = r["rank"]
+        assert r["world_size"] == world and r["WORLD_SIZE"] == str(world)
+        assert r["all_reduce"] == sum(range(world))
+        assert r["LOCAL_RANK"] == str(rank % tasks) and r["NODE_RANK"] == str(rank // tasks)
+        assert r["LOCAL_WORLD_SIZE"] == str(tasks) and r["MASTER_ADDR"] == master
+        if node_names:
+            assert r["SLURMD_NODENAME"] == node_names[rank // tasks]
+        # Exactly one GPU per rank: its own, by local rank, on its own node.
+        assert r["CUDA_VISIBLE_DEVICES"] == str(rank % tasks), r
+        gpus_seen.add((r["NODE_RANK"], r["CUDA_VISIBLE_DEVICES"]))
+        assert r["BACKEND"] == "gloo"
+    assert len(gpus_seen) == world

@@ -1,0 +1,42 @@
+"""Real DDP (gloo, CPU) on the test Slurm: 2 nodes x 2 fake GPUs, via sbatch and via submitit."""
+
+import json
+
+import pytest
+
+from .helpers import check_probe, copy_probe, hpc_ddp, read_probe, wait_for_job
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slurm]
+
+
+@pytest.mark.parametrize("executor", ["sbatch", "submitit"])
+def test_two_nodes_two_gpus(slurm_conf, tmp_path, executor):
+    copy_probe(tmp_path)
+    done = hpc_ddp("submit", "--executor", executor, "--nodes", "2", "--gpus", "2", "--run-dir", "run", "--json",
+                   "allreduce_probe.py", "--", "--lr", "0.1", cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads(done.stdout[done.stdout.index("{"):])
+    state = wait_for_job(result["job_id"])
+    run_dir = tmp_path / "run"
+    logs = "\n".join(p.read_text() for p in run_dir.rglob("*.log")) + "\n".join(
+        p.read_text() for p in run_dir.rglob("*.out"))
+    assert state == "COMPLETED", logs
+    seen = read_probe(run_dir)
+    check_probe(seen, nodes=2, tasks=2, master="hpcn1", node_names=["hpcn1", "hpcn2"])
+    assert all(r["argv"] == ["--lr", "0.1"] for r in seen)
+    assert all(r["HPC_DDP_JOB_ID"] == result["job_id"] and r["HPC_DDP_HOSTS"] == "hpcn1,hpcn2" for r in seen)
+    rank_logs = sorted(run_dir.glob(f"logs/job-{result['job_id']}/attempt-0/rank-*.log"))
+    assert len(rank_logs) == 4
+
+
+def test_sbatch_script_resubmits_from_its_header(slurm_conf, tmp_path):
+    """The header says `cd RUN_DIR && sbatch job.sbatch`; doing exactly that runs the job again."""
+    import subprocess
+
+    copy_probe(tmp_path)
+    done = hpc_ddp("render", "--nodes", "2", "--gpus", "1", "--run-dir", "run", "allreduce_probe.py", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    run_dir = tmp_path / "run"
+    sub = subprocess.run(["sbatch", "--parsable", "job.sbatch"], cwd=run_dir, capture_output=True, text=True)
+    assert wait_for_job(sub.stdout.strip().split(";")[0]) == "COMPLETED"
+    assert len(read_probe(run_dir)) == 2
