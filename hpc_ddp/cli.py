@@ -115,7 +115,7 @@ def _build(params: dict) -> JobSpec:
     if profile:
         layers.insert(0, profile_layer(str(profile), profiles_path(os.environ)))
         flags.setdefault("profile", profile)
-    layers.append(Layer("command line", {f"{k}": v for k, v in flags.items()}))
+    layers.append(Layer("command line", flags, is_cli=True))
     return build_spec(layers, target=target, workdir=str(cwd), python=sys.executable)
 
 

@@ -96,6 +96,10 @@ class Layer:
     origin: str
     values: Mapping[str, Any]
     allowed: frozenset[str] | None = None  # None: every spec key
+    is_cli: bool = False  # name values as flags (--tasks-per-node) rather than keys (tasks_per_node)
+
+    def where(self, key: str) -> str:
+        return f"--{key.replace('_', '-')}" if self.is_cli else f"{self.origin}: {key}"
 
 
 # ---- value parsers: raw (str from a flag, or a TOML value) -> typed; raise SpecError(reason) ----
@@ -289,9 +293,10 @@ def merge(layers: Sequence[Layer]) -> dict[str, tuple[Any, str]]:
             try:
                 merged[key] = (PARSERS[key](raw), layer.origin)
             except SpecError as exc:
-                raise SpecError(f"{layer.origin}: {key}: {exc.message}", hint=exc.hint) from None
+                raise SpecError(f"{layer.where(key)}: {exc.message}", hint=exc.hint) from None
             except ValueError as exc:
-                raise SpecError(f"{layer.origin}: {key}: {exc}") from None
+                raise SpecError(f"{layer.where(key)}: {exc}") from None
+            merged[key] = (merged[key][0], layer.where(key))
     return merged
 
 
@@ -314,10 +319,9 @@ def _default_job_name(target: Target) -> str:
 
 def _check_whole(values: dict[str, Any], merged: dict[str, tuple[Any, str]], target: Target) -> None:
     gpus, tasks = values.get("gpus", 0), values["tasks_per_node"]
-    where = merged.get("tasks_per_node", (None, "default"))[1]
     if gpus and (tasks > gpus or gpus % tasks):
         raise SpecError(
-            f"{where}: {tasks} tasks per node do not fit {gpus} GPUs per node",
+            f"{tasks} tasks per node do not fit {gpus} GPUs per node",
             hint=f"use --tasks-per-node {gpus} (one task per GPU) or a divisor of {gpus}",
         )
     if values.get("pass_local_rank") and target.kind == "trainer":

@@ -125,13 +125,13 @@ def test_sbatch_executor_with_fake_commands(tmp_path):
 # ---- bad input: each is refused before submission, exit 2, one line, no traceback ----
 
 BAD = [
-    (["--nodes", "0"], "nodes: 0 is below the minimum of 1"),
+    (["--nodes", "0"], "--nodes: 0 is below the minimum of 1"),
     (["--nodes", "-1"], "below the minimum"),
     (["--nodes", "x"], "not a whole number"),
-    (["--gpus", "-2"], "gpus: -2 is below the minimum of 0"),
-    (["--tasks-per-node", "0"], "tasks_per_node"),
+    (["--gpus", "-2"], "--gpus: -2 is below the minimum of 0"),
+    (["--tasks-per-node", "0"], "--tasks-per-node: 0 is below"),
     (["--gpus", "4", "--tasks-per-node", "3"], "do not fit"),
-    (["--cpus-per-task", "0"], "cpus_per_task"),
+    (["--cpus-per-task", "0"], "--cpus-per-task: 0 is below"),
     (["--time", "1:2:3:4"], "not a Slurm time"),
     (["--time", "soon"], "not a Slurm time"),
     (["--mem", "1.5G"], "memory size"),

@@ -64,10 +64,15 @@ def test_spec_is_frozen_and_round_trips():
 ])
 def test_bad_values_name_key_and_origin(key, value, message):
     with pytest.raises(SpecError) as info:
-        build(Layer("command line", {key: value}))
+        build(Layer("command line", {key: value}, is_cli=True))
     assert message in str(info.value)
-    assert str(info.value).startswith(f"command line: {key}:")
+    assert str(info.value).startswith(f"--{key.replace('_', '-')}:")
     assert "\n" not in str(info.value).replace("\\n", "")
+
+
+def test_file_values_are_named_by_file_and_key():
+    with pytest.raises(SpecError, match=r"^job file 'j.toml': nodes: 0 is below"):
+        build(Layer("job file 'j.toml'", {"nodes": 0}))
 
 
 def test_unknown_key_suggests_the_close_one():
