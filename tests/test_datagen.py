@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from PIL import Image
 
 from hpc_ddp import datagen
 from hpc_ddp.errors import UserError
@@ -80,7 +81,6 @@ def test_imagefolder_loads_with_torchvision(tmp_path, channels, mode):
         assert len(ds) == 4 * per_class
         assert sorted(ds.targets) == sorted(list(range(4)) * per_class)  # balanced
         path, _ = ds.samples[0]
-        from PIL import Image
         with Image.open(path) as png:
             assert (png.size, png.mode) == ((16, 16), mode)
         image, _ = ds[0]
@@ -127,8 +127,10 @@ def test_cifar10_pickles_read_like_the_real_files(tmp_path):
     assert set(batch) == {b"batch_label", b"labels", b"data", b"filenames"}
     assert batch[b"data"].dtype == np.uint8 and batch[b"data"].shape == (11, 3072)
     assert batch[b"batch_label"] == b"training batch 1 of 5" and len(batch[b"labels"]) == 11
-    sizes = [len(pickle.load(open(folder / f"data_batch_{i}", "rb"), encoding="latin1")["labels"])
-             for i in range(1, 6)]
+    sizes = []
+    for i in range(1, 6):
+        with open(folder / f"data_batch_{i}", "rb") as f:
+            sizes.append(len(pickle.load(f, encoding="latin1")["labels"]))
     assert sizes == [11, 11, 11, 10, 10]
     with open(folder / "batches.meta", "rb") as f:
         assert pickle.load(f, encoding="bytes")[b"label_names"][0] == b"airplane"
