@@ -104,8 +104,9 @@ def _build(params: dict) -> JobSpec:
     flags = {k: v for k, v in params.items() if k not in _NOT_SPEC and v not in (None, ())}
     layers: list[Layer] = []
     if head and is_job_file(head):
-        job_layer = job_file_layer((cwd / head).resolve())
-        target = _job_target(job_layer, tuple(args), cwd)
+        job_path = (cwd / head).resolve()
+        job_layer = job_file_layer(job_path)
+        target = _job_target(job_layer, job_path, tuple(args), cwd)
         job_values = {k: v for k, v in job_layer.values.items() if k not in ("script", "module", "args")}
         layers.append(Layer(job_layer.origin, job_values, job_layer.allowed))
     else:
@@ -119,15 +120,17 @@ def _build(params: dict) -> JobSpec:
     return build_spec(layers, target=target, workdir=str(cwd), python=sys.executable)
 
 
-def _job_target(layer: Layer, extra_args: tuple[str, ...], cwd: Path) -> Target:
+def _job_target(layer: Layer, job_path: Path, extra_args: tuple[str, ...], cwd: Path) -> Target:
     values = layer.values
-    args = tuple(values.get("args", ())) + extra_args
     if not isinstance(values.get("args", []), list):
         raise SpecError(f"{layer.origin}: args must be a list of strings")
+    args = tuple(values.get("args", ())) + extra_args
     if values.get("script") or values.get("module"):
         return resolve_target(values.get("script"), values.get("module"), args, cwd)
+    if "train" in values:
+        return Target("trainer", str(job_path), args)
     raise SpecError(f"{layer.origin} names nothing to run",
-                    hint="add script = \"train.py\" or module = \"pkg.train\" to it")
+                    hint="add script = \"train.py\", module = \"pkg.train\" or a [train] table to it")
 
 
 def _run_dir(spec: JobSpec, now: _dt.datetime) -> str:
@@ -175,6 +178,8 @@ def submit(**params) -> None:
     elif sub.executor == "local":
         click.echo(f"hpc-ddp: local job {sub.job_id} {sub.state.lower()} (exit code {sub.returncode}); "
                    f"run dir {sub.run_dir}", err=True)
+        if sub.state == "CHECKPOINTED":
+            click.echo("hpc-ddp: submit it again with the same --run-dir to resume", err=True)
     else:
         click.echo(f"Submitted job {sub.job_id} ({sub.executor}); run dir {sub.run_dir}")
     if sub.returncode:
@@ -210,6 +215,83 @@ def env_cmd(as_json: bool) -> None:
         return
     for key, value in dist.to_json().items():
         click.echo(f"{key:17} {','.join(value) if isinstance(value, list) else value}")
+
+
+@cli.command(context_settings={"allow_interspersed_args": False})
+@click.argument("job_file", type=click.Path(dir_okay=False))
+@click.option("--run-dir", help="Where checkpoints, metrics and events go [default: ./runs/JOB_NAME].")
+@click.option("--epochs")
+@click.option("--lr")
+@click.option("--batch-size")
+def train(job_file: str, **flags) -> None:
+    """Run the built-in trainer for JOB_FILE in this process: alone, under torchrun, or in an srun step.
+
+    Every rank of one run must use the same --run-dir (the default has no timestamp for that reason):
+    a rerun with the same run dir resumes from its newest valid checkpoint.
+    """
+
+    params = {"argv": (job_file,), "module": None, **{k: v for k, v in flags.items() if k != "run_dir"}}
+    spec = _build(params)
+    if spec.target.kind != "trainer":
+        raise SpecError(f"{job_file} runs {spec.target.describe()}, not the built-in trainer",
+                        hint="use `hpc-ddp submit` for your own scripts")
+    run_dir = Path(flags["run_dir"] or spec.run_dir or Path(spec.workdir) / "runs" / spec.job_name).resolve()
+    dist_env = from_environ(os.environ, pid=os.getpid())
+    if dist_env.rank == 0:
+        _write_spec(spec, run_dir)
+    from . import train as trainer
+
+    sys.exit(trainer.run(spec, run_dir, dist_env))
+
+
+def _write_spec(spec: JobSpec, run_dir: Path) -> None:
+    from .executors.base import Plan, write_run_dir
+
+    write_run_dir(Plan("direct", spec, str(run_dir), None, ""))
+
+
+@cli.command()
+@click.argument("checkpoint", type=click.Path(exists=True))
+@click.option("--json", "as_json", is_flag=True)
+def inspect(checkpoint: str, as_json: bool) -> None:
+    """Verify a checkpoint (a step-N dir, a checkpoints dir or a run dir) and show step, epoch, model hash."""
+    from .checkpoint import inspect_checkpoint
+
+    info = inspect_checkpoint(Path(checkpoint))
+    if as_json:
+        click.echo(json.dumps(info, indent=2))
+        return
+    for key in ("path", "step", "epoch", "batch_in_epoch", "model_sha256", "verified"):
+        click.echo(f"{key:15} {info[key]}")
+    for name, meta in info["files"].items():
+        click.echo(f"  {name:20} {meta['size']:>12,} bytes  sha256 {meta['sha256'][:16]}...")
+
+
+@cli.command("make-dataset")
+@click.argument("kind", type=click.Choice(["mnist", "imagefolder", "cifar10"]))
+@click.argument("root", type=click.Path(file_okay=False))
+@click.option("--train", "n_train", type=int, help="Training samples (imagefolder: per class).")
+@click.option("--test", "n_test", type=int, help="Test/validation samples (imagefolder: per class).")
+@click.option("--seed", type=int, default=0, show_default=True)
+def make_dataset(kind: str, root: str, n_train: int | None, n_test: int | None, seed: int) -> None:
+    """Write a small learnable dataset in a real format (MNIST IDX, ImageFolder PNGs, CIFAR-10 batches)."""
+    from .datagen import GENERATORS
+
+    sizes = {"imagefolder": ("per_class_train", "per_class_val")}.get(kind, ("train", "test"))
+    kwargs = {name: value for name, value in zip(sizes, (n_train, n_test)) if value is not None}
+    path = GENERATORS[kind](root, seed=seed, **kwargs)
+    click.echo(f"Wrote a {kind} dataset to {path}")
+
+
+@cli.command()
+@click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("-o", "--output", help="PNG to write [default: RUN_DIR/training.png].")
+def plot(run_dir: str, output: str | None) -> None:
+    """Plot loss and accuracy over steps, with every stop and resume marked."""
+    from .plot import plot_run
+
+    path = plot_run(Path(run_dir), Path(output) if output else None)
+    click.echo(f"Wrote {path}")
 
 
 def main() -> None:

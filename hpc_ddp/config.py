@@ -62,6 +62,8 @@ def profile_layer(name: str, path: Path) -> Layer:
 
 def job_file_layer(path: Path) -> Layer:
     data = read_toml(path, "job file")
+    if isinstance(data.get("train"), dict):
+        data["train"] = _resolve_paths(data["train"], path.parent, ("data_dir",))
     return Layer(f"job file {str(path)!r}", _resolve_paths(data, path.parent, ("script", "template")),
                  allowed=frozenset(SPEC_KEYS))
 

@@ -82,14 +82,14 @@ def rank_environment(spec: JobSpec, dist: DistEnv, env: Mapping[str, str], run_d
     return out
 
 
-def program_argv(spec: JobSpec, dist: DistEnv, python: str) -> list[str]:
+def program_argv(spec: JobSpec, dist: DistEnv, python: str, spec_path: str = "spec.json") -> list[str]:
     target = spec.target
     if target.kind == "script":
         argv = [python, target.value, *target.args]
     elif target.kind == "module":
         argv = [python, "-m", target.value, *target.args]
     else:
-        argv = [python, "-m", "hpc_ddp.trainer", target.value, *target.args]
+        argv = [python, "-m", "hpc_ddp.train", spec_path]
     if spec.pass_local_rank:
         argv.append(f"--local_rank={dist.local_rank}")
     return argv
@@ -114,7 +114,7 @@ def prepare(spec_path: str) -> tuple[list[str], dict[str, str]]:
     run_dir = str(Path(spec_path).resolve().parent)
     env = dict(os.environ)
     env.update(rank_environment(spec, dist, os.environ, run_dir, nvidia_driver=_nvidia_driver_loaded()))
-    return program_argv(spec, dist, sys.executable), env
+    return program_argv(spec, dist, sys.executable, str(Path(spec_path).resolve())), env
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 
 from .errors import SpecError
 from .slurmtime import parse_time
+from .trainconfig import TrainConfig, parse_train
 
 __all__ = ["JobSpec", "Target", "Layer", "build_spec", "SPEC_KEYS", "PROFILE_KEYS", "directive_safe"]
 
@@ -71,6 +72,7 @@ class JobSpec:
     lr: float | None = None
     batch_size: int | None = None
     profile: str | None = None
+    train: TrainConfig | None = None   # the built-in trainer's settings (job files with [train])
 
     @property
     def world_size(self) -> int:
@@ -86,6 +88,8 @@ class JobSpec:
         fields["target"] = Target(t["kind"], t["value"], tuple(t["args"]))
         for key in ("sbatch_args", "setup"):
             fields[key] = tuple(fields[key])
+        if fields.get("train") is not None:
+            fields["train"] = TrainConfig(**fields["train"])
         return cls(**fields)
 
 
@@ -267,10 +271,10 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "setup": _lines, "scratch": _string, "template": _string, "signal": _signal,
     "signal_lead": _count(10), "max_requeues": _count(0), "pass_local_rank": _bool,
     "epochs": _count(1), "lr": _positive_float, "batch_size": _count(1), "python": _string,
-    "profile": _token, "script": _string, "module": _string, "args": _args,
+    "profile": _token, "script": _string, "module": _string, "args": _args, "train": parse_train,
 }
 SPEC_KEYS = frozenset(PARSERS)
-PROFILE_KEYS = SPEC_KEYS - {"script", "module", "args", "profile", "job_name", "run_dir", "pass_local_rank"}
+PROFILE_KEYS = SPEC_KEYS - {"script", "module", "args", "profile", "job_name", "run_dir", "pass_local_rank", "train"}
 
 
 def _check_keys(layer: Layer) -> None:
@@ -308,7 +312,15 @@ def build_spec(layers: Sequence[Layer], *, target: Target, workdir: str, python:
     values.setdefault("tasks_per_node", gpus or 1)
     values.setdefault("job_name", _default_job_name(target))
     _check_whole(values, merged, target)
+    if target.kind == "trainer":
+        values["train"] = _trainer_overrides(values.get("train") or TrainConfig(), values)
     return JobSpec(target=target, workdir=workdir, python=values.pop("python", python), **values)
+
+
+def _trainer_overrides(train: TrainConfig, values: dict[str, Any]) -> TrainConfig:
+    """--epochs/--lr/--batch-size are the trainer's own settings when the trainer runs."""
+    changes = {key: values[key] for key in ("epochs", "lr", "batch_size") if values.get(key) is not None}
+    return dataclasses.replace(train, **changes)
 
 
 def _default_job_name(target: Target) -> str:
@@ -326,6 +338,9 @@ def _check_whole(values: dict[str, Any], merged: dict[str, tuple[Any, str]], tar
         )
     if values.get("pass_local_rank") and target.kind == "trainer":
         raise SpecError("--pass-local-rank applies to your own scripts, not to the built-in trainer")
+    if values.get("train") and target.kind != "trainer":
+        raise SpecError("a [train] table configures the built-in trainer, but this job runs "
+                        f"{target.describe()}", hint="remove script/module from the job file, or the [train] table")
     if values.get("template") and values.get("executor") == "submitit":
         raise SpecError("a custom sbatch template cannot be used with the submitit executor",
                         hint="use --executor sbatch, or drop the template")

@@ -1,8 +1,11 @@
-"""The local executor: N simulated nodes x T tasks as processes on this machine, for trying things out.
+"""The local executor: N simulated nodes x T tasks as processes on this machine, for trying things out
+and for rehearsing preemption.
 
-Each rank gets torchrun-style variables and runs the same per-rank runner as on Slurm. Like
-`srun --kill-on-bad-exit`, the first rank that fails stops the others. Output goes to the same per-rank
-log files as on Slurm and, prefixed by rank, to the terminal.
+Each rank gets torchrun-style variables and runs the same per-rank runner as on Slurm. It behaves like
+the batch script: the first rank that fails stops the others (srun --kill-on-bad-exit); signals sent to
+the executor (SIGUSR2, SIGTERM, ...) are forwarded to every rank (as Slurm signals every task); and when
+the ranks exit with the "checkpointed, requeue me" code, the job is started again, up to max_requeues.
+Output goes to the same per-rank log files as on Slurm and, prefixed by rank, to the terminal.
 """
 
 from __future__ import annotations
@@ -18,11 +21,14 @@ import time
 from pathlib import Path
 
 from ..distenv import port_for_job
+from ..exitcodes import REQUEUE_EXIT_CODE
 from ..render import runner_command
 from ..spec import JobSpec
 from .base import Plan, Submission, record_submission, write_run_dir
 
 _GRACE_S = 10
+PID_FILE = "local.pid"
+_FORWARDED = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGHUP)
 
 
 def simulated_gpus(node: int, gpus: int, physical: int) -> str:
@@ -33,7 +39,7 @@ def simulated_gpus(node: int, gpus: int, physical: int) -> str:
     return ",".join(str(j) for j in range(gpus))
 
 
-def rank_envs(spec: JobSpec, job_id: str, port: int, physical_gpus: int) -> list[dict[str, str]]:
+def rank_envs(spec: JobSpec, job_id: str, port: int, physical_gpus: int, attempt: int = 0) -> list[dict[str, str]]:
     envs = []
     for node in range(spec.nodes):
         for local in range(spec.tasks_per_node):
@@ -43,7 +49,7 @@ def rank_envs(spec: JobSpec, job_id: str, port: int, physical_gpus: int) -> list
                 "GROUP_RANK": str(node), "GROUP_WORLD_SIZE": str(spec.nodes),
                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                 "HPC_DDP_HOSTS": ",".join(["localhost"] * spec.nodes), "HPC_DDP_JOB_ID": job_id,
-                "HPC_DDP_RESTART_COUNT": "0",
+                "HPC_DDP_RESTART_COUNT": str(attempt),
             }
             if spec.gpus:
                 env["CUDA_VISIBLE_DEVICES"] = simulated_gpus(node, spec.gpus, physical_gpus)
@@ -70,16 +76,38 @@ class LocalExecutor:
 
     def submit(self, plan: Plan) -> Submission:
         run_dir = write_run_dir(plan)
-        log_dir = run_dir / "logs" / f"job-{self.job_id}" / "attempt-0"
-        log_dir.mkdir(parents=True, exist_ok=True)
-        port = _free_port(port_for_job(self.job_id))
-        envs = rank_envs(plan.spec, self.job_id, port, _physical_gpus())
-        argv = runner_command(plan.spec, str(run_dir))
-        rc = _run_ranks(argv, envs, log_dir, echo=self.echo, cwd=plan.spec.workdir)
-        sub = Submission("local", self.job_id, str(run_dir), None,
-                         state="COMPLETED" if rc == 0 else "FAILED", returncode=rc)
+        spec = plan.spec
+        pid_file = run_dir / PID_FILE
+        pid_file.write_text(f"{os.getpid()} {self.job_id}\n")
+        try:
+            rc = self._attempts(spec, run_dir)
+        finally:
+            pid_file.unlink(missing_ok=True)
+        state = "COMPLETED" if rc == 0 else "CHECKPOINTED" if rc == REQUEUE_EXIT_CODE else "FAILED"
+        sub = Submission("local", self.job_id, str(run_dir), None, state=state, returncode=rc)
         record_submission(sub)
         return sub
+
+    def _attempts(self, spec: JobSpec, run_dir: Path) -> int:
+        argv = runner_command(spec, str(run_dir))
+        attempt = 0
+        while True:
+            log_dir = run_dir / "logs" / f"job-{self.job_id}" / f"attempt-{attempt}"
+            log_dir.mkdir(parents=True, exist_ok=True)
+            port = _free_port(port_for_job(f"{self.job_id}-{attempt}"))
+            envs = rank_envs(spec, self.job_id, port, _physical_gpus(), attempt)
+            rc = _run_ranks(argv, envs, log_dir, echo=self.echo, cwd=spec.workdir)
+            if rc != REQUEUE_EXIT_CODE:
+                return rc
+            if attempt >= spec.max_requeues:
+                _say(f"checkpointed, but the requeue limit ({spec.max_requeues}) is reached; not restarting")
+                return rc
+            attempt += 1
+            _say(f"checkpointed at a stop request; restarting (restart {attempt} of at most {spec.max_requeues})")
+
+
+def _say(message: str) -> None:
+    print(f"hpc-ddp: {message}", file=sys.stderr, flush=True)
 
 
 def _physical_gpus() -> int:
@@ -108,10 +136,27 @@ def _run_ranks(argv: list[str], envs: list[dict[str, str]], log_dir: Path, *, ec
         pump.start()
         procs.append(proc)
         pumps.append(pump)
-    rc = _wait_all(procs)
+    previous = _forward_signals(procs)
+    try:
+        rc = _wait_all(procs)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
     for pump in pumps:
         pump.join(timeout=5)
     return rc
+
+
+def _forward_signals(procs: list[subprocess.Popen]) -> dict:
+    """Pass stop signals on to every rank, as Slurm signals every task of the step."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def forward(signum, _frame):
+        for p in procs:
+            if p.poll() is None:
+                _signal_group(p, signum)
+    return {signum: signal.signal(signum, forward) for signum in _FORWARDED}
 
 
 def _pump(proc: subprocess.Popen, log_path: Path, prefix: str, echo: bool) -> None:
@@ -125,24 +170,27 @@ def _pump(proc: subprocess.Popen, log_path: Path, prefix: str, echo: bool) -> No
 
 
 def _wait_all(procs: list[subprocess.Popen]) -> int:
-    """Wait for every rank; when one fails, stop the rest (SIGTERM, then SIGKILL after a grace period)."""
+    """Wait for every rank; when one fails, stop the rest (SIGTERM, then SIGKILL after a grace period).
+    Ranks that exit with the requeue code are not failures: the others reach the same decision."""
     first_failure = 0
     try:
         while True:
             codes = [p.poll() for p in procs]  # poll every rank: any() would stop at the first live one
             if all(code is not None for code in codes):
                 break
-            failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
+            failed = [(rank, c) for rank, c in enumerate(codes) if c not in (None, 0, REQUEUE_EXIT_CODE)]
             if failed and not first_failure:
                 rank, first_failure = failed[0]
-                print(f"hpc-ddp: rank {rank} exited with code {first_failure}; stopping the other ranks",
-                      file=sys.stderr, flush=True)
+                _say(f"rank {rank} exited with code {first_failure}; stopping the other ranks")
                 _stop(procs)
             time.sleep(0.05)
     except KeyboardInterrupt:
         _stop(procs)
         return 130
-    return first_failure or next((p.returncode for p in procs if p.returncode), 0)
+    if first_failure:
+        return first_failure
+    return next((c for c in codes if c not in (0, REQUEUE_EXIT_CODE)), None) or \
+        (REQUEUE_EXIT_CODE if REQUEUE_EXIT_CODE in codes else 0)
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:

@@ -1,0 +1,146 @@
+"""The built-in trainer's settings: the `[train]` table of a job file -> frozen, validated TrainConfig.
+
+Pure and torch-free, so `submit --dry-run` of a trainer job stays fast; checked when the spec is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["TrainConfig", "parse_train", "FINGERPRINT_FIELDS"]
+
+DATASETS = ("mnist", "cifar10", "imagefolder", "fake")
+OPTIMIZERS = ("sgd", "adamw")
+PRECISIONS = ("fp32", "bf16", "fp16")
+BUILTIN_MODELS = ("cnn", "mlp")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    dataset: str = "fake"
+    data_dir: str | None = None
+    model: str = "cnn"
+    num_classes: int | None = None     # None: from the dataset
+    image_size: int | None = None      # None: the dataset's own (ImageFolder/fake: 32)
+    epochs: int = 1
+    max_steps: int = 0                 # 0: no cap beyond epochs
+    batch_size: int = 32               # per rank, per micro-batch
+    grad_accum: int = 1
+    optimizer: str = "sgd"
+    lr: float = 0.1
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    warmup_steps: int = 0
+    schedule: str = "cosine"           # cosine | constant
+    precision: str = "fp32"
+    sync_bn: bool = False
+    clip_grad: float = 0.0             # 0: off
+    num_workers: int = 2
+    seed: int = 0
+    augment: bool = True
+    eval_every_epoch: bool = True
+    checkpoint_every_steps: int = 0    # 0: only at stops and at the end
+    checkpoint_every_minutes: float = 0.0
+    keep_checkpoints: int = 3
+    log_every: int = 10
+    fake_size: int = 1024              # samples in the `fake` dataset's training split
+
+
+# Changing any of these between attempts would make a resumed run differ from an uninterrupted one.
+FINGERPRINT_FIELDS = ("dataset", "model", "num_classes", "image_size", "epochs", "max_steps", "batch_size",
+                      "grad_accum", "optimizer", "lr", "momentum", "weight_decay", "warmup_steps", "schedule",
+                      "precision", "sync_bn", "clip_grad", "seed", "augment", "fake_size")
+
+_MODEL_RE = re.compile(r"^([a-z][a-z0-9_]*|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$")
+
+
+def _int(minimum: int):
+    def parse(value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise ValueError(f"{value!r} is not a whole number")
+        try:
+            number = int(value)
+        except ValueError:
+            raise ValueError(f"{value!r} is not a whole number") from None
+        if number < minimum:
+            raise ValueError(f"{number} is below the minimum of {minimum}")
+        return number
+    return parse
+
+
+def _float(minimum: float, strict: bool = False):
+    def parse(value: Any) -> float:
+        if isinstance(value, bool):
+            raise ValueError(f"{value!r} is not a number")
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{value!r} is not a number") from None
+        if number < minimum or (strict and number == minimum):
+            raise ValueError(f"{number} must be {'greater than' if strict else 'at least'} {minimum}")
+        return number
+    return parse
+
+
+def _choice(options):
+    def parse(value: Any) -> str:
+        if str(value).lower() not in options:
+            raise ValueError(f"{value!r} is not one of {', '.join(options)}")
+        return str(value).lower()
+    return parse
+
+
+def _bool(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{value!r} is not true or false")
+    return value
+
+
+def _model(value: Any) -> str:
+    if not isinstance(value, str) or not _MODEL_RE.match(value):
+        raise ValueError(f"{value!r} is not a model name (resnet18, cnn, mlp, ...) or package.module:factory")
+    return value
+
+
+def _path(value: Any) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"{value!r} is not a path")
+    return value
+
+
+_PARSERS = {
+    "dataset": _choice(DATASETS), "data_dir": _path, "model": _model, "num_classes": _int(2),
+    "image_size": _int(8), "epochs": _int(1), "max_steps": _int(0), "batch_size": _int(1),
+    "grad_accum": _int(1), "optimizer": _choice(OPTIMIZERS), "lr": _float(0.0, strict=True),
+    "momentum": _float(0.0), "weight_decay": _float(0.0), "warmup_steps": _int(0),
+    "schedule": _choice(("cosine", "constant")), "precision": _choice(PRECISIONS), "sync_bn": _bool,
+    "clip_grad": _float(0.0), "num_workers": _int(0), "seed": _int(0), "augment": _bool,
+    "eval_every_epoch": _bool, "checkpoint_every_steps": _int(0), "checkpoint_every_minutes": _float(0.0),
+    "keep_checkpoints": _int(2), "log_every": _int(1), "fake_size": _int(1),
+}
+assert set(_PARSERS) == {f.name for f in dataclasses.fields(TrainConfig)}
+
+
+def parse_train(table: Any) -> TrainConfig:
+    """Validate a `[train]` table. Raises ValueError naming the key (the spec adds where it came from)."""
+    if isinstance(table, TrainConfig):
+        return table
+    if not isinstance(table, Mapping):
+        raise ValueError("must be a table ([train] in the job file)")
+    values = {}
+    for key, raw in table.items():
+        if key not in _PARSERS:
+            close = difflib.get_close_matches(key, sorted(_PARSERS), n=1)
+            raise ValueError(f"unknown key {key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        try:
+            values[key] = _PARSERS[key](raw)
+        except ValueError as exc:
+            raise ValueError(f"{key}: {exc}") from None
+    config = TrainConfig(**values)
+    if config.dataset in ("mnist", "cifar10", "imagefolder") and not config.data_dir:
+        raise ValueError(f"dataset {config.dataset!r} needs data_dir (make one with `hpc-ddp make-dataset`)")
+    return config
