@@ -8,7 +8,7 @@ at the same step. A stop (warning signal, SIGTERM) saves a checkpoint at that st
 REQUEUE_EXIT_CODE; the next attempt resumes from the same sample with the same RNG streams, so on CPU
 the resumed run ends bitwise identical to an uninterrupted one.
 
-Rehearsal knobs (environment): HPC_DDP_FAULT_STOP_AT=N acts as if a stop signal arrived after step N;
+Rehearsal knobs (environment): HPC_DDP_FAULT_STOP_AT=N[,M...] acts as if a stop signal arrived after step N;
 HPC_DDP_FAULT_KILL_AT=N SIGKILLs rank 0 after step N (no checkpoint, like a node failure).
 """
 
@@ -375,7 +375,7 @@ class Trainer:
 
     def _fault_injection(self) -> None:
         step = self.progress.step
-        if os.environ.get("HPC_DDP_FAULT_STOP_AT") == str(step):
+        if str(step) in os.environ.get("HPC_DDP_FAULT_STOP_AT", "").split(","):
             self.stop.request("HPC_DDP_FAULT_STOP_AT")
         if os.environ.get("HPC_DDP_FAULT_KILL_AT") == str(step) and self.ctx.is_main:
             os.kill(os.getpid(), signal.SIGKILL)
