@@ -280,7 +280,7 @@ def make_dataset(kind: str, root: str, n_train: int | None, n_test: int | None, 
     sizes = {"imagefolder": ("per_class_train", "per_class_val")}.get(kind, ("train", "test"))
     kwargs = {name: value for name, value in zip(sizes, (n_train, n_test)) if value is not None}
     path = GENERATORS[kind](root, seed=seed, **kwargs)
-    click.echo(f"Wrote a {kind} dataset to {path}")
+    click.echo(f"Wrote the {kind} dataset to {path}")
 
 
 @cli.command()
