@@ -75,10 +75,11 @@ def training_payloads(step: int = 7):
     loss = model(torch.randn(16, 4)).pow(2).mean()
     loss.backward()
     opt.step()
+    loss = loss.item()
     train_state = {
         "progress": {"step": step, "epoch": 1, "batch_in_epoch": 3, "restarts": 0},
         "rng": [torch.get_rng_state()],
-        "lr": 0.1, "losses": [1.5, 0.25, float(loss)], "scaler": None, "pair": (1, 2),
+        "lr": 0.1, "losses": [1.5, 0.25, loss], "scaler": None, "pair": (1, 2),
         "counts": torch.arange(5), "name": "resnet",
     }
     return model, opt, {"model.pt": model.state_dict(), "optimizer.pt": opt.state_dict(),
@@ -565,6 +566,9 @@ def test_sigkill_during_save_leaves_a_valid_checkpoint(tmp_path: Path) -> None:
             recorded = [int(x) for x in record.read_text().split()]
             assert recorded == list(range(next_step, next_step + len(recorded)))
 
+            # a kill damages at most the oldest dir (one being pruned): the newest `keep` all verify
+            for path in CheckpointManager(root).checkpoints()[-3:]:
+                verify(path)
             logs: list[str] = []
             loaded = CheckpointManager(root, keep=3, log=logs.append).load_latest()
             newest_known = max(recorded, default=baseline)

@@ -126,3 +126,26 @@ def test_train_command_single_process_and_inspect(tmp_path):
     info = subprocess.run([sys.executable, "-m", "hpc_ddp", "inspect", str(tmp_path / "run")], cwd=tmp_path,
                           capture_output=True, text=True, timeout=60)
     assert "step            4" in info.stdout and "verified        True" in info.stdout
+
+
+@pytest.mark.parametrize("train", [
+    {"precision": "bf16", "optimizer": "adamw", "lr": 0.001},
+    {"precision": "fp16", "grad_accum": 2, "clip_grad": 1.0},
+    {"precision": "fp32", "schedule": "constant", "warmup_steps": 2, "max_steps": 3},
+])
+def test_training_variants_run_in_process(tmp_path, train):
+    from hpc_ddp.distenv import from_environ
+    from hpc_ddp.events import read_jsonl
+    from hpc_ddp.train import run
+
+    table = {"dataset": "fake", "fake_size": 64, "image_size": 8, "model": "cnn", "batch_size": 8,
+             "num_workers": 0, "log_every": 1, **train}
+    spec = build_spec([Layer("job", {"train": table})], target=Target("trainer", "/j.toml"), workdir=str(tmp_path),
+                      python=sys.executable)
+    assert run(spec, tmp_path, from_environ({})) == 0
+    steps = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "loss" in r]
+    expected = train.get("max_steps") or 64 // 8 // train.get("grad_accum", 1)
+    assert [r["step"] for r in steps] == list(range(1, expected + 1))
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in steps)
+    if train.get("warmup_steps"):
+        assert steps[0]["lr"] == pytest.approx(0.1 * 2 / 2) and steps[1]["lr"] == pytest.approx(0.1)
