@@ -4,6 +4,8 @@ Layout under the checkpoint root:
 
     step-000000120/           one complete checkpoint: payload files + manifest.json (sizes, sha256)
     step-000000160/
+    step-000000160-r1/        the same step saved again (e.g. the final save after a periodic one):
+                              a new name, so the complete older copy is never moved or deleted first
     latest                    the name of the newest complete checkpoint (replaced atomically)
     .tmp-...                  an unfinished save; ignored and removed on the next save
 
@@ -22,6 +24,7 @@ import io
 import json
 import os
 import pickle
+import re
 import shutil
 import time
 import uuid
@@ -39,6 +42,7 @@ MANIFEST = "manifest.json"
 LATEST = "latest"
 PREFIX = "step-"
 FORMAT = 1
+_NAME = re.compile(r"^step-(\d+)(?:-r(\d+))?$")
 
 
 class CheckpointError(HpcDdpError):
@@ -101,7 +105,7 @@ class CheckpointManager:
         """Write `payloads` (file name -> object for torch.save) as checkpoint `step`; return its path."""
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._remove_unfinished()
-        name = f"{PREFIX}{step:09d}"
+        name = self._free_name(step)
         tmp = self.root / f".tmp-{name}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir(mode=0o700)
         files = {}
@@ -109,21 +113,23 @@ class CheckpointManager:
             data = _serialize(obj)
             _write_durable(tmp / fname, data)
             files[fname] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-        manifest = {"format": FORMAT, "step": step, "created": time.time(), "files": files, **meta}
+        manifest = {**meta, "format": FORMAT, "step": step, "created": time.time(), "files": files}
         _write_durable(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
         _fsync_dir(tmp)
         final = self.root / name
-        if final.exists():  # the same step saved by an earlier attempt: move it aside, then replace
-            aside = self.root / f".tmp-old-{name}-{uuid.uuid4().hex[:8]}"
-            os.rename(final, aside)
-            os.rename(tmp, final)
-            shutil.rmtree(aside, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
+        os.rename(tmp, final)
         _fsync_dir(self.root)
         self._point_latest_to(name)
         self._prune(keep_name=name)
         return final
+
+    def _free_name(self, step: int) -> str:
+        """step-N, or step-N-rK when step N was saved before: nothing complete is ever replaced in place."""
+        name, revision = f"{PREFIX}{step:09d}", 0
+        while (self.root / name).exists():
+            revision += 1
+            name = f"{PREFIX}{step:09d}-r{revision}"
+        return name
 
     def _point_latest_to(self, name: str) -> None:
         tmp = self.root / f".tmp-latest-{uuid.uuid4().hex[:8]}"
@@ -150,14 +156,13 @@ class CheckpointManager:
         """Checkpoint directories, oldest first (by step)."""
         if not self.root.is_dir():
             return []
-        found = [p for p in self.root.iterdir() if p.is_dir() and p.name.startswith(PREFIX)
-                 and p.name[len(PREFIX):].isdigit()]
-        return sorted(found, key=lambda p: int(p.name[len(PREFIX):]))
+        found = [(m, p) for p in self.root.iterdir() if p.is_dir() and (m := _NAME.match(p.name))]
+        return [p for m, p in sorted(found, key=lambda mp: (int(mp[0].group(1)), int(mp[0].group(2) or 0)))]
 
     def _latest_name(self) -> str | None:
         try:
             return (self.root / LATEST).read_text().strip() or None
-        except OSError:
+        except (OSError, UnicodeDecodeError):
             return None
 
     def load_latest(self, files: tuple[str, ...] | None = None) -> Loaded | None:
@@ -167,6 +172,9 @@ class CheckpointManager:
         if latest and (self.root / latest) in candidates:
             candidates.remove(self.root / latest)
             candidates.insert(0, self.root / latest)
+        elif candidates:
+            self.log(f"hpc-ddp: {self.root / LATEST} does not name a checkpoint ({latest!r}); "
+                     f"using the newest one found")
         for path in candidates:
             try:
                 return load(path, files)
@@ -192,7 +200,10 @@ def _read_manifest(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {path} has no {MANIFEST} (incomplete or not ours)") from None
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"checkpoint {path}: {MANIFEST} is unreadable ({exc})") from None
-    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict) or "step" not in manifest:
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or not isinstance(manifest.get("step"), int) or not all(
+            isinstance(f, dict) and isinstance(f.get("size"), int) and isinstance(f.get("sha256"), str)
+            for f in files.values()):
         raise CheckpointError(f"checkpoint {path}: {MANIFEST} is malformed")
     return manifest
 
@@ -246,6 +257,8 @@ def inspect_checkpoint(path: Path) -> dict[str, Any]:
     """What `hpc-ddp inspect` prints: step, epoch, model_sha256 (recomputed from model.pt), files."""
     target = resolve(path)
     loaded = load(target, files=("model.pt",))
+    if "model.pt" not in loaded.payloads:
+        raise CheckpointError(f"checkpoint {target} has no model.pt")
     manifest = loaded.manifest
     return {
         "path": str(target), "step": manifest["step"], "epoch": manifest.get("epoch"),

@@ -66,7 +66,8 @@ class JobSpec:
     template: str | None = None
     signal: str = "USR2"
     signal_lead: int = 120
-    max_requeues: int = 10
+    max_requeues: int = 10        # requeues after time limits
+    max_preemptions: int = 20     # requeues after preemptions
     pass_local_rank: bool = False
     epochs: int | None = None
     lr: float | None = None
@@ -224,7 +225,7 @@ _MANAGED = {
     "account": "--account", "qos": "--qos", "constraint": "--constraint", "job-name": "--job-name",
     "output": "--run-dir (logs go under it)", "error": "--run-dir (logs go under it)",
     "open-mode": "nothing (the template appends)", "requeue": "nothing (the template requeues)",
-    "no-requeue": "max_requeues = 0", "signal": "signal / signal_lead in the job file",
+    "no-requeue": "max_requeues = 0 and max_preemptions = 0", "signal": "signal / signal_lead in the job file",
     "chdir": "nothing (the script changes to the submit directory itself)", "wrap": "a TARGET script",
 }
 # Other sbatch long options, so a typo is caught here and not after hours in the queue.
@@ -269,7 +270,7 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "constraint": _token, "job_name": _name, "executor": _choice(EXECUTORS), "run_dir": _string,
     "sbatch_args": _sbatch_args, "gpu_request": _choice(GPU_REQUESTS), "gpu_bind": _choice(GPU_BINDS),
     "setup": _lines, "scratch": _string, "template": _string, "signal": _signal,
-    "signal_lead": _count(10), "max_requeues": _count(0), "pass_local_rank": _bool,
+    "signal_lead": _count(10), "max_requeues": _count(0), "max_preemptions": _count(0), "pass_local_rank": _bool,
     "epochs": _count(1), "lr": _positive_float, "batch_size": _count(1), "python": _string,
     "profile": _token, "script": _string, "module": _string, "args": _args, "train": parse_train,
 }
