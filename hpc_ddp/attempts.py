@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -55,9 +56,10 @@ def latest_checkpoint_step(run_dir: Path) -> int | None:
     """The step `checkpoints/latest` names, without importing torch (the trainer verifies it on load)."""
     try:
         name = (run_dir / "checkpoints" / "latest").read_text().strip()
-        return int(name.removeprefix("step-"))
     except (OSError, ValueError):
         return None
+    m = re.match(r"^step-(\d+)(?:-r\d+)?$", name)
+    return int(m.group(1)) if m else None
 
 
 def attempts_from_events(events: Sequence[dict[str, Any]]) -> list[Attempt]:

@@ -342,6 +342,10 @@ def _check_whole(values: dict[str, Any], merged: dict[str, tuple[Any, str]], tar
     if values.get("train") and target.kind != "trainer":
         raise SpecError("a [train] table configures the built-in trainer, but this job runs "
                         f"{target.describe()}", hint="remove script/module from the job file, or the [train] table")
+    lead, limit = values.get("signal_lead", 120), values.get("time")
+    if limit and lead * 2 > limit:
+        raise SpecError(f"the warning signal would come {lead} s before a {limit} s time limit, in its first half",
+                        hint=f"give --signal-lead at most {limit // 2} s, or a longer --time")
     if values.get("template") and values.get("executor") == "submitit":
         raise SpecError("a custom sbatch template cannot be used with the submitit executor",
                         hint="use --executor sbatch, or drop the template")

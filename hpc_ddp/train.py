@@ -34,6 +34,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .checkpoint import CheckpointManager, Loaded, state_sha256
 from .data import build_data
+from .deadline import job_deadline, stop_lead
 from .distenv import DistEnv, from_environ
 from .errors import HpcDdpError, UserError
 from .events import JsonLines
@@ -126,8 +127,12 @@ def _schedule(cfg: TrainConfig, total_steps: int):
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, ctx: Context, run_dir: Path, stop: StopFlag):
+    def __init__(self, cfg: TrainConfig, ctx: Context, run_dir: Path, stop: StopFlag, signal_lead: float = 120):
         self.cfg, self.ctx, self.run_dir, self.stop = cfg, ctx, run_dir, stop
+        self.signal_lead = signal_lead
+        self.deadline = job_deadline(os.environ) if ctx.is_main else None
+        self.started = time.time()
+        self.step_seconds: float | None = None
         self._bar_open = False
         rank, world = ctx.env.rank, ctx.env.world_size
         torch.manual_seed(cfg.seed + rank)
@@ -262,7 +267,9 @@ class Trainer:
         batches = iter(self.data.train)
         window = (time.monotonic(), p.step)
         for _ in range(steps_left):
+            step_started = time.monotonic()
             loss = self._step(batches)
+            self._time_step(time.monotonic() - step_started)
             p.step += 1
             p.batch_in_epoch += cfg.grad_accum
             p.samples += cfg.batch_size * cfg.grad_accum * self.ctx.env.world_size
@@ -299,9 +306,31 @@ class Trainer:
         self.scheduler.step()
         return total
 
+    def _time_step(self, seconds: float) -> None:
+        self.step_seconds = seconds if self.step_seconds is None else 0.9 * self.step_seconds + 0.1 * seconds
+
+    def _lead(self) -> float:
+        lead = stop_lead(self.save_seconds, self.step_seconds, self.cfg.stop_lead_seconds)
+        if self.deadline is not None and not self.cfg.stop_lead_seconds:
+            lead = min(lead, 0.25 * (self.deadline - self.started))  # short limits still get work done
+        return lead
+
+    def _check_deadline(self) -> None:
+        """Stop before the time limit by the measured lead, even if Slurm's warning signal is late."""
+        if self.deadline is not None and not self.stop.requested and time.time() >= self.deadline - self._lead():
+            self.stop.request("deadline")
+
+    def _stop_cause(self) -> str:
+        """A stop near the job's end time is the time limit; any other is a preemption (or a rehearsal)."""
+        if self.deadline is None:
+            return "preempted"
+        near = max(self.signal_lead, self._lead()) + 90  # Slurm may signal up to 60 s early
+        return "time_limit" if self.deadline - time.time() <= near else "preempted"
+
     def _agree(self, loss: float) -> tuple[float, bool, bool]:
         """One all-reduce per step: mean loss, anyone asked to stop, a periodic checkpoint is due."""
         cfg, p = self.cfg, self.progress
+        self._check_deadline()
         due = (cfg.checkpoint_every_steps and p.step % cfg.checkpoint_every_steps == 0) or (
             cfg.checkpoint_every_minutes and self.ctx.is_main
             and time.monotonic() - self.last_save >= 60 * cfg.checkpoint_every_minutes)
@@ -333,8 +362,11 @@ class Trainer:
 
     def _stop(self) -> int:
         why = self.stop.received or "a stop request on another rank"
-        self.events.write({"event": "signal", "signal": why, "step": self.progress.step})
-        self.log(f"hpc-ddp: stop requested ({why}); checkpointing at step {self.progress.step}")
+        cause = self._stop_cause()
+        self.events.write({"event": "signal", "signal": why, "cause": cause, "step": self.progress.step,
+                           "lead_s": round(self._lead(), 1)})
+        self.log(f"hpc-ddp: stop requested ({why}, {cause.replace('_', ' ')}); "
+                 f"checkpointing at step {self.progress.step}")
         self.save("stop")
         self.events.write({"event": "requeue_requested", "step": self.progress.step,
                            "exit_code": REQUEUE_EXIT_CODE})
@@ -388,7 +420,7 @@ def run(spec: JobSpec, run_dir: Path, env: DistEnv | None = None) -> int:
     stop = StopFlag((spec.signal, "TERM")).install()
     ctx = _setup(env or from_environ(os.environ, pid=os.getpid()))
     try:
-        return Trainer(spec.train, ctx, run_dir, stop).fit()
+        return Trainer(spec.train, ctx, run_dir, stop, signal_lead=spec.signal_lead).fit()
     finally:
         if ctx.distributed and dist.is_initialized():
             dist.destroy_process_group()

@@ -47,6 +47,7 @@ class TrainConfig:
     checkpoint_every_minutes: float = 0.0
     keep_checkpoints: int = 3
     log_every: int = 10
+    stop_lead_seconds: float = 0.0     # stop this long before the job's end time; 0: from measured times
     fake_size: int = 1024              # samples in the `fake` dataset's training split
 
 
@@ -121,6 +122,7 @@ _PARSERS = {
     "clip_grad": _float(0.0), "num_workers": _int(0), "seed": _int(0), "augment": _bool,
     "eval_every_epoch": _bool, "checkpoint_every_steps": _int(0), "checkpoint_every_minutes": _float(0.0),
     "keep_checkpoints": _int(2), "log_every": _int(1), "fake_size": _int(1),
+    "stop_lead_seconds": _float(0.0),
 }
 assert set(_PARSERS) == {f.name for f in dataclasses.fields(TrainConfig)}
 

@@ -108,3 +108,9 @@ def test_slurm_time_formats(text, seconds):
 def test_format_time(seconds, text):
     assert format_time(seconds) == text
     assert parse_time(text) == seconds
+
+
+def test_signal_lead_must_leave_most_of_the_time_limit():
+    with pytest.raises(SpecError, match="in its first half.*HINT: give --signal-lead at most 30 s"):
+        build(Layer("c", {"time": "1", "signal_lead": "40"}))
+    assert build(Layer("c", {"time": "1", "signal_lead": "30"})).signal_lead == 30

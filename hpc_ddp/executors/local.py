@@ -4,7 +4,9 @@ and for rehearsing preemption.
 Each rank gets torchrun-style variables and runs the same per-rank runner as on Slurm. It behaves like
 the batch script: the first rank that fails stops the others (srun --kill-on-bad-exit); signals sent to
 the executor (SIGUSR2, SIGTERM, ...) are forwarded to every rank (as Slurm signals every task); and when
-the ranks exit with the "checkpointed, requeue me" code, the job is started again, up to max_requeues.
+the ranks exit with the "checkpointed, requeue me" code, the same requeue policy as the batch script's
+(`attempts`) decides whether to start it again. With --time, each attempt gets the warning signal
+`signal_lead` seconds before its limit, SIGTERM at the limit and SIGKILL 30 s later, as on Slurm.
 Output goes to the same per-rank log files as on Slurm and, prefixed by rank, to the terminal.
 """
 
@@ -20,6 +22,7 @@ import threading
 import time
 from pathlib import Path
 
+from .. import attempts
 from ..distenv import port_for_job
 from ..exitcodes import REQUEUE_EXIT_CODE
 from ..render import runner_command
@@ -27,6 +30,7 @@ from ..spec import JobSpec
 from .base import Plan, Submission, record_submission, write_run_dir
 
 _GRACE_S = 10
+KILL_WAIT_S = 30  # Slurm's default KillWait: SIGTERM at the limit, SIGKILL this much later
 PID_FILE = "local.pid"
 _FORWARDED = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGHUP)
 
@@ -39,7 +43,8 @@ def simulated_gpus(node: int, gpus: int, physical: int) -> str:
     return ",".join(str(j) for j in range(gpus))
 
 
-def rank_envs(spec: JobSpec, job_id: str, port: int, physical_gpus: int, attempt: int = 0) -> list[dict[str, str]]:
+def rank_envs(spec: JobSpec, job_id: str, port: int, physical_gpus: int, attempt: int = 0,
+              deadline: float | None = None) -> list[dict[str, str]]:
     envs = []
     for node in range(spec.nodes):
         for local in range(spec.tasks_per_node):
@@ -53,6 +58,8 @@ def rank_envs(spec: JobSpec, job_id: str, port: int, physical_gpus: int, attempt
             }
             if spec.gpus:
                 env["CUDA_VISIBLE_DEVICES"] = simulated_gpus(node, spec.gpus, physical_gpus)
+            if deadline is not None:
+                env["HPC_DDP_DEADLINE"] = f"{deadline:.3f}"
             envs.append(env)
     return envs
 
@@ -92,18 +99,32 @@ class LocalExecutor:
         argv = runner_command(spec, str(run_dir))
         attempt = 0
         while True:
+            ok, reason = attempts.begin(run_dir, attempt, env={"HPC_DDP_JOB_ID": self.job_id})
+            if not ok:
+                _say(f"not starting attempt {attempt}: {reason}")
+                return attempts.NOT_ADMITTED_EXIT_CODE
             log_dir = run_dir / "logs" / f"job-{self.job_id}" / f"attempt-{attempt}"
             log_dir.mkdir(parents=True, exist_ok=True)
             port = _free_port(port_for_job(f"{self.job_id}-{attempt}"))
-            envs = rank_envs(spec, self.job_id, port, _physical_gpus(), attempt)
-            rc = _run_ranks(argv, envs, log_dir, echo=self.echo, cwd=spec.workdir)
-            if rc != REQUEUE_EXIT_CODE:
-                return rc
-            if attempt >= spec.max_requeues:
-                _say(f"checkpointed, but the requeue limit ({spec.max_requeues}) is reached; not restarting")
+            deadline = time.time() + spec.time if spec.time else None
+            envs = rank_envs(spec, self.job_id, port, _physical_gpus(), attempt, deadline)
+            rc = _run_ranks(argv, envs, log_dir, echo=self.echo, cwd=spec.workdir,
+                            timeline=_timeline(spec, deadline))
+            requeue, reason = attempts.end(run_dir, attempt, rc)
+            if not requeue:
+                if rc == REQUEUE_EXIT_CODE:
+                    _say(f"checkpointed, not restarting: {reason}")
                 return rc
             attempt += 1
-            _say(f"checkpointed at a stop request; restarting (restart {attempt} of at most {spec.max_requeues})")
+            _say(f"checkpointed at a stop request; restarting ({reason})")
+
+
+def _timeline(spec: JobSpec, deadline: float | None) -> list[tuple[float, int]]:
+    """(when, signal) pairs that emulate Slurm's time limit for one attempt."""
+    if deadline is None:
+        return []
+    warning = getattr(signal, f"SIG{spec.signal}")
+    return [(deadline - spec.signal_lead, warning), (deadline, signal.SIGTERM), (deadline + KILL_WAIT_S, signal.SIGKILL)]
 
 
 def _say(message: str) -> None:
@@ -126,7 +147,8 @@ def _free_port(start: int) -> int:
     return start
 
 
-def _run_ranks(argv: list[str], envs: list[dict[str, str]], log_dir: Path, *, echo: bool, cwd: str) -> int:
+def _run_ranks(argv: list[str], envs: list[dict[str, str]], log_dir: Path, *, echo: bool, cwd: str,
+               timeline: list[tuple[float, int]] | None = None) -> int:
     procs, pumps = [], []
     for rank, extra in enumerate(envs):
         proc = subprocess.Popen(argv, env={**os.environ, **extra}, cwd=cwd, stdout=subprocess.PIPE,
@@ -138,7 +160,7 @@ def _run_ranks(argv: list[str], envs: list[dict[str, str]], log_dir: Path, *, ec
         pumps.append(pump)
     previous = _forward_signals(procs)
     try:
-        rc = _wait_all(procs)
+        rc = _wait_all(procs, list(timeline or []))
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
@@ -169,12 +191,19 @@ def _pump(proc: subprocess.Popen, log_path: Path, prefix: str, echo: bool) -> No
                 sys.stdout.flush()
 
 
-def _wait_all(procs: list[subprocess.Popen]) -> int:
+def _wait_all(procs: list[subprocess.Popen], timeline: list[tuple[float, int]]) -> int:
     """Wait for every rank; when one fails, stop the rest (SIGTERM, then SIGKILL after a grace period).
-    Ranks that exit with the requeue code are not failures: the others reach the same decision."""
+    Ranks that exit with the requeue code are not failures: the others reach the same decision.
+    `timeline` signals are sent to every rank when their time comes (the --time emulation)."""
     first_failure = 0
     try:
         while True:
+            while timeline and time.time() >= timeline[0][0]:
+                _, signum = timeline.pop(0)
+                _say(f"time limit: sending {signal.Signals(signum).name} to every rank")
+                for p in procs:
+                    if p.poll() is None:
+                        _signal_group(p, signum)
             codes = [p.poll() for p in procs]  # poll every rank: any() would stop at the first live one
             if all(code is not None for code in codes):
                 break

@@ -1,0 +1,83 @@
+"""The requeue policy as a pure function of the events an attempt left behind."""
+
+import json
+
+import pytest
+
+from hpc_ddp import attempts
+from hpc_ddp.attempts import Attempt, Limits, attempts_from_events, decide_begin, decide_end
+
+LIMITS = Limits(max_requeues=2, max_preemptions=3)
+
+
+def ended(n, cause, start=None, trained=True, rc=75):
+    return Attempt(n, start, trained=trained, exit_code=rc, cause=cause)
+
+
+def test_first_attempt_runs():
+    assert decide_begin([], None, LIMITS) == (True, "first attempt")
+
+
+@pytest.mark.parametrize("previous,start,ok,reason", [
+    ([ended(0, "preempted", None)], 10, True, "restart 1 after preempted"),
+    ([ended(0, "completed", rc=0)], 64, False, "already completed"),
+    ([ended(0, None, rc=1)], None, False, "failed (exit code 1)"),
+    ([Attempt(0, None, trained=False)], None, False, "killed before training started"),
+    ([ended(0, "preempted", None), ended(1, "preempted", 10)], 10, False, "no progress"),
+    ([ended(0, "preempted", 0)], 0, False, "no progress"),
+    ([ended(i, "preempted", i) for i in range(4)], 4, False, "preempted 4 times, more than max_preemptions=3"),
+    ([ended(i, "time_limit", i) for i in range(3)], 3, False, "time limit 3 times, more than max_requeues=2"),
+    ([ended(0, "time_limit", 0), ended(1, "preempted", 1), ended(2, "preempted", 2)], 3, True, "restart 3"),
+])
+def test_decide_begin(previous, start, ok, reason):
+    got_ok, got_reason = decide_begin(previous, start, LIMITS)
+    assert got_ok == ok and reason in got_reason
+
+
+@pytest.mark.parametrize("history,rc,requeue,reason", [
+    ([ended(0, "time_limit", 0)], 75, True, "time_limit: requeue 1 of at most 2"),
+    ([ended(i, "time_limit", i) for i in range(3)], 75, False, "3 requeues would exceed max_requeues=2"),
+    ([ended(0, "preempted", 0)], 75, True, "preempted: requeue 1 of at most 3"),
+    ([ended(0, None, 0)], 75, True, "preempted"),
+    ([ended(0, None, 0)], 0, False, "completed"),
+    ([ended(0, None, 0)], 2, False, "failed with exit code 2"),
+])
+def test_decide_end(history, rc, requeue, reason):
+    got, why = decide_end(history, rc, LIMITS)
+    assert got == requeue and reason in why
+
+
+def test_attempts_from_events():
+    events = [
+        {"event": "attempt_start", "attempt": 0, "checkpoint_step": None},
+        {"event": "start", "step": 0},
+        {"event": "signal", "cause": "time_limit", "step": 12},
+        {"event": "attempt_end", "attempt": 0, "exit_code": 75},
+        {"event": "attempt_start", "attempt": 1, "checkpoint_step": 12},
+        {"event": "resume", "step": 12},
+    ]
+    a0, a1 = attempts_from_events(events)
+    assert (a0.ended_cause, a0.trained, a0.start_step) == ("time_limit", True, None)
+    assert (a1.ended_cause, a1.trained, a1.start_step) == ("killed", True, 12)
+
+
+def test_begin_and_end_record_everything(tmp_path):
+    from hpc_ddp.spec import Layer, Target, build_spec
+
+    spec = build_spec([Layer("c", {"max_preemptions": 1})], target=Target("script", "/t.py"), workdir="/", python="p")
+    (tmp_path / "spec.json").write_text(json.dumps(spec.to_dict()))
+    (tmp_path / "checkpoints").mkdir()
+    assert attempts.begin(tmp_path, 0, env={})[0]
+    (tmp_path / "checkpoints" / "latest").write_text("step-000000005-r1\n")
+    with open(tmp_path / "events.jsonl", "a") as fh:
+        fh.write(json.dumps({"event": "start"}) + "\n" + json.dumps({"event": "signal", "cause": "preempted"}) + "\n")
+    assert attempts.end(tmp_path, 0, 75) == (True, "preempted: requeue 1 of at most 1")
+    assert attempts.begin(tmp_path, 1, env={})[0]  # resumes from step 5
+    with open(tmp_path / "events.jsonl", "a") as fh:
+        fh.write(json.dumps({"event": "resume", "step": 5}) + "\n")
+    # killed from outside without an end record, and no new checkpoint this time
+    ok, reason = attempts.begin(tmp_path, 2, env={})
+    assert not ok and "no progress" in reason
+    records = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert [r["event"] for r in records[-4:]] == ["attempt_start", "attempt_end", "attempt_end", "gave_up"]
+    assert records[-3]["cause"] == "killed" and records[-2]["cause"] == "not_admitted"
