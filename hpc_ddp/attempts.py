@@ -19,6 +19,7 @@ import dataclasses
 import os
 import re
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,8 @@ from .exitcodes import REQUEUE_EXIT_CODE
 __all__ = ["Attempt", "Limits", "attempts_from_events", "decide_begin", "decide_end", "latest_checkpoint_step"]
 
 NOT_ADMITTED_EXIT_CODE = 3
+# An attempt of a user's own script (no trainer events) counts as having trained once it ran this long.
+STARTUP_S = 60.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,9 +44,20 @@ class Limits:
 class Attempt:
     number: int
     start_step: int | None         # newest valid checkpoint when the attempt began
-    trained: bool = False          # the trainer (or user program) got as far as training
+    trainer: bool = False          # the built-in trainer reported start/resume in this attempt
     exit_code: int | None = None   # None: no end record (killed from outside)
     cause: str | None = None
+    started_at: float | None = None
+    ended_at: float | None = None
+
+    @property
+    def trained(self) -> bool:
+        """Got past start-up: the trainer began its loop, or (a user's script) it ran for a while."""
+        if self.trainer:
+            return True
+        if self.started_at is None or self.ended_at is None:
+            return False
+        return self.ended_at - self.started_at >= STARTUP_S
 
     @property
     def ended_cause(self) -> str:
@@ -67,16 +81,20 @@ def attempts_from_events(events: Sequence[dict[str, Any]]) -> list[Attempt]:
     for event in events:
         kind = event.get("event")
         if kind == "attempt_start":
-            attempts.append(Attempt(int(event.get("attempt", len(attempts))), event.get("checkpoint_step")))
+            if attempts and attempts[-1].ended_at is None:
+                attempts[-1].ended_at = event.get("time")  # killed: it ended before this one began
+            attempts.append(Attempt(int(event.get("attempt", len(attempts))), event.get("checkpoint_step"),
+                                    started_at=event.get("time")))
         elif not attempts:
             continue
         elif kind in ("start", "resume"):
-            attempts[-1].trained = True
+            attempts[-1].trainer = True
         elif kind == "signal":
             attempts[-1].cause = event.get("cause")
-        elif kind == "attempt_end":
+        elif kind == "attempt_end" and attempts[-1].exit_code is None:
             attempts[-1].exit_code = event.get("exit_code")
             attempts[-1].cause = event.get("cause") or attempts[-1].cause
+            attempts[-1].ended_at = event.get("time") or attempts[-1].ended_at
     return attempts
 
 
@@ -95,7 +113,7 @@ def decide_begin(previous: Sequence[Attempt], start_step: int | None, limits: Li
         return False, f"the previous attempt failed (exit code {last.exit_code}); not running again"
     if last.ended_cause == "killed" and not last.trained:
         return False, "the previous attempt was killed before training started (crash or kill at start-up)"
-    if last.trained and start_step == last.start_step:
+    if last.trainer and start_step == last.start_step:
         return False, f"no progress: the previous attempt started and ended at checkpoint step {start_step}"
     preempted = _count(previous, "preempted", "killed")
     if preempted > limits.max_preemptions:
@@ -110,6 +128,8 @@ def decide_end(attempts: Sequence[Attempt], exit_code: int, limits: Limits) -> t
     """Should the job be requeued after this attempt (the last of `attempts`)? (requeue, reason)."""
     if exit_code != REQUEUE_EXIT_CODE:
         return False, "completed" if exit_code == 0 else f"failed with exit code {exit_code}"
+    if not attempts[-1].trained:
+        return False, "it asked to be requeued before training started (crash loop guard)"
     cause = attempts[-1].cause or "preempted"
     if cause == "time_limit":
         used, cap, name = _count(attempts, "time_limit"), limits.max_requeues, "max_requeues"
@@ -152,10 +172,14 @@ def end(run_dir: Path, attempt: int, exit_code: int) -> tuple[bool, str]:
     attempts = attempts_from_events(read_jsonl(run_dir / "events.jsonl"))
     if not attempts:
         attempts = [Attempt(attempt, None)]
-    attempts[-1].exit_code = exit_code
+    last = attempts[-1]
+    last.exit_code, last.ended_at = exit_code, time.time()
+    if exit_code == REQUEUE_EXIT_CODE:
+        last.cause = last.cause or "preempted"
+    else:
+        last.cause = "completed" if exit_code == 0 else "failed"
     requeue, reason = decide_end(attempts, exit_code, _limits(run_dir))
-    cause = attempts[-1].cause if exit_code == REQUEUE_EXIT_CODE else ("completed" if exit_code == 0 else "failed")
-    events.write({"event": "attempt_end", "attempt": attempt, "exit_code": exit_code, "cause": cause or "preempted"})
+    events.write({"event": "attempt_end", "attempt": attempt, "exit_code": exit_code, "cause": last.cause})
     if exit_code == REQUEUE_EXIT_CODE:
         events.write({"event": "requeue" if requeue else "gave_up", "attempt": attempt, "reason": reason})
     return requeue, reason

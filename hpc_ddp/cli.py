@@ -135,6 +135,16 @@ def _job_target(layer: Layer, job_path: Path, extra_args: tuple[str, ...], cwd: 
                     hint="add script = \"train.py\", module = \"pkg.train\" or a [train] table to it")
 
 
+def _register(spec: JobSpec, run_dir: str, job_id: str, executor: str) -> None:
+    from .registry import register
+
+    try:
+        register({"job_id": job_id, "executor": executor, "run_dir": run_dir, "name": spec.job_name,
+                  "nodes": spec.nodes, "gpus": spec.gpus})
+    except OSError as exc:  # a read-only home must not stop a submission
+        click.echo(f"hpc-ddp: warning: could not record the run in the registry: {exc}", err=True)
+
+
 def _run_dir(spec: JobSpec, now: _dt.datetime) -> str:
     if spec.run_dir:
         return str(Path(spec.run_dir).expanduser().resolve())
@@ -174,7 +184,11 @@ def submit(**params) -> None:
         else:
             click.echo(plan.dry_run_text(), nl=False)
         return
+    if executor.name == "local":
+        _register(spec, plan.run_dir, executor.job_id, "local")  # before it runs: it may run for hours
     sub = executor.submit(plan)
+    if sub.executor != "local":
+        _register(spec, sub.run_dir, sub.job_id, sub.executor)
     if params["as_json"]:
         click.echo(json.dumps(sub.to_json(), indent=2))
     elif sub.executor == "local":
@@ -294,6 +308,137 @@ def plot(run_dir: str, output: str | None) -> None:
 
     path = plot_run(Path(run_dir), Path(output) if output else None)
     click.echo(f"Wrote {path}")
+
+
+# ---- watching and managing ----
+
+@cli.command()
+@click.argument("job", required=False)
+@click.option("--json", "as_json", is_flag=True)
+def status(job: str | None, as_json: bool) -> None:
+    """State, restarts, last checkpoint, progress and last event of JOB (a job id or a run dir);
+    without JOB, the most recent run."""
+    from .status import format_status, run_status
+
+    run_dir, job_id, executor = _resolve(job)
+    info = run_status(run_dir, job_id, executor, SubprocessCommands())
+    if as_json:
+        click.echo(json.dumps(info, indent=2, default=str))
+        return
+    for line in format_status(info):
+        click.echo(line)
+
+
+@cli.command()
+@click.argument("job", required=False)
+@click.option("--rank", type=int, help="Only this rank.")
+@click.option("-f", "--follow", is_flag=True, help="Keep printing new lines while the job runs.")
+def logs(job: str | None, rank: int | None, follow: bool) -> None:
+    """Every rank's log across all attempts, each line prefixed by attempt and rank."""
+    import time
+
+    from .status import log_files
+
+    run_dir, job_id, executor = _resolve(job)
+    offsets: dict[str, int] = {}
+    while True:
+        for attempt, r, path in log_files(run_dir, rank):
+            with open(path, "rb") as fh:
+                fh.seek(offsets.get(str(path), 0))
+                data = fh.read()
+                offsets[str(path)] = fh.tell()
+            for line in data.decode(errors="replace").splitlines():
+                click.echo(f"[attempt {attempt} rank {r}] {line}")
+        if not follow or not _still_running(run_dir, job_id, executor):
+            return
+        time.sleep(1)
+
+
+def _still_running(run_dir: Path, job_id: str | None, executor: str | None) -> bool:
+    from .status import run_status
+
+    return run_status(run_dir, job_id, executor, SubprocessCommands())["state"] in ("RUNNING", "PENDING",
+                                                                                    "CONFIGURING", "COMPLETING")
+
+
+@cli.command()
+@click.argument("job")
+def cancel(job: str) -> None:
+    """Cancel JOB (a job id or a run dir): scancel on Slurm, or stop the local executor."""
+    import signal as _signal
+
+    from .events import JsonLines
+
+    run_dir, job_id, executor = _resolve(job)
+    if executor == "local":
+        _signal_local(run_dir, _signal.SIGINT)
+    else:
+        _scancel([job_id or job])
+    JsonLines(run_dir / "events.jsonl").write({"event": "cancelled", "job_id": job_id, "by": "hpc-ddp cancel"})
+    click.echo(f"Cancelled job {job_id} ({run_dir})")
+
+
+@cli.command()
+@click.argument("job")
+@click.option("--signal", "sig", help="Signal to send [default: the job's warning signal, e.g. USR2].")
+def preempt(job: str, sig: str | None) -> None:
+    """Rehearse a preemption: send the warning signal to every rank of JOB (local or Slurm). The ranks
+    checkpoint at the next step and the job requeues itself."""
+    import signal as _signal
+
+    from .runner import load_spec
+
+    run_dir, job_id, executor = _resolve(job)
+    name = (sig or load_spec(run_dir / "spec.json").signal).upper().removeprefix("SIG")
+    if executor == "local":
+        _signal_local(run_dir, getattr(_signal, f"SIG{name}"))
+    else:
+        _scancel(["--signal", name, job_id or job])
+    click.echo(f"Sent SIG{name} to every rank of job {job_id}")
+
+
+def _signal_local(run_dir: Path, signum: int) -> None:
+    from .executors.local import PID_FILE
+
+    try:
+        pid = int((run_dir / PID_FILE).read_text().split()[0])
+        os.kill(pid, signum)
+    except (OSError, ValueError, IndexError):
+        raise UserError(f"no local job is running for {run_dir} ({PID_FILE} missing or stale)") from None
+
+
+def _scancel(args: list[str]) -> None:
+    done = SubprocessCommands().run(["scancel", *args], timeout=30)
+    if done.returncode != 0:
+        raise UserError(f"scancel {' '.join(args)} failed: {done.stderr.strip() or done.stdout.strip()}")
+
+
+@cli.command("list")
+@click.option("--json", "as_json", is_flag=True)
+@click.option("-n", "limit", type=int, default=20, show_default=True, help="How many recent runs.")
+def list_runs(as_json: bool, limit: int) -> None:
+    """This user's recent runs, from any directory (newest last)."""
+    from .registry import runs
+
+    records = runs()[-limit:]
+    if as_json:
+        click.echo(json.dumps(records, indent=2))
+        return
+    if not records:
+        click.echo("no runs yet")
+    for r in records:
+        click.echo(f"{str(r.get('job_id')):28} {r.get('executor', '?'):8} {r.get('name', ''):20} {r.get('run_dir')}")
+
+
+def _resolve(job: str | None) -> tuple[Path, str | None, str | None]:
+    from .registry import find_run, runs
+
+    if job is None:
+        recent = runs()
+        if not recent:
+            raise UserError("no runs recorded yet", hint="give a job id or a run dir")
+        job = recent[-1]["run_dir"]
+    return find_run(job)
 
 
 def main() -> None:

@@ -33,3 +33,9 @@ def write_script(directory: Path, name: str, text: str) -> Path:
     path = directory / name
     path.write_text(text)
     return path
+
+
+@pytest.fixture(autouse=True)
+def _private_registry(tmp_path_factory, monkeypatch):
+    """Tests record their runs in a registry of their own, never in the user's."""
+    monkeypatch.setenv("HPC_DDP_REGISTRY", str(tmp_path_factory.getbasetemp() / "registry.jsonl"))

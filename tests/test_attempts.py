@@ -11,7 +11,7 @@ LIMITS = Limits(max_requeues=2, max_preemptions=3)
 
 
 def ended(n, cause, start=None, trained=True, rc=75):
-    return Attempt(n, start, trained=trained, exit_code=rc, cause=cause)
+    return Attempt(n, start, trainer=trained, exit_code=rc, cause=cause)
 
 
 def test_first_attempt_runs():
@@ -22,7 +22,8 @@ def test_first_attempt_runs():
     ([ended(0, "preempted", None)], 10, True, "restart 1 after preempted"),
     ([ended(0, "completed", rc=0)], 64, False, "already completed"),
     ([ended(0, None, rc=1)], None, False, "failed (exit code 1)"),
-    ([Attempt(0, None, trained=False)], None, False, "killed before training started"),
+    ([Attempt(0, None, trainer=False)], None, False, "killed before training started"),
+    ([Attempt(0, None, started_at=0.0, ended_at=100.0)], None, True, "restart 1 after killed"),  # a user script
     ([ended(0, "preempted", None), ended(1, "preempted", 10)], 10, False, "no progress"),
     ([ended(0, "preempted", 0)], 0, False, "no progress"),
     ([ended(i, "preempted", i) for i in range(4)], 4, False, "preempted 4 times, more than max_preemptions=3"),
@@ -41,6 +42,7 @@ def test_decide_begin(previous, start, ok, reason):
     ([ended(0, None, 0)], 75, True, "preempted"),
     ([ended(0, None, 0)], 0, False, "completed"),
     ([ended(0, None, 0)], 2, False, "failed with exit code 2"),
+    ([ended(0, None, 0, trained=False)], 75, False, "before training started"),
 ])
 def test_decide_end(history, rc, requeue, reason):
     got, why = decide_end(history, rc, LIMITS)

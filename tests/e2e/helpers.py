@@ -62,3 +62,38 @@ def check_probe(seen: list[dict], *, nodes: int, tasks: int, master: str, node_n
         gpus_seen.add((r["NODE_RANK"], r["CUDA_VISIBLE_DEVICES"]))
         assert r["BACKEND"] == "gloo"
     assert len(gpus_seen) == world
+
+
+def job_field(job_id: str, field: str) -> str | None:
+    info = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True).stdout
+    m = re.search(rf"\b{field}=(\S+)", info)
+    return m.group(1) if m else None
+
+
+def wait_until(predicate, timeout: float, what: str, interval: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def last_step(run_dir: Path) -> int:
+    from hpc_ddp.events import read_jsonl
+
+    steps = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r]
+    return steps[-1] if steps else 0
+
+
+def release_when_requeued(job_id: str, timeout: float = 60) -> None:
+    """A requeued job waits ~120 s before it may start again; tests start it at once."""
+    wait_until(lambda: job_field(job_id, "JobState") == "PENDING", timeout, f"job {job_id} to be requeued")
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], capture_output=True)
+
+
+def submit_json(*args: str, cwd: Path, env: dict | None = None) -> dict:
+    done = hpc_ddp("submit", "--json", *args, cwd=cwd, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return json.loads(done.stdout[done.stdout.index("{"):])

@@ -1,0 +1,43 @@
+"""Why did a run fail? Pure: text of the logs -> (kind, detail). The first matching rule wins, so the
+most specific causes come first."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+__all__ = ["classify_failure", "KINDS"]
+
+_RULES = [
+    ("out_of_memory", re.compile(r"CUDA out of memory|OutOfMemoryError|oom[-_ ]kill|Out Of Memory|MemoryError")),
+    ("node_failure", re.compile(r"DUE TO NODE FAILURE|NODE_FAIL|Node failure on")),
+    ("time_limit", re.compile(r"DUE TO TIME LIMIT")),
+    ("preempted", re.compile(r"DUE TO PREEMPTION")),
+    ("rendezvous_timeout", re.compile(r"DistNetworkError|TCPStore|Timed out waiting|timed out after .*rendezvous|"
+                                      r"Connection refused.*MASTER|rendezvous", re.IGNORECASE)),
+    ("user_code_exception", re.compile(r"Traceback \(most recent call last\)")),
+]
+KINDS = tuple(kind for kind, _ in _RULES)
+
+
+def classify_failure(texts: Iterable[str]) -> tuple[str, str] | None:
+    """(kind, the line that shows it) for the first rule that matches any text; None if nothing does."""
+    texts = list(texts)
+    for kind, pattern in _RULES:
+        for text in texts:
+            match = pattern.search(text)
+            if match:
+                return kind, _detail(kind, text, match)
+    return None
+
+
+def _detail(kind: str, text: str, match: re.Match) -> str:
+    if kind == "user_code_exception":
+        # The exception line is the last non-indented line of the traceback.
+        tail = text[match.start():].splitlines()
+        for line in tail[1:]:
+            if line and not line.startswith((" ", "\t", "Traceback")):
+                return line.strip()[:300]
+    line_start = text.rfind("\n", 0, match.start()) + 1
+    line_end = text.find("\n", match.end())
+    return text[line_start:line_end if line_end != -1 else None].strip()[:300]
