@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -166,10 +167,19 @@ def _opened(make, cfg: TrainConfig):
                         hint="make one with `hpc-ddp make-dataset` or fix data_dir") from None
 
 
+def _ignore_stop_signals(_worker_id: int) -> None:
+    """Slurm signals every process of a step, loader workers included. A worker killed by SIGTERM or
+    SIGUSR2 makes the main process raise instead of checkpointing; the main process decides when
+    workers end, so they ignore these."""
+    for signum in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_IGN)
+
+
 def build_data(cfg: TrainConfig, *, rank: int, world_size: int, pin_memory: bool) -> DataBundle:
     (train_set, eval_set), classes, channels, size = _datasets(cfg)
     sampler = ResumableSampler(len(train_set), rank=rank, world_size=world_size, seed=cfg.seed)
-    workers = dict(num_workers=cfg.num_workers, persistent_workers=cfg.num_workers > 0, pin_memory=pin_memory)
+    workers = dict(num_workers=cfg.num_workers, persistent_workers=cfg.num_workers > 0, pin_memory=pin_memory,
+                   worker_init_fn=_ignore_stop_signals if cfg.num_workers else None)
     # A fixed generator: creating the iterator must not draw from the training RNG streams.
     train = DataLoader(SeededSamples(train_set, cfg.seed), batch_size=cfg.batch_size, sampler=sampler,
                        drop_last=True, generator=torch.Generator().manual_seed(cfg.seed), **workers)

@@ -149,3 +149,18 @@ def test_training_variants_run_in_process(tmp_path, train):
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in steps)
     if train.get("warmup_steps"):
         assert steps[0]["lr"] == pytest.approx(0.1 * 2 / 2) and steps[1]["lr"] == pytest.approx(0.1)
+
+
+def test_loader_workers_survive_stop_signals(tmp_path):
+    """Slurm sends SIGTERM/SIGUSR2 to every process of a step; the workers must not die of it."""
+    from hpc_ddp.data import build_data
+
+    cfg = TrainConfig(dataset="fake", fake_size=64, image_size=8, batch_size=8, num_workers=2)
+    bundle = build_data(cfg, rank=0, world_size=1, pin_memory=False)
+    bundle.sampler.set_position(0, 0)
+    batches = iter(bundle.train)
+    next(batches)
+    for worker in batches._workers:
+        os.kill(worker.pid, signal.SIGTERM)
+        os.kill(worker.pid, signal.SIGUSR2)
+    assert sum(1 for _ in batches) == 7  # the rest of the epoch still arrives
