@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 from .errors import SpecError
 from .trainconfig import TrainConfig
 
-__all__ = ["DataBundle", "build_data", "ResumableSampler", "SeededSamples", "EvalSampler"]
+__all__ = ["DataBundle", "build_data", "shutdown_workers", "ResumableSampler", "SeededSamples", "EvalSampler"]
 
 _MEAN_STD = {1: ((0.5,), (0.5,)), 3: ((0.5, 0.5, 0.5), (0.25, 0.25, 0.25))}
 
@@ -173,6 +173,15 @@ def _ignore_stop_signals(_worker_id: int) -> None:
     workers end, so they ignore these."""
     for signum in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP):
         signal.signal(signum, signal.SIG_IGN)
+
+
+def shutdown_workers(loader: DataLoader | None) -> None:
+    """Stop a loader's (persistent) workers now. They ignore SIGTERM, so the terminate() that
+    multiprocessing would send at interpreter exit cannot end them: the trainer ends them here."""
+    iterator = getattr(loader, "_iterator", None)
+    if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+        iterator._shutdown_workers()
+        loader._iterator = None
 
 
 def build_data(cfg: TrainConfig, *, rank: int, world_size: int, pin_memory: bool) -> DataBundle:

@@ -33,7 +33,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .checkpoint import CheckpointManager, Loaded, state_sha256
-from .data import build_data
+from .data import build_data, shutdown_workers
 from .deadline import job_deadline, stop_lead
 from .distenv import DistEnv, from_environ
 from .errors import HpcDdpError, UserError
@@ -399,6 +399,10 @@ class Trainer:
         loss, correct, count = totals.tolist()
         return {"eval_loss": loss / max(count, 1), "eval_acc": correct / max(count, 1), "eval_samples": int(count)}
 
+    def close(self) -> None:
+        shutdown_workers(self.data.train)
+        shutdown_workers(self.data.eval)
+
     def _check_handlers(self) -> None:
         lost = self.stop.still_installed()
         if lost:
@@ -419,9 +423,13 @@ def run(spec: JobSpec, run_dir: Path, env: DistEnv | None = None) -> int:
         raise HpcDdpError("this job has no [train] table; the built-in trainer has nothing to do")
     stop = StopFlag((spec.signal, "TERM")).install()
     ctx = _setup(env or from_environ(os.environ, pid=os.getpid()))
+    trainer = None
     try:
-        return Trainer(spec.train, ctx, run_dir, stop, signal_lead=spec.signal_lead).fit()
+        trainer = Trainer(spec.train, ctx, run_dir, stop, signal_lead=spec.signal_lead)
+        return trainer.fit()
     finally:
+        if trainer is not None:
+            trainer.close()
         if ctx.distributed and dist.is_initialized():
             dist.destroy_process_group()
 
