@@ -76,9 +76,11 @@ def latest_checkpoint_step(run_dir: Path) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def attempts_from_events(events: Sequence[dict[str, Any]]) -> list[Attempt]:
+def attempts_from_events(events: Sequence[dict[str, Any]], job_id: str | None = None) -> list[Attempt]:
+    """The attempts recorded in `events`; with `job_id`, only that job's (a new submission of the same
+    run dir is a new job: an earlier job's failures do not stop it)."""
     attempts: list[Attempt] = []
-    for event in events:
+    for event in _of_job(events, job_id):
         kind = event.get("event")
         if kind == "attempt_start":
             if attempts and attempts[-1].ended_at is None:
@@ -96,6 +98,13 @@ def attempts_from_events(events: Sequence[dict[str, Any]]) -> list[Attempt]:
             attempts[-1].cause = event.get("cause") or attempts[-1].cause
             attempts[-1].ended_at = event.get("time") or attempts[-1].ended_at
     return attempts
+
+
+def _of_job(events: Sequence[dict[str, Any]], job_id: str | None) -> list[dict[str, Any]]:
+    if job_id is None:
+        return list(events)
+    starts = [i for i, e in enumerate(events) if e.get("event") == "attempt_start" and str(e.get("job_id")) == job_id]
+    return list(events[starts[0]:]) if starts else []
 
 
 def _count(attempts: Sequence[Attempt], *causes: str) -> int:
@@ -152,11 +161,12 @@ def _limits(run_dir: Path) -> Limits:
 def begin(run_dir: Path, attempt: int, env: dict[str, str] | None = None) -> tuple[bool, str]:
     env = dict(os.environ if env is None else env)
     events = JsonLines(run_dir / "events.jsonl")
-    previous = attempts_from_events(read_jsonl(run_dir / "events.jsonl"))
+    job_id = env.get("SLURM_JOB_ID") or env.get("HPC_DDP_JOB_ID")
+    previous = attempts_from_events(read_jsonl(run_dir / "events.jsonl"), job_id)
     step = latest_checkpoint_step(run_dir)
     ok, reason = decide_begin(previous, step, _limits(run_dir))
-    events.write({"event": "attempt_start", "attempt": attempt, "job_id": env.get("SLURM_JOB_ID") or
-                  env.get("HPC_DDP_JOB_ID"), "nodes": env.get("SLURM_JOB_NODELIST"), "checkpoint_step": step})
+    events.write({"event": "attempt_start", "attempt": attempt, "job_id": job_id,
+                  "nodes": env.get("SLURM_JOB_NODELIST"), "checkpoint_step": step})
     if previous and previous[-1].exit_code is None:
         events.write({"event": "attempt_end", "attempt": previous[-1].number, "exit_code": None, "cause": "killed",
                       "note": "no end record: the job was killed from outside (preempted, requeued or node failure)"})
@@ -167,9 +177,11 @@ def begin(run_dir: Path, attempt: int, env: dict[str, str] | None = None) -> tup
     return ok, reason
 
 
-def end(run_dir: Path, attempt: int, exit_code: int) -> tuple[bool, str]:
+def end(run_dir: Path, attempt: int, exit_code: int, env: dict[str, str] | None = None) -> tuple[bool, str]:
+    env = dict(os.environ if env is None else env)
     events = JsonLines(run_dir / "events.jsonl")
-    attempts = attempts_from_events(read_jsonl(run_dir / "events.jsonl"))
+    job_id = env.get("SLURM_JOB_ID") or env.get("HPC_DDP_JOB_ID")
+    attempts = attempts_from_events(read_jsonl(run_dir / "events.jsonl"), job_id)
     if not attempts:
         attempts = [Attempt(attempt, None)]
     last = attempts[-1]

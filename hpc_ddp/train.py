@@ -40,6 +40,7 @@ from .errors import HpcDdpError, UserError
 from .events import JsonLines
 from .exitcodes import REQUEUE_EXIT_CODE
 from .models import build_model
+from .reduce import ordered_allreduce_hook
 from .spec import JobSpec
 from .stopping import StopFlag
 from .trainconfig import FINGERPRINT_FIELDS, TrainConfig
@@ -174,6 +175,8 @@ class Trainer:
                 self.log("hpc-ddp: sync_bn needs GPUs (SyncBatchNorm has no CPU kernel); using plain BatchNorm")
         if ctx.distributed:
             model = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+            if ctx.device.type == "cpu":
+                model.register_comm_hook(None, ordered_allreduce_hook)  # see reduce.py: exact resume
         return model
 
     def _optimizer(self) -> torch.optim.Optimizer:

@@ -69,17 +69,18 @@ def test_begin_and_end_record_everything(tmp_path):
     spec = build_spec([Layer("c", {"max_preemptions": 1})], target=Target("script", "/t.py"), workdir="/", python="p")
     (tmp_path / "spec.json").write_text(json.dumps(spec.to_dict()))
     (tmp_path / "checkpoints").mkdir()
-    assert attempts.begin(tmp_path, 0, env={})[0]
+    assert attempts.begin(tmp_path, 0, env={"SLURM_JOB_ID": "7"})[0]
     (tmp_path / "checkpoints" / "latest").write_text("step-000000005-r1\n")
     with open(tmp_path / "events.jsonl", "a") as fh:
         fh.write(json.dumps({"event": "start"}) + "\n" + json.dumps({"event": "signal", "cause": "preempted"}) + "\n")
-    assert attempts.end(tmp_path, 0, 75) == (True, "preempted: requeue 1 of at most 1")
-    assert attempts.begin(tmp_path, 1, env={})[0]  # resumes from step 5
+    assert attempts.end(tmp_path, 0, 75, env={"SLURM_JOB_ID": "7"}) == (True, "preempted: requeue 1 of at most 1")
+    assert attempts.begin(tmp_path, 1, env={"SLURM_JOB_ID": "7"})[0]  # resumes from step 5
     with open(tmp_path / "events.jsonl", "a") as fh:
         fh.write(json.dumps({"event": "resume", "step": 5}) + "\n")
     # killed from outside without an end record, and no new checkpoint this time
-    ok, reason = attempts.begin(tmp_path, 2, env={})
+    ok, reason = attempts.begin(tmp_path, 2, env={"SLURM_JOB_ID": "7"})
     assert not ok and "no progress" in reason
     records = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     assert [r["event"] for r in records[-4:]] == ["attempt_start", "attempt_end", "attempt_end", "gave_up"]
     assert records[-3]["cause"] == "killed" and records[-2]["cause"] == "not_admitted"
+    assert attempts.begin(tmp_path, 0, env={"SLURM_JOB_ID": "8"})[0]  # a new job of the same run dir may run

@@ -110,7 +110,7 @@ class LocalExecutor:
             envs = rank_envs(spec, self.job_id, port, _physical_gpus(), attempt, deadline)
             rc = _run_ranks(argv, envs, log_dir, echo=self.echo, cwd=spec.workdir,
                             timeline=_timeline(spec, deadline))
-            requeue, reason = attempts.end(run_dir, attempt, rc)
+            requeue, reason = attempts.end(run_dir, attempt, rc, env={"HPC_DDP_JOB_ID": self.job_id})
             if not requeue:
                 if rc == REQUEUE_EXIT_CODE:
                     _say(f"checkpointed, not restarting: {reason}")
