@@ -49,6 +49,7 @@ class Attempt:
     cause: str | None = None
     started_at: float | None = None
     ended_at: float | None = None
+    checkpointed: bool = False     # the trainer saved at a stop request and asked to be requeued
 
     @property
     def trained(self) -> bool:
@@ -93,6 +94,8 @@ def attempts_from_events(events: Sequence[dict[str, Any]], job_id: str | None = 
             attempts[-1].trainer = True
         elif kind == "signal":
             attempts[-1].cause = event.get("cause")
+        elif kind == "requeue_requested":
+            attempts[-1].checkpointed = True
         elif kind == "attempt_end" and attempts[-1].exit_code is None:
             attempts[-1].exit_code = event.get("exit_code")
             attempts[-1].cause = event.get("cause") or attempts[-1].cause
@@ -185,6 +188,10 @@ def end(run_dir: Path, attempt: int, exit_code: int, env: dict[str, str] | None 
     if not attempts:
         attempts = [Attempt(attempt, None)]
     last = attempts[-1]
+    if last.checkpointed and exit_code != 0:
+        # The trainer's record wins over srun's exit code: with --kill-on-bad-exit, the ranks that were
+        # still exiting after the checkpoint (code 75 counts as "bad") are killed, and srun reports 143.
+        exit_code = REQUEUE_EXIT_CODE
     last.exit_code, last.ended_at = exit_code, time.time()
     if exit_code == REQUEUE_EXIT_CODE:
         last.cause = last.cause or "preempted"

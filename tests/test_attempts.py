@@ -84,3 +84,16 @@ def test_begin_and_end_record_everything(tmp_path):
     assert [r["event"] for r in records[-4:]] == ["attempt_start", "attempt_end", "attempt_end", "gave_up"]
     assert records[-3]["cause"] == "killed" and records[-2]["cause"] == "not_admitted"
     assert attempts.begin(tmp_path, 0, env={"SLURM_JOB_ID": "8"})[0]  # a new job of the same run dir may run
+
+
+def test_a_checkpointed_attempt_is_requeued_whatever_srun_reports(tmp_path):
+    from hpc_ddp.spec import Layer, Target, build_spec
+
+    spec = build_spec([Layer("c", {})], target=Target("trainer", "/j.toml"), workdir="/", python="p")
+    (tmp_path / "spec.json").write_text(json.dumps(spec.to_dict()))
+    env = {"SLURM_JOB_ID": "9"}
+    assert attempts.begin(tmp_path, 0, env=env)[0]
+    with open(tmp_path / "events.jsonl", "a") as fh:
+        for event in ({"event": "start"}, {"event": "signal", "cause": "time_limit"}, {"event": "requeue_requested"}):
+            fh.write(json.dumps(event) + "\n")
+    assert attempts.end(tmp_path, 0, 143, env=env) == (True, "time_limit: requeue 1 of at most 10")

@@ -86,6 +86,7 @@ class LocalExecutor:
         spec = plan.spec
         pid_file = run_dir / PID_FILE
         pid_file.write_text(f"{os.getpid()} {self.job_id}\n")
+        record_submission(Submission("local", self.job_id, str(run_dir), None, state="RUNNING"))
         try:
             rc = self._attempts(spec, run_dir)
         finally:

@@ -8,10 +8,13 @@ executor uses.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 from ..errors import SubmitError
+from ..exitcodes import REQUEUE_EXIT_CODE
 from ..render import SPEC_NAME
 from ..spec import JobSpec
 from .base import Plan, Submission, record_submission, write_run_dir
@@ -43,25 +46,83 @@ def submitit_parameters(spec: JobSpec) -> dict:
 
 
 class RankTask:
-    """What submitit runs in each task: the user's program with the per-rank environment."""
+    """What submitit runs in each task: the user's program (or the trainer) with the per-rank environment.
+
+    It is submitit-checkpointable without double handling of signals: the program (a child process)
+    receives Slurm's signals itself and checkpoints; submitit's handler, on global rank 0, only calls
+    `checkpoint()`, which waits for the child to finish saving and then lets submitit requeue the same
+    task. A child that stops on its own (exit 75, e.g. before its time limit) is requeued by rank 0 with
+    scontrol, as the batch script would; the shared requeue policy (`attempts`) decides either way.
+    """
 
     def __init__(self, spec_path: str):
         self.spec_path = spec_path
+        self._child: subprocess.Popen | None = None
+        self._handled_by_submitit = False
+        self._attempt: tuple[Path, int] | None = None
+        self._env: dict[str, str] = {}
+
+    def __getstate__(self) -> dict:
+        return {"spec_path": self.spec_path}  # a running child cannot (and must not) be pickled
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["spec_path"])
 
     def __call__(self) -> int:
+        from .. import attempts
         from ..runner import prepare  # on the compute node
 
         argv, env = prepare(self.spec_path)
-        log_dir = Path(env["HPC_DDP_RUN_DIR"]) / "logs" / f"job-{env.get('HPC_DDP_JOB_ID', 'unknown')}" / \
-            f"attempt-{env.get('HPC_DDP_RESTART_COUNT', '0')}"
+        run_dir, rank = Path(env["HPC_DDP_RUN_DIR"]), int(env["RANK"])
+        attempt = int(env.get("SLURM_RESTART_COUNT") or 0)
+        if rank == 0:
+            self._attempt, self._env = (run_dir, attempt), env
+            ok, reason = attempts.begin(run_dir, attempt, env)
+            if not ok:
+                print(f"hpc-ddp: not running attempt {attempt}: {reason}", flush=True)
+                return attempts.NOT_ADMITTED_EXIT_CODE
+        log_dir = run_dir / "logs" / f"job-{env.get('HPC_DDP_JOB_ID', 'unknown')}" / f"attempt-{attempt}"
         log_dir.mkdir(parents=True, exist_ok=True)
-        log_path = log_dir / f"rank-{env['RANK']}.log"
-        print(f"hpc-ddp: rank {env['RANK']} output goes to {log_path}", flush=True)
+        log_path = log_dir / f"rank-{rank}.log"
+        print(f"hpc-ddp: rank {rank} output goes to {log_path}", flush=True)
         with open(log_path, "ab") as log:
-            rc = subprocess.call(argv, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=os.getcwd())
-        if rc != 0:
-            raise RuntimeError(f"rank {env['RANK']} exited with code {rc}; see {log_path}")
+            self._child = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=os.getcwd())
+            rc = self._child.wait()
+        if rank == 0 and not self._handled_by_submitit:
+            requeue, reason = attempts.end(run_dir, attempt, rc, env)
+            print(f"hpc-ddp: attempt {attempt} ended: {reason}", flush=True)
+            if requeue:
+                job = env.get("SLURM_JOB_ID", "")
+                subprocess.run(["scontrol", "requeue", job], check=False)
+                time.sleep(600)  # the requeue ends this task; returning now would mark the job done
+        if rc not in (0, REQUEUE_EXIT_CODE):
+            raise RuntimeError(f"rank {rank} exited with code {rc}; see {log_path}")
         return rc
+
+    def checkpoint(self, *args, **kwargs):
+        """Called by submitit's signal handler (rank 0 only): wait for our child's checkpoint, then let
+        submitit requeue this same task; the next attempt resumes from the checkpoint."""
+        import submitit
+
+        self._handled_by_submitit = True
+        child = self._child
+        if child is not None and child.poll() is None:
+            child.send_signal(signal.SIGUSR2)  # in case Slurm signalled only submitit's process
+            # Not child.wait(): this runs in a signal handler that interrupted __call__'s own wait(),
+            # which holds Popen's wait lock. Reap the child directly.
+            deadline = time.monotonic() + 600
+            while time.monotonic() < deadline:
+                pid, status = os.waitpid(child.pid, os.WNOHANG)
+                if pid:
+                    child.returncode = os.waitstatus_to_exitcode(status)
+                    break
+                time.sleep(0.1)
+        if self._attempt is not None:
+            from .. import attempts
+
+            attempts.end(*self._attempt, child.returncode if child and child.returncode is not None else 1,
+                         self._env)
+        return submitit.helpers.DelayedSubmission(RankTask(self.spec_path))
 
 
 class SubmititExecutor:
@@ -82,7 +143,8 @@ class SubmititExecutor:
         import submitit
 
         run_dir = write_run_dir(plan)
-        executor = submitit.SlurmExecutor(folder=str(run_dir / "submitit" / "%j"), python=plan.spec.python)
+        executor = submitit.SlurmExecutor(folder=str(run_dir / "submitit" / "%j"), python=plan.spec.python,
+                                          max_num_timeout=plan.spec.max_requeues)
         executor.update_parameters(**submitit_parameters(plan.spec))
         old_cwd = os.getcwd()
         try:

@@ -90,6 +90,9 @@ def last_step(run_dir: Path) -> int:
 def release_when_requeued(job_id: str, timeout: float = 60) -> None:
     """A requeued job waits ~120 s before it may start again; tests start it at once."""
     wait_until(lambda: job_field(job_id, "JobState") == "PENDING", timeout, f"job {job_id} to be requeued")
+    # Slurm is still cleaning up the previous run of the job for a moment (that is what the delay is
+    # for); starting it again at once gets "Job credential revoked".
+    time.sleep(5)
     subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], capture_output=True)
 
 

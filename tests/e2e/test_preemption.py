@@ -4,6 +4,7 @@ signal -> checkpoint -> requeue -> exact resume, caps, and no requeue loops."""
 import json
 import random
 import subprocess
+import sys
 
 import pytest
 
@@ -86,13 +87,14 @@ def test_preempted_twice_and_warned_once_ends_bitwise_identical(slurm_conf, work
     assert [a["ended"] for a in status["attempts"]] == ["preempted", "preempted", "preempted", "completed"]
     logs = hpc_ddp("logs", job, cwd=workspace).stdout
     assert "[attempt 3 rank 0]" in logs and "resumed from" in logs
-    assert "[attempt 0 rank 3]" in logs
+    rank_logs = sorted(p.relative_to(run_dir).as_posix() for p in run_dir.glob("logs/job-*/attempt-*/rank-*.log"))
+    assert rank_logs == [f"logs/job-{job}/attempt-{a}/rank-{r}.log" for a in range(4) for r in range(4)]
 
 
 def test_time_limit_signals_checkpoints_requeues_and_finishes(slurm_conf, workspace):
     (workspace / "long.toml").write_text(
         'nodes = 2\ngpus = 2\n[train]\ndataset = "fake"\nfake_size = 256\nimage_size = 8\nmodel = "mlp"\n'
-        'epochs = 400\nbatch_size = 16\nnum_workers = 0\nlog_every = 50\neval_every_epoch = false\n')
+        'epochs = 150\nbatch_size = 16\nnum_workers = 0\nlog_every = 50\neval_every_epoch = false\n')
     job = submit_json("--time", "1", "--signal-lead", "20", "--run-dir", "tl", "long.toml", cwd=workspace)["job_id"]
     run_dir = workspace / "tl"
     for _ in range(6):
@@ -150,3 +152,38 @@ def test_checkpointed_job_without_progress_is_not_requeued_in_a_loop(slurm_conf,
     reasons = [e["reason"] for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "gave_up"]
     assert reasons and ("before training started" in reasons[-1] or "no progress" in reasons[-1])
     assert int(job_field(job, "Restarts")) <= 1
+
+
+def test_submitit_preempted_and_warned_ends_bitwise_identical(slurm_conf, workspace, baseline):
+    job = submit_json("--executor", "submitit", "--run-dir", "si", "job.toml", cwd=workspace)["job_id"]
+    run_dir = workspace / "si"
+    at = 0
+    for round_, how in enumerate(("requeue", "warning")):
+        at = max(at, last_step(run_dir)) + 30
+        wait_until(lambda: last_step(run_dir) >= at, 240, f"step {at}")
+        if how == "requeue":
+            subprocess.run(["scontrol", "requeue", job], check=True)
+        else:
+            subprocess.run(["scancel", "--signal=USR2", job], check=True)
+        release_when_requeued(job)
+    assert wait_for_job(job, timeout=300) == "COMPLETED", (run_dir / "events.jsonl").read_text()
+    assert _sha(run_dir) == baseline
+    events = read_jsonl(run_dir / "events.jsonl")
+    assert [e["event"] for e in events].count("resume") == 2
+
+
+def test_local_preempted_and_warned_ends_bitwise_identical(workspace, baseline):
+    proc = subprocess.Popen([sys.executable, "-m", "hpc_ddp", "submit", "--executor", "local", "--nodes", "2",
+                             "--tasks-per-node", "2", "--run-dir", "lo", "job.toml"], cwd=workspace,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    run_dir = workspace / "lo"
+    at = 0
+    for sig in ("TERM", None):
+        at = max(at, last_step(run_dir)) + 30
+        wait_until(lambda: last_step(run_dir) >= at, 240, f"step {at}")
+        args = ["preempt", "lo"] + (["--signal", sig] if sig else [])
+        assert hpc_ddp(*args, cwd=workspace).returncode == 0
+        wait_until(lambda: last_step(run_dir) > at + 5, 120, "the resumed run")
+    assert proc.wait(timeout=300) == 0
+    assert _sha(run_dir) == baseline
+    assert [e["event"] for e in read_jsonl(run_dir / "events.jsonl")].count("resume") == 2
