@@ -35,7 +35,14 @@ def write_script(directory: Path, name: str, text: str) -> Path:
     return path
 
 
-@pytest.fixture(autouse=True)
-def _private_registry(tmp_path_factory, monkeypatch):
-    """Tests record their runs in a registry of their own, never in the user's."""
-    monkeypatch.setenv("HPC_DDP_REGISTRY", str(tmp_path_factory.getbasetemp() / "registry.jsonl"))
+@pytest.fixture(autouse=True, scope="session")
+def _private_registry(tmp_path_factory):
+    """Tests (and the hpc-ddp processes they start) record their runs in a registry of their own, never
+    in the user's. Session-scoped and set in os.environ, so module-scoped fixtures see it too."""
+    previous = os.environ.get("HPC_DDP_REGISTRY")
+    os.environ["HPC_DDP_REGISTRY"] = str(tmp_path_factory.getbasetemp() / "registry.jsonl")
+    yield
+    if previous is None:
+        os.environ.pop("HPC_DDP_REGISTRY", None)
+    else:
+        os.environ["HPC_DDP_REGISTRY"] = previous
