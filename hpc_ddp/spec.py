@@ -17,6 +17,7 @@ from typing import Any
 from .errors import SpecError
 from .slurmtime import parse_time
 from .trainconfig import TrainConfig, parse_train
+from .values import choice, count, flag, number
 
 __all__ = ["JobSpec", "Target", "Layer", "build_spec", "SPEC_KEYS", "PROFILE_KEYS", "directive_safe"]
 
@@ -108,50 +109,6 @@ class Layer:
 
 
 # ---- value parsers: raw (str from a flag, or a TOML value) -> typed; raise SpecError(reason) ----
-
-def _count(minimum: int) -> Callable[[Any], int]:
-    def parse(raw: Any) -> int:
-        if isinstance(raw, bool):
-            raise ValueError("expected a whole number")
-        try:
-            value = int(str(raw).strip())
-        except ValueError:
-            raise ValueError(f"{raw!r} is not a whole number") from None
-        if value < minimum:
-            raise ValueError(f"{value} is below the minimum of {minimum}")
-        return value
-    return parse
-
-
-def _positive_float(raw: Any) -> float:
-    try:
-        value = float(raw)
-    except (TypeError, ValueError):
-        raise ValueError(f"{raw!r} is not a number") from None
-    if not value > 0:
-        raise ValueError(f"{value} must be greater than 0")
-    return value
-
-
-def _choice(options: Sequence[str]) -> Callable[[Any], str]:
-    def parse(raw: Any) -> str:
-        value = str(raw).strip().lower()
-        if value not in options:
-            raise ValueError(f"{raw!r} is not one of {', '.join(options)}")
-        return value
-    return parse
-
-
-def _bool(raw: Any) -> bool:
-    if isinstance(raw, bool):
-        return raw
-    text = str(raw).strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{raw!r} is not true or false")
-
 
 def directive_safe(value: str) -> str:
     """A value that can sit inside an `#SBATCH` line without ending it or starting a comment."""
@@ -265,13 +222,13 @@ def _sbatch_args(raw: Any) -> tuple[str, ...]:
 
 
 PARSERS: dict[str, Callable[[Any], Any]] = {
-    "nodes": _count(1), "gpus": _count(0), "tasks_per_node": _count(1), "cpus_per_task": _count(1),
+    "nodes": count(1), "gpus": count(0), "tasks_per_node": count(1), "cpus_per_task": count(1),
     "mem": _mem, "time": _time, "partition": _token, "account": _token, "qos": _token,
-    "constraint": _token, "job_name": _name, "executor": _choice(EXECUTORS), "run_dir": _string,
-    "sbatch_args": _sbatch_args, "gpu_request": _choice(GPU_REQUESTS), "gpu_bind": _choice(GPU_BINDS),
+    "constraint": _token, "job_name": _name, "executor": choice(EXECUTORS), "run_dir": _string,
+    "sbatch_args": _sbatch_args, "gpu_request": choice(GPU_REQUESTS), "gpu_bind": choice(GPU_BINDS),
     "setup": _lines, "scratch": _string, "template": _string, "signal": _signal,
-    "signal_lead": _count(10), "max_requeues": _count(0), "max_preemptions": _count(0), "pass_local_rank": _bool,
-    "epochs": _count(1), "lr": _positive_float, "batch_size": _count(1), "python": _string,
+    "signal_lead": count(10), "max_requeues": count(0), "max_preemptions": count(0), "pass_local_rank": flag,
+    "epochs": count(1), "lr": number(0.0, strict=True), "batch_size": count(1), "python": _string,
     "profile": _token, "script": _string, "module": _string, "args": _args, "train": parse_train,
 }
 SPEC_KEYS = frozenset(PARSERS)

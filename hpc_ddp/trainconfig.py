@@ -11,6 +11,10 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from .values import choice as _choice
+from .values import count as _int
+from .values import number
+
 __all__ = ["TrainConfig", "parse_train", "FINGERPRINT_FIELDS"]
 
 DATASETS = ("mnist", "cifar10", "imagefolder", "fake")
@@ -59,44 +63,8 @@ FINGERPRINT_FIELDS = ("dataset", "model", "num_classes", "image_size", "epochs",
 _MODEL_RE = re.compile(r"^([a-z][a-z0-9_]*|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$")
 
 
-def _int(minimum: int):
-    def parse(value: Any) -> int:
-        if isinstance(value, bool) or not isinstance(value, (int, str)):
-            raise ValueError(f"{value!r} is not a whole number")
-        try:
-            number = int(value)
-        except ValueError:
-            raise ValueError(f"{value!r} is not a whole number") from None
-        if number < minimum:
-            raise ValueError(f"{number} is below the minimum of {minimum}")
-        return number
-    return parse
-
-
-def _float(minimum: float, strict: bool = False):
-    def parse(value: Any) -> float:
-        if isinstance(value, bool):
-            raise ValueError(f"{value!r} is not a number")
-        try:
-            number = float(value)
-        except (TypeError, ValueError):
-            raise ValueError(f"{value!r} is not a number") from None
-        if number < minimum or (strict and number == minimum):
-            raise ValueError(f"{number} must be {'greater than' if strict else 'at least'} {minimum}")
-        return number
-    return parse
-
-
-def _choice(options):
-    def parse(value: Any) -> str:
-        if str(value).lower() not in options:
-            raise ValueError(f"{value!r} is not one of {', '.join(options)}")
-        return str(value).lower()
-    return parse
-
-
 def _bool(value: Any) -> bool:
-    if not isinstance(value, bool):
+    if not isinstance(value, bool):  # TOML has real booleans; "yes" is more likely a mistake
         raise ValueError(f"{value!r} is not true or false")
     return value
 
@@ -116,13 +84,13 @@ def _path(value: Any) -> str:
 _PARSERS = {
     "dataset": _choice(DATASETS), "data_dir": _path, "model": _model, "num_classes": _int(2),
     "image_size": _int(8), "epochs": _int(1), "max_steps": _int(0), "batch_size": _int(1),
-    "grad_accum": _int(1), "optimizer": _choice(OPTIMIZERS), "lr": _float(0.0, strict=True),
-    "momentum": _float(0.0), "weight_decay": _float(0.0), "warmup_steps": _int(0),
+    "grad_accum": _int(1), "optimizer": _choice(OPTIMIZERS), "lr": number(0.0, strict=True),
+    "momentum": number(0.0), "weight_decay": number(0.0), "warmup_steps": _int(0),
     "schedule": _choice(("cosine", "constant")), "precision": _choice(PRECISIONS), "sync_bn": _bool,
-    "clip_grad": _float(0.0), "num_workers": _int(0), "seed": _int(0), "augment": _bool,
-    "eval_every_epoch": _bool, "checkpoint_every_steps": _int(0), "checkpoint_every_minutes": _float(0.0),
+    "clip_grad": number(0.0), "num_workers": _int(0), "seed": _int(0), "augment": _bool,
+    "eval_every_epoch": _bool, "checkpoint_every_steps": _int(0), "checkpoint_every_minutes": number(0.0),
     "keep_checkpoints": _int(2), "log_every": _int(1), "fake_size": _int(1),
-    "stop_lead_seconds": _float(0.0),
+    "stop_lead_seconds": number(0.0),
 }
 assert set(_PARSERS) == {f.name for f in dataclasses.fields(TrainConfig)}
 
