@@ -34,6 +34,10 @@ test: install
 	@set -o pipefail; eval "$$(bash tests/slurm/slurm-up.sh | tail -n 1)"; \
 	$(PY) -m pytest -q tests; rc=$$?; bash tests/slurm/slurm-down.sh; exit $$rc
 
+# Our trainer against a plain hand-written DDP loop (CPU, 2 ranks); writes bench/results.json.
+bench: install
+	$(PY) bench/run.py
+
 # Unit and CLI tests only (no Slurm, no DDP processes).
 test-fast: install
 	$(PY) -m pytest -q -m 'not slurm and not e2e' tests

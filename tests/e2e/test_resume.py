@@ -84,7 +84,7 @@ def test_stop_and_resume_is_bitwise_exact(workspace, baseline, name, stop_at):
     assert sha == baseline[0]
     assert losses == baseline[1]  # every step logged once, with the very same loss
     events = [e["event"] for e in read_jsonl(workspace / name / "events.jsonl")]
-    assert events.count("resume") == len(stops) and events[-1] == "finish"
+    assert events.count("resume") == len(stops) and events[-2:] == ["finish", "attempt_end"]
 
 
 def test_kill_without_checkpoint_replays_from_the_last_one(workspace, baseline):

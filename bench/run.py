@@ -1,0 +1,89 @@
+"""`make bench`: our trainer against the plain hand-written DDP loop, side by side in one run.
+
+Same model (the small CNN), data (a generated MNIST-format set read by torchvision's MNIST), batch size,
+loader workers and world size (2 ranks, gloo, CPU), both started by the local executor; runs are
+interleaved A/B and repeated, and the median samples/s of each is compared. Writes bench/results.json.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from hpc_ddp.datagen import write_mnist
+from hpc_ddp.events import read_jsonl
+
+REPO = Path(__file__).resolve().parent.parent
+STEPS, BATCH, WORKERS, REPEATS = 200, 32, 2, 3
+
+JOB = """nodes = 1
+tasks_per_node = 2
+[train]
+dataset = "mnist"
+data_dir = "{data}"
+model = "cnn"
+epochs = 1
+max_steps = {steps}
+batch_size = {batch}
+lr = 0.05
+num_workers = {workers}
+log_every = 10
+eval_every_epoch = false
+"""
+
+
+def hpc_ddp(*args: str, cwd: Path) -> None:
+    subprocess.run([sys.executable, "-m", "hpc_ddp", "submit", "--executor", "local", *args], cwd=cwd, check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def plain(work: Path, data: Path, n: int) -> float:
+    out = work / f"plain-{n}.json"
+    hpc_ddp("--tasks-per-node", "2", "--run-dir", str(work / f"plain-{n}"), str(REPO / "bench" / "plain_ddp.py"),
+            "--", str(data), str(STEPS), str(BATCH), str(WORKERS), str(out), cwd=work)
+    return json.loads(out.read_text())["samples_per_s"]
+
+
+def ours(work: Path, job: Path, n: int) -> float:
+    run_dir = work / f"ours-{n}"
+    hpc_ddp("--run-dir", str(run_dir), str(job), cwd=work)
+    records = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r]
+    first, last = records[0], records[-1]  # step 10 and the last step: start-up excluded, as for plain
+    return (last["step"] - first["step"]) * BATCH * 2 / (last["time"] - first["time"])
+
+
+def main() -> int:
+    with tempfile.TemporaryDirectory(prefix="hpc-ddp-bench-") as tmp:
+        work = Path(tmp)
+        data = write_mnist(work / "mnist", train=STEPS * BATCH * 2 + 512, test=64)
+        job = work / "job.toml"
+        job.write_text(JOB.format(data=data, steps=STEPS, batch=BATCH, workers=WORKERS))
+        a, b = [], []
+        for n in range(REPEATS):  # interleaved, so drifts in machine load hit both alike
+            a.append(plain(work, data, n))
+            b.append(ours(work, job, n))
+    result = {
+        "machine": f"{platform.node()} {platform.machine()} {platform.python_version()}",
+        "setup": {"world_size": 2, "backend": "gloo", "steps": STEPS, "batch_per_rank": BATCH,
+                  "loader_workers": WORKERS, "repeats": REPEATS},
+        "throughput": {"plain_samples_per_s": a, "ours_samples_per_s": b,
+                       "plain_median": statistics.median(a), "ours_median": statistics.median(b),
+                       "ratio": statistics.median(b) / statistics.median(a), "target": ">= 1.00"},
+    }
+    out = REPO / "bench" / "results.json"
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    t = result["throughput"]
+    print(f"{'':28}{'plain DDP loop':>16}{'hpc-ddp trainer':>17}{'ratio':>8}")
+    print(f"{'samples/s (median of ' + str(REPEATS) + ')':28}{t['plain_median']:>16,.0f}{t['ours_median']:>17,.0f}"
+          f"{t['ratio']:>8.2f}")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
