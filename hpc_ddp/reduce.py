@@ -5,8 +5,8 @@ in its bucket. DDP lays its buckets out one way for the first iteration after it
 way once it has seen the gradients' order, so after a resume the first step's gradients can differ in
 the last bit from the uninterrupted run's (world size > 2; with two ranks addition commutes). Summing
 the gathered buckets in rank order, g0 + g1 + g2 + ..., makes every step independent of the layout,
-hence bitwise-exact resume on CPU. Used with gloo only: it moves world_size x the bucket, which is
-cheap on CPU but not what NCCL on GPUs should do.
+hence bitwise-exact resume on CPU. Used with gloo and more than two ranks only: it moves world_size x
+the bucket, which costs more than a ring all-reduce, and two ranks need no help.
 """
 
 # No `from __future__ import annotations` here: DDP checks the hook's annotations at runtime and

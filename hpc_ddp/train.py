@@ -175,7 +175,7 @@ class Trainer:
                 self.log("hpc-ddp: sync_bn needs GPUs (SyncBatchNorm has no CPU kernel); using plain BatchNorm")
         if ctx.distributed:
             model = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
-            if ctx.device.type == "cpu":
+            if ctx.device.type == "cpu" and ctx.env.world_size > 2:
                 model.register_comm_hook(None, ordered_allreduce_hook)  # see reduce.py: exact resume
         return model
 
