@@ -184,7 +184,7 @@ def test_light_commands_do_not_import_torch(project):
     code = ("import sys\nfrom click.testing import CliRunner\nfrom hpc_ddp.cli import cli\n"
             "r = CliRunner()\n"
             "for args in (['--help'], ['env', '--json'], ['submit', '--dry-run', '--nodes', '2', 'train.py'],"
-            " ['submit', '--help']):\n"
+            " ['submit', '--help'], ['list']):\n"
             "    res = r.invoke(cli, args)\n    assert res.exit_code == 0, res.output\n"
             "bad = [m for m in ('torch', 'submitit', 'torchvision') if m in sys.modules]\n"
             "print(','.join(bad) or 'clean')\n")
