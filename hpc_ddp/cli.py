@@ -310,6 +310,21 @@ def plot(run_dir: str, output: str | None) -> None:
     click.echo(f"Wrote {path}")
 
 
+@cli.command("stage")
+@click.argument("src", type=click.Path(exists=True))
+@click.option("--dest", help="Node-local directory to stage into [default: $SLURM_TMPDIR, else $TMPDIR, else /tmp].")
+@click.option("--name", help="Name of the staged copy [default: the source's name].")
+@click.option("--checksums", is_flag=True, help="Verify sha256 of every file, not only sizes.")
+def stage_cmd(src: str, dest: str | None, name: str | None, checksums: bool) -> None:
+    """Copy or extract a dataset to node-local disk, once per node, verified (what jobs do before training)."""
+    from .staging import stage
+
+    scratch = dest or os.environ.get("SLURM_TMPDIR") or os.environ.get("TMPDIR") or "/tmp"
+    result = stage(src, Path(scratch) / "hpc-ddp-datasets" if not dest else Path(dest), name=name,
+                   checksums=checksums, log=lambda m: click.echo(m, err=True))
+    click.echo(str(result.path))
+
+
 # ---- watching and managing ----
 
 @cli.command()

@@ -1,0 +1,297 @@
+"""Dataset staging: copy (or extract) a dataset from the shared filesystem to node-local disk, once per
+node, race-free and verified.
+
+    stage(src, scratch, name=...) -> the staged directory
+
+- One stager per node and dataset: an exclusive `flock` on a lock file *on the local disk* (file locks on
+  Lustre/GPFS/NFS can silently succeed for everyone). Other callers block on the lock, then find the
+  completed copy and reuse it.
+- Never a half-written dataset: the copy goes to `.NAME.tmp-*` beside the target, is verified against a
+  manifest of the source (sizes; sha256 when asked), renamed into place, and only then is the
+  completion marker written (atomically). A stager killed mid-copy leaves only a temp dir, which the
+  next stager removes before starting again.
+- Reuse: a marker whose source key (path, and every file's size and mtime) matches means "already
+  staged": a requeued job on the same node does not copy again.
+- Archives (.tar, .tar.gz, .tgz, .zip) are extracted with the same care; members with absolute paths,
+  `..`, or links pointing outside are refused before anything is written.
+- Free space is checked first, naming what is needed and what is available.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import stat
+import tarfile
+import time
+import uuid
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+
+from .errors import HpcDdpError, UserError
+
+__all__ = ["stage", "StagingError", "source_manifest", "ARCHIVE_SUFFIXES", "StageResult"]
+
+ARCHIVE_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".zip")
+MARKER_SUFFIX = ".complete.json"
+SPACE_MARGIN = 1.05
+
+
+class StagingError(HpcDdpError):
+    """Staging failed (disk full, copy mismatch, ...)."""
+
+
+class HostileArchive(UserError):
+    """An archive member would land outside the target directory."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StageResult:
+    path: Path
+    copied: bool          # False: an existing verified copy was reused
+    files: int
+    bytes: int
+    seconds: float
+
+
+def is_archive(src: Path) -> bool:
+    return src.is_file() and src.name.endswith(ARCHIVE_SUFFIXES)
+
+
+def source_manifest(src: Path, checksums: bool = False) -> dict[str, dict]:
+    """relative path -> {size[, sha256]} for every regular file under `src` (or of the archive itself)."""
+    if src.is_file():
+        return {src.name: _entry(src, checksums)}
+    out = {}
+    for root, _dirs, files in os.walk(src):
+        for name in files:
+            path = Path(root, name)
+            out[path.relative_to(src).as_posix()] = _entry(path, checksums)
+    return out
+
+
+def _entry(path: Path, checksums: bool) -> dict:
+    info = path.stat()
+    entry = {"size": info.st_size, "mtime_ns": info.st_mtime_ns}
+    if checksums:
+        entry["sha256"] = _sha256(path)
+    return entry
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _source_key(src: Path, manifest: dict[str, dict]) -> str:
+    text = json.dumps({"src": str(src.resolve()), "files": manifest}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def stage(src: str | os.PathLike, scratch: str | os.PathLike, *, name: str | None = None, checksums: bool = False,
+          lock_timeout: float = 3600, log: Callable[[str], None] = print) -> StageResult:
+    """Stage `src` (a directory or an archive) into `scratch`/NAME; return where it is."""
+    src = Path(src)
+    if not src.exists():
+        raise UserError(f"dataset source {str(src)!r} does not exist")
+    name = name or src.name.split(".")[0]
+    root = Path(scratch)
+    root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    manifest = source_manifest(src, checksums)
+    key = _source_key(src, manifest)
+    target, marker = root / name, root / f"{name}{MARKER_SUFFIX}"
+    with _exclusive(root / f".{name}.lock", lock_timeout, log):
+        if _complete(target, marker, key):
+            log(f"hpc-ddp stage: {name}: reusing the verified copy in {target}")
+            return StageResult(target, False, len(manifest), _total(manifest), 0.0)
+        return _stage_locked(src, target, marker, key, manifest, checksums, log)
+
+
+def _stage_locked(src: Path, target: Path, marker: Path, key: str, manifest: dict[str, dict], checksums: bool,
+                  log: Callable[[str], None]) -> StageResult:
+    root = target.parent
+    for leftover in root.glob(f".{target.name}.tmp-*"):
+        shutil.rmtree(leftover, ignore_errors=True)  # a stager that died mid-copy
+    marker.unlink(missing_ok=True)
+    if target.exists():
+        shutil.rmtree(target)  # stale: the source changed
+    needed = _total(manifest) if not is_archive(src) else _archive_size(src)
+    _check_space(root, needed, target.name)
+    tmp = root / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
+    started = time.monotonic()
+    if is_archive(src):
+        files = _extract(src, tmp)
+    else:
+        shutil.copytree(src, tmp, copy_function=shutil.copy2, symlinks=False)
+        files = _verify(tmp, manifest, checksums)
+    _fsync_tree(tmp)
+    os.rename(tmp, target)
+    _fsync_dir(root)
+    _write_marker(marker, {"key": key, "source": str(src), "files": files[0], "bytes": files[1]})
+    seconds = time.monotonic() - started
+    log(f"hpc-ddp stage: {target.name}: {files[0]} files, {files[1] / 1e6:.1f} MB in {seconds:.1f} s "
+        f"({files[1] / 1e6 / max(seconds, 1e-9):.0f} MB/s) -> {target}")
+    return StageResult(target, True, files[0], files[1], seconds)
+
+
+def _total(manifest: dict[str, dict]) -> int:
+    return sum(entry["size"] for entry in manifest.values())
+
+
+def _check_space(root: Path, needed: int, name: str) -> None:
+    free = shutil.disk_usage(root).free
+    if needed * SPACE_MARGIN > free:
+        raise StagingError(f"not enough space to stage {name} in {root}: needs {needed / 1e9:.2f} GB, "
+                           f"{free / 1e9:.2f} GB free",
+                           hint="choose another scratch directory (profile `scratch`) or read the data in place")
+
+
+def _verify(tmp: Path, manifest: dict[str, dict], checksums: bool) -> tuple[int, int]:
+    copied = source_manifest(tmp, checksums)
+    missing = sorted(set(manifest) - set(copied))
+    if missing:
+        raise StagingError(f"staged copy is missing {len(missing)} file(s), e.g. {missing[0]}")
+    for rel, want in manifest.items():
+        got = copied[rel]
+        if got["size"] != want["size"] or (checksums and got.get("sha256") != want.get("sha256")):
+            raise StagingError(f"staged copy of {rel} does not match the source (size or sha256)")
+    return len(manifest), _total(manifest)
+
+
+# ---- archives ----
+
+def _archive_size(src: Path) -> int:
+    if src.name.endswith(".zip"):
+        with zipfile.ZipFile(src) as zf:
+            return sum(i.file_size for i in zf.infolist())
+    with tarfile.open(src) as tf:
+        return sum(m.size for m in tf.getmembers() if m.isfile())
+
+
+def _extract(src: Path, tmp: Path) -> tuple[int, int]:
+    tmp.mkdir(mode=0o700)
+    if src.name.endswith(".zip"):
+        return _extract_zip(src, tmp)
+    with tarfile.open(src) as tf:
+        members = tf.getmembers()
+        _refuse_outside(src, tmp, [(m.name, m.linkname if (m.issym() or m.islnk()) else None) for m in members])
+        try:
+            tf.extractall(tmp, members=members, filter="data")  # PEP 706: refuses absolute, .., outside links
+        except tarfile.FilterError as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise HostileArchive(f"refusing archive {src}: {exc}") from None
+    files = [m for m in members if m.isfile()]
+    for m in files:
+        if (tmp / m.name).stat().st_size != m.size:
+            raise StagingError(f"extracted {m.name} has the wrong size")
+    return len(files), sum(m.size for m in files)
+
+
+def _refuse_outside(src: Path, tmp: Path, members: list[tuple[str, str | None]]) -> None:
+    """Refuse, before writing anything, members with absolute paths or `..`, and links that point outside.
+    (tarfile's `data` filter would silently strip a leading `/`; we want the archive refused instead.)"""
+    for name, link in members:
+        path = Path(name)
+        bad = path.is_absolute() or ".." in path.parts
+        if link is not None:
+            bad = bad or Path(link).is_absolute() or not _inside(tmp / path.parent / link, tmp)
+        if bad:
+            shutil.rmtree(tmp, ignore_errors=True)
+            what = f"link {name!r} -> {link!r}" if link is not None and not path.is_absolute() else f"member {name!r}"
+            raise HostileArchive(f"refusing archive {src}: {what} would land outside the target directory")
+
+
+def _inside(path: Path, root: Path) -> bool:
+    return os.path.normpath(path).startswith(os.path.normpath(root) + os.sep)
+
+
+def _extract_zip(src: Path, tmp: Path) -> tuple[int, int]:
+    with zipfile.ZipFile(src) as zf:
+        infos = zf.infolist()
+        for info in infos:
+            if stat.S_ISLNK(info.external_attr >> 16):
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise HostileArchive(f"refusing archive {src}: member {info.filename!r} is a link")
+        _refuse_outside(src, tmp, [(i.filename, None) for i in infos])
+        zf.extractall(tmp)
+    files = [i for i in infos if not i.is_dir()]
+    for info in files:
+        if (tmp / info.filename).stat().st_size != info.file_size:
+            raise StagingError(f"extracted {info.filename} has the wrong size")
+    return len(files), sum(i.file_size for i in files)
+
+
+# ---- durability and locking ----
+
+def _complete(target: Path, marker: Path, key: str) -> bool:
+    try:
+        data = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return False
+    return data.get("key") == key and target.is_dir()
+
+
+def _write_marker(marker: Path, data: dict) -> None:
+    tmp = marker.with_name(f".{marker.name}.tmp-{uuid.uuid4().hex[:8]}")
+    with open(tmp, "w") as fh:
+        json.dump(data, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, marker)
+    _fsync_dir(marker.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(dirpath))
+
+
+class _exclusive:
+    """flock on a local-disk lock file, polling so a stuck stager is reported instead of waited on forever."""
+
+    def __init__(self, path: Path, timeout: float, log: Callable[[str], None]):
+        self.path, self.timeout, self.log = path, timeout, log
+        self.fd = -1
+
+    def __enter__(self):
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        deadline, said = time.monotonic() + self.timeout, False
+        while True:
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return self
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    os.close(self.fd)
+                    raise StagingError(f"timed out after {self.timeout:.0f} s waiting for another stager "
+                                       f"holding {self.path}", hint="see local rank 0's log on this node")
+                if not said:
+                    self.log(f"hpc-ddp stage: waiting for the stager on this node ({self.path.name})")
+                    said = True
+                time.sleep(0.1)
+
+    def __exit__(self, *exc):
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)

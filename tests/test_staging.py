@@ -1,0 +1,185 @@
+"""Dataset staging: one copy per node under concurrency, never a partial dataset, recovery after a kill,
+hostile archives refused, reuse, and the free-space check."""
+
+import hashlib
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from hpc_ddp.errors import UserError
+from hpc_ddp.staging import HostileArchive, StagingError, stage
+
+
+def make_source(root: Path, files: int = 40, size: int = 50_000) -> Path:
+    src = root / "shared" / "mnist"
+    for i in range(files):
+        path = src / f"class_{i % 4}" / f"{i:04d}.bin"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(hashlib.sha256(str(i).encode()).digest() * (size // 32))
+    return src
+
+
+def digest_tree(root: Path) -> str:
+    h = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        h.update(path.relative_to(root).as_posix().encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def _rank(src, scratch, queue):
+    result = stage(src, scratch, name="mnist", log=lambda _m: None)
+    queue.put((str(scratch), result.copied, digest_tree(result.path)))
+
+
+def test_two_nodes_four_ranks_stage_once_per_node(tmp_path):
+    src = make_source(tmp_path, files=120)
+    want = digest_tree(src)
+    nodes = [tmp_path / "node0-local", tmp_path / "node1-local"]
+    seen_partial = []
+    stop = threading.Event()
+
+    def watch():  # whenever the staged dir is visible, it must be complete
+        while not stop.is_set():
+            for node in nodes:
+                target = node / "mnist"
+                if target.is_dir() and sum(1 for p in target.rglob("*") if p.is_file()) != 120:
+                    seen_partial.append(str(target))
+            time.sleep(0.001)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(src, node, queue)) for node in nodes for _ in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    stop.set()
+    watcher.join()
+    results = [queue.get(timeout=5) for _ in procs]
+    assert all(p.exitcode == 0 for p in procs)
+    for node in nodes:
+        copies = [copied for scratch, copied, _ in results if scratch == str(node)]
+        assert len(copies) == 4 and sum(copies) == 1  # exactly one copy per node
+    assert {d for _, _, d in results} == {want}
+    assert seen_partial == []
+
+
+def test_reuse_and_restage_when_the_source_changes(tmp_path):
+    src = make_source(tmp_path, files=5)
+    first = stage(src, tmp_path / "local", log=lambda _m: None)
+    assert first.copied and digest_tree(first.path) == digest_tree(src)
+    assert not stage(src, tmp_path / "local", log=lambda _m: None).copied
+    (src / "new.bin").write_bytes(b"x")
+    again = stage(src, tmp_path / "local", log=lambda _m: None)
+    assert again.copied and (again.path / "new.bin").read_bytes() == b"x"
+
+
+def test_killed_stager_leaves_nothing_complete_and_rerun_recovers(tmp_path):
+    src = make_source(tmp_path, files=400, size=200_000)  # ~80 MB: the kill lands mid-copy
+    scratch = tmp_path / "local"
+    code = ("import sys; from hpc_ddp.staging import stage; "
+            "stage(sys.argv[1], sys.argv[2], name='mnist', checksums=True, log=lambda m: None)")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(src), str(scratch)])
+    deadline = time.monotonic() + 30
+    while not list(scratch.glob(".mnist.tmp-*")) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (scratch / "mnist.complete.json").exists()
+    assert not (scratch / "mnist").exists() or (scratch / "mnist.complete.json").exists()
+    result = stage(src, scratch, name="mnist", log=lambda _m: None)
+    assert result.copied and digest_tree(result.path) == digest_tree(src)
+    assert list(scratch.glob(".mnist.tmp-*")) == []
+
+
+def _tar(path: Path, members: list[tuple[tarfile.TarInfo, bytes | None]]) -> Path:
+    with tarfile.open(path, "w:gz") as tf:
+        for info, data in members:
+            import io
+            tf.addfile(info, io.BytesIO(data) if data is not None else None)
+    return path
+
+
+def _file(name: str, data: bytes = b"abc") -> tuple[tarfile.TarInfo, bytes]:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    return info, data
+
+
+def _link(name: str, target: str) -> tuple[tarfile.TarInfo, None]:
+    info = tarfile.TarInfo(name)
+    info.type = tarfile.SYMTYPE
+    info.linkname = target
+    return info, None
+
+
+@pytest.mark.parametrize("member", [_file("../escape.txt"), _file("/tmp/abs-hpc-ddp-test.txt"),
+                                    _link("data/evil", "/etc/passwd"), _link("data/up", "../../outside")])
+def test_hostile_tar_is_refused(tmp_path, member):
+    archive = _tar(tmp_path / "evil.tar.gz", [_file("data/ok.txt"), member])
+    with pytest.raises(HostileArchive, match="refusing archive"):
+        stage(archive, tmp_path / "local", name="evil", log=lambda _m: None)
+    assert not (tmp_path / "escape.txt").exists() and not Path("/tmp/abs-hpc-ddp-test.txt").exists()
+    assert not (tmp_path / "local" / "evil").exists() and not list((tmp_path / "local").glob(".evil.tmp-*"))
+
+
+def test_hostile_zip_is_refused(tmp_path):
+    archive = tmp_path / "evil.zip"
+    with zipfile.ZipFile(archive, "w") as zf:
+        zf.writestr("ok.txt", "fine")
+        zf.writestr("../escape.txt", "bad")
+    with pytest.raises(HostileArchive, match="'../escape.txt'"):
+        stage(archive, tmp_path / "local", log=lambda _m: None)
+    assert not (tmp_path / "escape.txt").exists()
+
+
+@pytest.mark.parametrize("kind", ["tar.gz", "zip"])
+def test_archives_are_extracted_and_verified(tmp_path, kind):
+    src = make_source(tmp_path, files=6)
+    archive = tmp_path / f"mnist.{kind}"
+    if kind == "zip":
+        with zipfile.ZipFile(archive, "w") as zf:
+            for p in sorted(src.rglob("*.bin")):
+                zf.write(p, p.relative_to(src.parent).as_posix())
+    else:
+        with tarfile.open(archive, "w:gz") as tf:
+            tf.add(src, arcname="mnist")
+    result = stage(archive, tmp_path / "local", log=lambda _m: None)
+    assert result.copied and result.files == 6
+    assert digest_tree(result.path / "mnist") == digest_tree(src)
+
+
+def test_not_enough_space_names_both_numbers(tmp_path, monkeypatch):
+    import shutil
+
+    src = make_source(tmp_path, files=4)
+    monkeypatch.setattr(shutil, "disk_usage", lambda _p: shutil._ntuple_diskusage(10**9, 10**9 - 1000, 1000))
+    with pytest.raises(StagingError, match=r"needs 0\.00 GB, 0\.00 GB free.*HINT"):
+        stage(src, tmp_path / "local", log=lambda _m: None)
+
+
+def test_missing_source_is_a_user_error(tmp_path):
+    with pytest.raises(UserError, match="does not exist"):
+        stage(tmp_path / "nope", tmp_path / "local")
+
+
+def test_stage_command(tmp_path):
+    src = make_source(tmp_path, files=3)
+    done = subprocess.run([sys.executable, "-m", "hpc_ddp", "stage", str(src), "--dest", str(tmp_path / "local")],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(tmp_path / "local" / "mnist")
+    assert "3 files" in done.stderr and "MB/s" in done.stderr
