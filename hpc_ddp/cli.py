@@ -83,6 +83,8 @@ _SPEC_OPTIONS = [
     click.option("--epochs"), click.option("--lr"), click.option("--batch-size"),
     click.option("--pass-local-rank", is_flag=True, default=None,
                  help="Append --local_rank=N to the script's arguments (torch.distributed.launch style)."),
+    click.option("--stage", "datasets", multiple=True, metavar="SRC[:NAME]",
+                 help="Copy a dataset (dir, .tar[.gz], .zip) to node-local disk before training (repeatable)."),
     click.option("-m", "module", help="Run a module (like python -m) instead of a script."),
     click.argument("argv", nargs=-1, type=click.UNPROCESSED),
 ]
@@ -104,6 +106,8 @@ def _build(params: dict) -> JobSpec:
     head, args = (None, argv) if module else (argv[0] if argv else None, argv[1:])
     args = args[1:] if args[:1] == ["--"] else args
     flags = {k: v for k, v in params.items() if k not in _NOT_SPEC and v not in (None, ())}
+    if "datasets" in flags:  # --stage paths are relative to where the command runs
+        flags["datasets"] = [_abs_stage(item, cwd) for item in flags["datasets"]]
     layers: list[Layer] = []
     if head and is_job_file(head):
         job_path = (cwd / head).resolve()
@@ -120,6 +124,13 @@ def _build(params: dict) -> JobSpec:
         flags.setdefault("profile", profile)
     layers.append(Layer("command line", flags, is_cli=True))
     return build_spec(layers, target=target, workdir=str(cwd), python=sys.executable)
+
+
+def _abs_stage(item: str, cwd: Path) -> str:
+    src, sep, name = item.rpartition(":") if ":" in item else (item, "", "")
+    src = src if sep else item
+    resolved = str((cwd / src).resolve()) if not os.path.isabs(src) else src
+    return f"{resolved}:{name}" if sep else resolved
 
 
 def _job_target(layer: Layer, job_path: Path, extra_args: tuple[str, ...], cwd: Path) -> Target:

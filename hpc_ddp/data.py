@@ -38,6 +38,7 @@ class DataBundle:
     in_channels: int
     image_size: int
     micro_batches_per_epoch: int
+    root: Path | None = None           # where the data was read from (the staged copy, if any)
 
 
 class SeededSamples(Dataset):
@@ -133,7 +134,7 @@ def _datasets(cfg: TrainConfig):
     """(train, eval, num_classes, channels, image_size) read from local files; nothing is downloaded."""
     import torchvision.datasets as D
 
-    root = Path(cfg.data_dir) if cfg.data_dir else None
+    root = Path(_staged(cfg.data_dir)) if cfg.data_dir else None
     if cfg.dataset == "mnist":
         size = cfg.image_size or 28
         make = lambda train: D.MNIST(str(root), train=train, download=False,  # noqa: E731
@@ -154,6 +155,15 @@ def _datasets(cfg: TrainConfig):
                                     (3, size, size), classes, transform=_transforms(3, size, False, False),
                                     random_offset=0 if train else 1_000_000)
     return (make(True), make(False)), classes, 3, size
+
+
+def _staged(data_dir: str) -> str:
+    """The node-local copy of data_dir when the job staged it (the runner says where), else data_dir."""
+    import json
+    import os
+
+    staged = json.loads(os.environ.get("HPC_DDP_STAGED") or "{}")
+    return staged.get(str(Path(data_dir).resolve()), data_dir)
 
 
 def _cifar10(root: Path, train: bool, transform):
@@ -211,4 +221,5 @@ def build_data(cfg: TrainConfig, *, rank: int, world_size: int, pin_memory: bool
         raise SpecError(f"the {cfg.dataset} training set gives each of {world_size} rank(s) only {micro} batch(es) "
                         f"of {cfg.batch_size}, fewer than grad_accum={cfg.grad_accum}",
                         hint="use a smaller batch_size or grad_accum, or more data")
-    return DataBundle(train, evaluation, sampler, cfg.num_classes or classes, channels, size, micro)
+    root = Path(_staged(cfg.data_dir)) if cfg.data_dir else None
+    return DataBundle(train, evaluation, sampler, cfg.num_classes or classes, channels, size, micro, root)

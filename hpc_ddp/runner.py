@@ -114,6 +114,12 @@ def prepare(spec_path: str) -> tuple[list[str], dict[str, str]]:
     run_dir = str(Path(spec_path).resolve().parent)
     env = dict(os.environ)
     env.update(rank_environment(spec, dist, os.environ, run_dir, nvidia_driver=_nvidia_driver_loaded()))
+    if spec.datasets:
+        from .stagejob import dataset_env, scratch_dir, stage_for_job
+
+        staged = stage_for_job(spec, dist, Path(run_dir), os.environ,
+                               log=lambda m: print(m, file=sys.stderr, flush=True))
+        env.update(dataset_env(staged, scratch_dir(spec, os.environ), spec))
     return program_argv(spec, dist, sys.executable, str(Path(spec_path).resolve())), env
 
 

@@ -75,6 +75,10 @@ class JobSpec:
     batch_size: int | None = None
     profile: str | None = None
     train: TrainConfig | None = None   # the built-in trainer's settings (job files with [train])
+    datasets: tuple[tuple[str, str], ...] = ()  # (name, source path) to stage to node-local disk
+    stage_fallback: str = "shared"     # node-local disk unusable: read the shared copy ("shared") or "fail"
+    stage_checksums: bool = False
+    stage_timeout: int = 3600          # seconds a rank waits for staging, on its node and across nodes
 
     @property
     def world_size(self) -> int:
@@ -92,6 +96,7 @@ class JobSpec:
             fields[key] = tuple(fields[key])
         if fields.get("train") is not None:
             fields["train"] = TrainConfig(**fields["train"])
+        fields["datasets"] = tuple(tuple(d) for d in fields.get("datasets", ()))
         return cls(**fields)
 
 
@@ -217,6 +222,27 @@ def _sbatch_arg(raw: str) -> str:
     return value
 
 
+def _datasets(raw: Any) -> tuple[tuple[str, str], ...]:
+    """A table {name = "path"} (job file) or a list of "SRC[:NAME]" (--stage) -> ((name, path), ...)."""
+    if isinstance(raw, dict):
+        pairs = [(str(k), v) for k, v in raw.items()]
+    else:
+        pairs = []
+        for item in _lines(raw):
+            src, sep, name = item.rpartition(":") if ":" in item else (item, "", "")
+            src = src if sep else item
+            pairs.append((name or PurePosixPath(src).name.split(".")[0], src))
+    out = []
+    for name, path in pairs:
+        if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_]*", name):
+            raise ValueError(f"dataset name {name!r} must be a letter then letters, digits or _ (it names "
+                             f"HPC_DDP_DATA_{name.upper()})")
+        out.append((name, _string(path)))
+    if len({n for n, _ in out}) != len(out):
+        raise ValueError("two datasets share a name")
+    return tuple(out)
+
+
 def _sbatch_args(raw: Any) -> tuple[str, ...]:
     return tuple(_sbatch_arg(x) for x in _lines(raw))
 
@@ -230,9 +256,12 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "signal_lead": count(10), "max_requeues": count(0), "max_preemptions": count(0), "pass_local_rank": flag,
     "epochs": count(1), "lr": number(0.0, strict=True), "batch_size": count(1), "python": _string,
     "profile": _token, "script": _string, "module": _string, "args": _args, "train": parse_train,
+    "datasets": _datasets, "stage_fallback": choice(("shared", "fail")), "stage_checksums": flag,
+    "stage_timeout": count(10),
 }
 SPEC_KEYS = frozenset(PARSERS)
-PROFILE_KEYS = SPEC_KEYS - {"script", "module", "args", "profile", "job_name", "run_dir", "pass_local_rank", "train"}
+PROFILE_KEYS = SPEC_KEYS - {"script", "module", "args", "profile", "job_name", "run_dir", "pass_local_rank", "train",
+                            "datasets"}
 
 
 def _check_keys(layer: Layer) -> None:

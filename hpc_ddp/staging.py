@@ -35,7 +35,7 @@ from pathlib import Path
 
 from .errors import HpcDdpError, UserError
 
-__all__ = ["stage", "StagingError", "source_manifest", "ARCHIVE_SUFFIXES", "StageResult"]
+__all__ = ["stage", "wait_for_stage", "is_archive", "StagingError", "source_manifest", "ARCHIVE_SUFFIXES", "StageResult"]
 
 ARCHIVE_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".zip")
 MARKER_SUFFIX = ".complete.json"
@@ -113,6 +113,22 @@ def stage(src: str | os.PathLike, scratch: str | os.PathLike, *, name: str | Non
             log(f"hpc-ddp stage: {name}: reusing the verified copy in {target}")
             return StageResult(target, False, len(manifest), _total(manifest), 0.0)
         return _stage_locked(src, target, marker, key, manifest, checksums, log)
+
+
+def wait_for_stage(src: str | os.PathLike, scratch: str | os.PathLike, *, name: str, timeout: float,
+                   checksums: bool = False) -> Path:
+    """For the node's other ranks: wait until the stager (local rank 0) has completed `name`."""
+    src = Path(src)
+    root = Path(scratch)
+    key = _source_key(src, source_manifest(src, checksums))
+    target, marker = root / name, root / f"{name}{MARKER_SUFFIX}"
+    deadline = time.monotonic() + timeout
+    while not _complete(target, marker, key):
+        if time.monotonic() > deadline:
+            raise StagingError(f"waited {timeout:.0f} s for local rank 0 to stage {name} into {root}",
+                               hint="see local rank 0's log on this node (logs/job-*/attempt-*/rank-*.log)")
+        time.sleep(0.2)
+    return target
 
 
 def _stage_locked(src: Path, target: Path, marker: Path, key: str, manifest: dict[str, dict], checksums: bool,

@@ -140,6 +140,8 @@ class Trainer:
         random.seed(cfg.seed + rank)
         np.random.seed(cfg.seed + rank)
         self.data = build_data(cfg, rank=rank, world_size=world, pin_memory=ctx.device.type == "cuda")
+        if self.data.root and cfg.data_dir and str(self.data.root) != cfg.data_dir:
+            self.log(f"hpc-ddp: reading the staged copy {self.data.root} of {cfg.data_dir}")
         self.steps_per_epoch = self.data.micro_batches_per_epoch // cfg.grad_accum
         total = self.steps_per_epoch * cfg.epochs
         self.total_steps = min(total, cfg.max_steps) if cfg.max_steps else total

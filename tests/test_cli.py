@@ -190,3 +190,11 @@ def test_light_commands_do_not_import_torch(project):
             "print(','.join(bad) or 'clean')\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=project, timeout=60)
     assert done.stdout.strip() == "clean", done.stdout + done.stderr
+
+
+def test_slurm_down_is_not_a_user_error(project):
+    (project / "bin" / "sbatch").write_text(
+        "#!/bin/bash\necho 'sbatch: error: Batch job submission failed: Unable to contact slurm controller "
+        "(connect failure)' >&2\nexit 1\n")
+    result = invoke("submit", "train.py")
+    assert result.exit_code == 1 and "sbatch could not reach Slurm" in result.output and "HINT: check `sinfo`" in result.output

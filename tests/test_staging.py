@@ -183,3 +183,42 @@ def test_stage_command(tmp_path):
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == str(tmp_path / "local" / "mnist")
     assert "3 files" in done.stderr and "MB/s" in done.stderr
+
+
+def test_job_staging_names_the_node_that_did_not_finish(tmp_path):
+    import dataclasses
+
+    from hpc_ddp.distenv import DistEnv
+    from hpc_ddp.errors import HpcDdpError
+    from hpc_ddp.spec import Layer, Target, build_spec
+    from hpc_ddp.stagejob import stage_for_job
+
+    src = make_source(tmp_path, files=2)
+    spec = build_spec([Layer("c", {"datasets": [f"{src}:mnist"], "scratch": str(tmp_path / "local")})],
+                      target=Target("script", "/t.py"), workdir="/", python="p")
+    spec = dataclasses.replace(spec, stage_timeout=1)
+    dist = DistEnv(rank=0, local_rank=0, world_size=4, local_world_size=2, node_rank=0, num_nodes=2,
+                   master_addr="n1", master_port=1, hosts=("gpu01", "gpu02"), job_id="5", restart_count=0,
+                   source="slurm")
+    with pytest.raises(HpcDdpError, match=r"staging did not finish on node 1 \(gpu02\) within 1 s"):
+        stage_for_job(spec, dist, tmp_path / "run", {}, log=lambda _m: None)
+    assert (tmp_path / "local" / "hpc-ddp-datasets" / "mnist.complete.json").exists()  # this node did its part
+
+
+def test_waiting_rank_times_out_pointing_at_local_rank_0(tmp_path):
+    from hpc_ddp.staging import wait_for_stage
+
+    src = make_source(tmp_path, files=2)
+    with pytest.raises(StagingError, match="waited 0 s for local rank 0 to stage mnist.*local rank 0's log"):
+        wait_for_stage(src, tmp_path / "local", name="mnist", timeout=0.2)
+
+
+@pytest.mark.parametrize("value,message", [
+    (["data/x:1bad"], "must be a letter"), (["a:m", "b:m"], "share a name"), ({"bad-name": "/x"}, "must be a letter"),
+])
+def test_bad_dataset_specs(value, message):
+    from hpc_ddp.errors import SpecError
+    from hpc_ddp.spec import Layer, Target, build_spec
+
+    with pytest.raises(SpecError, match=message):
+        build_spec([Layer("c", {"datasets": value})], target=Target("script", "/t.py"), workdir="/", python="p")

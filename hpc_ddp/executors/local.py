@@ -44,7 +44,7 @@ def simulated_gpus(node: int, gpus: int, physical: int) -> str:
 
 
 def rank_envs(spec: JobSpec, job_id: str, port: int, physical_gpus: int, attempt: int = 0,
-              deadline: float | None = None) -> list[dict[str, str]]:
+              deadline: float | None = None, run_dir: str = ".") -> list[dict[str, str]]:
     envs = []
     for node in range(spec.nodes):
         for local in range(spec.tasks_per_node):
@@ -55,6 +55,8 @@ def rank_envs(spec: JobSpec, job_id: str, port: int, physical_gpus: int, attempt
                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                 "HPC_DDP_HOSTS": ",".join(["localhost"] * spec.nodes), "HPC_DDP_JOB_ID": job_id,
                 "HPC_DDP_RESTART_COUNT": str(attempt),
+                # Each simulated node gets a node-local disk of its own, as staging expects.
+                "TMPDIR": str(Path(run_dir) / ".local-nodes" / f"node-{node}"),
             }
             if spec.gpus:
                 env["CUDA_VISIBLE_DEVICES"] = simulated_gpus(node, spec.gpus, physical_gpus)
@@ -76,7 +78,7 @@ class LocalExecutor:
         lines = [f"# local executor: {spec.nodes} simulated node(s) x {spec.tasks_per_node} task(s) "
                  f"= {spec.world_size} process(es) on this machine",
                  f"# run dir: {run_dir}", f"# each rank runs: {spec.target.describe()}"]
-        for env in rank_envs(spec, self.job_id, port_for_job(self.job_id), _physical_gpus()):
+        for env in rank_envs(spec, self.job_id, port_for_job(self.job_id), _physical_gpus(), run_dir=run_dir):
             shown = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items() if k not in ("HPC_DDP_HOSTS",))
             lines.append(f"{shown} {cmd}")
         return Plan("local", spec, run_dir, None, summary="\n".join(lines) + "\n")
@@ -108,7 +110,9 @@ class LocalExecutor:
             log_dir.mkdir(parents=True, exist_ok=True)
             port = _free_port(port_for_job(f"{self.job_id}-{attempt}"))
             deadline = time.time() + spec.time if spec.time else None
-            envs = rank_envs(spec, self.job_id, port, _physical_gpus(), attempt, deadline)
+            envs = rank_envs(spec, self.job_id, port, _physical_gpus(), attempt, deadline, str(run_dir))
+            for env in envs:
+                Path(env["TMPDIR"]).mkdir(parents=True, exist_ok=True)
             rc = _run_ranks(argv, envs, log_dir, echo=self.echo, cwd=spec.workdir,
                             timeline=_timeline(spec, deadline))
             requeue, reason = attempts.end(run_dir, attempt, rc, env={"HPC_DDP_JOB_ID": self.job_id})

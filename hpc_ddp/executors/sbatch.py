@@ -11,6 +11,9 @@ from ..spec import JobSpec
 from .base import Plan, Submission, record_submission, write_run_dir
 
 
+_UNREACHABLE = ("Unable to contact slurm controller", "Socket timed out", "Connection refused")
+
+
 class SchedulerRefused(UserError):
     """sbatch refused the request (bad partition, account, limits...): nothing was queued."""
 
@@ -35,8 +38,10 @@ class SbatchExecutor:
         # sbatch runs in the run dir: the script's relative log paths resolve there, on every requeue too.
         done = self.commands.run(["sbatch", "--parsable", SCRIPT_NAME], cwd=str(run_dir))
         if done.returncode != 0:
-            message = (done.stderr.strip() or done.stdout.strip() or f"exit code {done.returncode}").splitlines()
-            raise SchedulerRefused(f"sbatch refused the job: {' '.join(message)}")
+            message = " ".join((done.stderr.strip() or done.stdout.strip() or f"exit code {done.returncode}").splitlines())
+            if any(sign in message for sign in _UNREACHABLE):  # Slurm itself is down: not the user's mistake
+                raise SubmitError(f"sbatch could not reach Slurm: {message}", hint="check `sinfo`; try again later")
+            raise SchedulerRefused(f"sbatch refused the job: {message}")
         job_id = done.stdout.strip().split(";")[0]
         if not job_id:
             raise SubmitError(f"sbatch printed no job id (stdout {done.stdout!r})")

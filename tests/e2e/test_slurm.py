@@ -40,3 +40,27 @@ def test_sbatch_script_resubmits_from_its_header(slurm_conf, tmp_path):
     sub = subprocess.run(["sbatch", "--parsable", "job.sbatch"], cwd=run_dir, capture_output=True, text=True)
     assert wait_for_job(sub.stdout.strip().split(";")[0]) == "COMPLETED"
     assert len(read_probe(run_dir)) == 2
+
+
+def test_staging_once_per_node_on_slurm(slurm_conf, tmp_path):
+    """Each node stages into its own local disk (here: a directory named after the node)."""
+    from hpc_ddp.datagen import write_mnist
+
+    from .test_staging_job import SHOW
+
+    write_mnist(tmp_path / "shared" / "mnist", train=256, test=64)
+    (tmp_path / "show.py").write_text(SHOW)
+    (tmp_path / "job.toml").write_text(
+        f'script = "show.py"\nnodes = 2\ngpus = 2\nscratch = "{tmp_path}/local-$SLURMD_NODENAME"\n'
+        f'[datasets]\nmnist = "shared/mnist"\n')
+    done = hpc_ddp("submit", "--json", "--run-dir", "run", "job.toml", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    job = json.loads(done.stdout[done.stdout.index("{"):])["job_id"]
+    assert wait_for_job(job) == "COMPLETED"
+    seen = [json.loads((tmp_path / "run" / f"seen-{r}.json").read_text()) for r in range(4)]
+    assert len({s["digest"] for s in seen}) == 1
+    for s in seen:
+        node = "hpcn1" if s["NODE_RANK"] == "0" else "hpcn2"
+        assert s["HPC_DDP_DATA_MNIST"] == f"{tmp_path}/local-{node}/hpc-ddp-datasets/mnist"
+    logs = "".join(p.read_text() for p in (tmp_path / "run").glob("logs/job-*/attempt-0/rank-*.log"))
+    assert logs.count("hpc-ddp stage: mnist:") == 2
