@@ -123,9 +123,10 @@ def decide_begin(previous: Sequence[Attempt], start_step: int | None, limits: Li
         return False, "the job already completed; requeued by mistake?"
     if last.ended_cause == "failed":
         return False, f"the previous attempt failed (exit code {last.exit_code}); not running again"
-    if last.ended_cause == "killed" and not last.trained:
-        return False, "the previous attempt was killed before training started (crash or kill at start-up)"
-    if last.trainer and start_step == last.start_step:
+    # An attempt killed from outside (node failure, hard preemption, admin requeue) is not the job's
+    # fault: it only counts against max_preemptions. The guards below judge attempts that ended by
+    # themselves.
+    if last.exit_code is not None and last.trainer and start_step == last.start_step:
         return False, f"no progress: the previous attempt started and ended at checkpoint step {start_step}"
     preempted = _count(previous, "preempted", "killed")
     if preempted > limits.max_preemptions:
@@ -194,7 +195,7 @@ def end(run_dir: Path, attempt: int, exit_code: int, env: dict[str, str] | None 
         exit_code = REQUEUE_EXIT_CODE
     last.exit_code, last.ended_at = exit_code, time.time()
     if exit_code == REQUEUE_EXIT_CODE:
-        last.cause = last.cause or "preempted"
+        last.cause = last.cause or _cause_from_deadline(env)
     else:
         last.cause = "completed" if exit_code == 0 else "failed"
     requeue, reason = decide_end(attempts, exit_code, _limits(run_dir))
@@ -202,6 +203,14 @@ def end(run_dir: Path, attempt: int, exit_code: int, env: dict[str, str] | None 
     if exit_code == REQUEUE_EXIT_CODE:
         events.write({"event": "requeue" if requeue else "gave_up", "attempt": attempt, "reason": reason})
     return requeue, reason
+
+
+def _cause_from_deadline(env: dict[str, str]) -> str:
+    """For programs that exit 75 without saying why (user scripts): near the job's end time, a time limit."""
+    from .deadline import job_deadline
+
+    deadline = job_deadline(env)
+    return "time_limit" if deadline is not None and deadline - time.time() <= 300 else "preempted"
 
 
 def main(argv: list[str] | None = None) -> int:

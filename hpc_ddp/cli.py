@@ -141,7 +141,10 @@ def _job_target(layer: Layer, job_path: Path, extra_args: tuple[str, ...], cwd: 
     if values.get("script") or values.get("module"):
         return resolve_target(values.get("script"), values.get("module"), args, cwd)
     if "train" in values:
-        return Target("trainer", str(job_path), args)
+        if extra_args:
+            raise SpecError(f"{' '.join(extra_args)!r} after the job file would be ignored by the built-in trainer",
+                            hint="put options before the job file: hpc-ddp submit --nodes 2 JOB.toml")
+        return Target("trainer", str(job_path), tuple(values.get("args", ())))
     raise SpecError(f"{layer.origin} names nothing to run",
                     hint="add script = \"train.py\", module = \"pkg.train\" or a [train] table to it")
 
@@ -159,7 +162,12 @@ def _register(spec: JobSpec, run_dir: str, job_id: str, executor: str) -> None:
 def _run_dir(spec: JobSpec, now: _dt.datetime) -> str:
     if spec.run_dir:
         return str(Path(spec.run_dir).expanduser().resolve())
-    return str(Path(spec.workdir) / "runs" / f"{spec.job_name}-{now:%Y%m%d-%H%M%S}")
+    base = Path(spec.workdir) / "runs" / f"{spec.job_name}-{now:%Y%m%d-%H%M%S}"
+    candidate, n = base, 1
+    while candidate.exists():  # two submissions in one second (a sweep loop) must not share a run dir
+        n += 1
+        candidate = base.with_name(f"{base.name}-{n}")
+    return str(candidate)
 
 
 def _executor_for(spec: JobSpec, quiet: bool):
@@ -415,7 +423,11 @@ def preempt(job: str, sig: str | None) -> None:
     from .runner import load_spec
 
     run_dir, job_id, executor = _resolve(job)
+    from .spec import SIGNALS
+
     name = (sig or load_spec(run_dir / "spec.json").signal).upper().removeprefix("SIG")
+    if name not in SIGNALS:
+        raise UserError(f"--signal {sig!r} is not one of {', '.join(SIGNALS)}")
     if executor == "local":
         _signal_local(run_dir, getattr(_signal, f"SIG{name}"))
     else:

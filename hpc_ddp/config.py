@@ -66,7 +66,7 @@ def job_file_layer(path: Path) -> Layer:
         data["train"] = _resolve_paths(data["train"], path.parent, ("data_dir",))
     if isinstance(data.get("datasets"), dict):
         data["datasets"] = _resolve_paths(data["datasets"], path.parent, tuple(data["datasets"]))
-    return Layer(f"job file {str(path)!r}", _resolve_paths(data, path.parent, ("script", "template")),
+    return Layer(f"job file {str(path)!r}", _resolve_paths(data, path.parent, ("script", "template", "run_dir")),
                  allowed=frozenset(SPEC_KEYS))
 
 

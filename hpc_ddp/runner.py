@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -107,13 +108,29 @@ def _nvidia_driver_loaded() -> bool:
     return gpus.is_dir() and any(gpus.iterdir())
 
 
+# torchrun-style variables that a Slurm step may have inherited from the submitting shell (sbatch
+# exports it): from a DDP job that submitted this one, or an `export MASTER_ADDR=localhost` left over
+# from debugging. Inside a Slurm step they are stale; Slurm's own variables say who this rank is.
+_STALE_IN_STEP = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                  "NODE_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "HPC_DDP_HOSTS")
+
+
+def clean_environ(env: Mapping[str, str]) -> dict[str, str]:
+    out = dict(env)
+    if "SLURM_STEP_ID" in out and "TORCHELASTIC_RUN_ID" not in out and "HPC_DDP_LOCAL" not in out:
+        for name in _STALE_IN_STEP:
+            out.pop(name, None)
+    return out
+
+
 def prepare(spec_path: str) -> tuple[list[str], dict[str, str]]:
     """Everything the exec needs: the program's argv and its full environment."""
     spec = load_spec(spec_path)
-    dist = from_environ(os.environ, pid=os.getpid())
+    base = clean_environ(os.environ)
+    dist = from_environ(base, pid=os.getpid())
     run_dir = str(Path(spec_path).resolve().parent)
-    env = dict(os.environ)
-    env.update(rank_environment(spec, dist, os.environ, run_dir, nvidia_driver=_nvidia_driver_loaded()))
+    env = dict(base)
+    env.update(rank_environment(spec, dist, base, run_dir, nvidia_driver=_nvidia_driver_loaded()))
     if spec.datasets:
         from .stagejob import dataset_env, scratch_dir, stage_for_job
 
@@ -133,7 +150,16 @@ def main(argv: list[str] | None = None) -> None:
         print(f"hpc-ddp runner: error: {exc}", file=sys.stderr)
         sys.exit(exc.exit_code)
     sys.stdout.flush()
+    _ignore_warning_signal(load_spec(args[0]))
     os.execve(program[0], program, env)
+
+
+def _ignore_warning_signal(spec: JobSpec) -> None:
+    """A script written for torchrun has no handler for SIGUSR1/SIGUSR2, whose default action kills it
+    two minutes before its time limit. An ignored signal stays ignored across exec, and a program that
+    wants the warning (our trainer, or a script with its own handler) installs a handler over it."""
+    if spec.target.kind != "trainer" and spec.signal in ("USR1", "USR2"):
+        signal.signal(getattr(signal, f"SIG{spec.signal}"), signal.SIG_IGN)
 
 
 if __name__ == "__main__":

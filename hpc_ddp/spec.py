@@ -161,6 +161,8 @@ def _signal(raw: Any) -> str:
 
 
 def _lines(raw: Any) -> tuple[str, ...]:
+    if not isinstance(raw, (str, list, tuple)):
+        raise ValueError("expected a string or a list of strings")
     items = [raw] if isinstance(raw, str) else list(raw)
     if any(not isinstance(x, str) for x in items):
         raise ValueError("expected a list of strings")
@@ -189,6 +191,7 @@ _MANAGED = {
     "open-mode": "nothing (the template appends)", "requeue": "nothing (the template requeues)",
     "no-requeue": "max_requeues = 0 and max_preemptions = 0", "signal": "signal / signal_lead in the job file",
     "chdir": "nothing (the script changes to the submit directory itself)", "wrap": "a TARGET script",
+    "array": "one submission per task for now (array tasks would share one run dir and its checkpoints)",
 }
 # Other sbatch long options, so a typo is caught here and not after hours in the queue.
 _SBATCH_OPTIONS = {
@@ -332,6 +335,9 @@ def _check_whole(values: dict[str, Any], merged: dict[str, tuple[Any, str]], tar
     if limit and lead * 2 > limit:
         raise SpecError(f"the warning signal would come {lead} s before a {limit} s time limit, in its first half",
                         hint=f"give --signal-lead at most {limit // 2} s, or a longer --time")
+    if values.get("executor") == "submitit" and values.get("signal", "USR2") != "USR2":
+        raise SpecError("the submitit executor always uses SIGUSR2 as its warning signal",
+                        hint="drop --signal, or use --executor sbatch")
     if values.get("template") and values.get("executor") == "submitit":
         raise SpecError("a custom sbatch template cannot be used with the submitit executor",
                         hint="use --executor sbatch, or drop the template")

@@ -76,10 +76,13 @@ def fingerprint(cfg: TrainConfig, world_size: int) -> dict[str, Any]:
     return {**{f: getattr(cfg, f) for f in FINGERPRINT_FIELDS}, "world_size": world_size}
 
 
-def _setup(env: DistEnv) -> Context:
+def _setup(env: DistEnv, gpu_bind: str = "rank") -> Context:
     backend = os.environ.get("BACKEND") or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl" and torch.cuda.is_available():
-        index = 0 if torch.cuda.device_count() == 1 else env.local_rank
+        # With gpu_bind="rank" the runner left this rank only its own GPU(s): the first is ours. With
+        # "node" every rank sees the node's GPUs, one per local rank.
+        shared = gpu_bind == "node" and torch.cuda.device_count() >= env.local_world_size
+        index = env.local_rank if shared else 0
         device = torch.device("cuda", index)
         torch.cuda.set_device(device)
     else:
@@ -427,7 +430,7 @@ def run(spec: JobSpec, run_dir: Path, env: DistEnv | None = None) -> int:
     if spec.train is None:
         raise HpcDdpError("this job has no [train] table; the built-in trainer has nothing to do")
     stop = StopFlag((spec.signal, "TERM")).install()
-    ctx = _setup(env or from_environ(os.environ, pid=os.getpid()))
+    ctx = _setup(env or from_environ(os.environ, pid=os.getpid()), spec.gpu_bind)
     trainer = None
     try:
         trainer = Trainer(spec.train, ctx, run_dir, stop, signal_lead=spec.signal_lead)

@@ -48,7 +48,7 @@ class TrainConfig:
     augment: bool = True
     eval_every_epoch: bool = True
     checkpoint_every_steps: int = 0    # 0: only at stops and at the end
-    checkpoint_every_minutes: float = 0.0
+    checkpoint_every_minutes: float = 30.0  # a node failure loses at most this much
     keep_checkpoints: int = 3
     log_every: int = 10
     stop_lead_seconds: float = 0.0     # stop this long before the job's end time; 0: from measured times

@@ -22,7 +22,8 @@ def test_first_attempt_runs():
     ([ended(0, "preempted", None)], 10, True, "restart 1 after preempted"),
     ([ended(0, "completed", rc=0)], 64, False, "already completed"),
     ([ended(0, None, rc=1)], None, False, "failed (exit code 1)"),
-    ([Attempt(0, None, trainer=False)], None, False, "killed before training started"),
+    ([Attempt(0, None, trainer=False)], None, True, "restart 1 after killed"),  # not the job's fault
+    ([Attempt(0, 5, trainer=True), Attempt(1, 5, trainer=True)], 5, True, "restart 2 after killed"),
     ([Attempt(0, None, started_at=0.0, ended_at=100.0)], None, True, "restart 1 after killed"),  # a user script
     ([ended(0, "preempted", None), ended(1, "preempted", 10)], 10, False, "no progress"),
     ([ended(0, "preempted", 0)], 0, False, "no progress"),
@@ -77,9 +78,9 @@ def test_begin_and_end_record_everything(tmp_path):
     assert attempts.begin(tmp_path, 1, env={"SLURM_JOB_ID": "7"})[0]  # resumes from step 5
     with open(tmp_path / "events.jsonl", "a") as fh:
         fh.write(json.dumps({"event": "resume", "step": 5}) + "\n")
-    # killed from outside without an end record, and no new checkpoint this time
+    # killed from outside without an end record: the second preemption, more than max_preemptions=1
     ok, reason = attempts.begin(tmp_path, 2, env={"SLURM_JOB_ID": "7"})
-    assert not ok and "no progress" in reason
+    assert not ok and "preempted 2 times, more than max_preemptions=1" in reason
     records = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     assert [r["event"] for r in records[-4:]] == ["attempt_start", "attempt_end", "attempt_end", "gave_up"]
     assert records[-3]["cause"] == "killed" and records[-2]["cause"] == "not_admitted"

@@ -198,3 +198,30 @@ def test_slurm_down_is_not_a_user_error(project):
         "(connect failure)' >&2\nexit 1\n")
     result = invoke("submit", "train.py")
     assert result.exit_code == 1 and "sbatch could not reach Slurm" in result.output and "HINT: check `sinfo`" in result.output
+
+
+def test_submissions_in_the_same_second_get_their_own_run_dirs(project):
+    first = invoke("render", "train.py")
+    second = invoke("render", "train.py")
+    dirs = [line.split("Wrote ")[1].split("/job.sbatch")[0] for line in (first.output, second.output)]
+    assert dirs[0] != dirs[1] and Path(dirs[0]).is_dir() and Path(dirs[1]).is_dir()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["trainer.toml", "--nodes", "3"], "after the job file would be ignored"),
+    (["--sbatch-arg=--array=0-3", "train.py"], "--array is set by hpc-ddp"),
+    (["--executor", "submitit", "--signal", "USR1", "train.py"], "always uses SIGUSR2"),
+    (["--profile", "typed", "train.py"], "setup: expected a string or a list of strings"),
+])
+def test_more_bad_input(project, args, message):
+    (project / "trainer.toml").write_text('[train]\ndataset = "fake"\n')
+    (project / "profiles.toml").write_text("[typed]\nsetup = 5\n")
+    result = invoke("submit", "--dry-run", *args)
+    assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
+
+
+def test_job_file_run_dir_is_relative_to_the_file(project):
+    (project / "jobs").mkdir()
+    (project / "jobs" / "j.toml").write_text('script = "../train.py"\nrun_dir = "../runs/exp1"\n')
+    result = invoke("submit", "--dry-run", "--json", "jobs/j.toml")
+    assert json.loads(result.output[result.output.index("{"):])["run_dir"] == str(project / "runs" / "exp1")

@@ -96,3 +96,25 @@ def test_runner_in_batch_shell_says_use_srun(tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert "srun" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_stale_torchrun_variables_in_a_slurm_step_are_ignored():
+    from hpc_ddp.runner import clean_environ
+
+    stale = {**STEP, "RANK": "0", "WORLD_SIZE": "4", "MASTER_ADDR": "localhost", "MASTER_PORT": "29999"}
+    dist = from_environ(clean_environ(stale))
+    assert (dist.source, dist.rank, dist.master_addr, dist.master_port) == ("slurm", 3, "n1", 29999)
+    under_torchrun = {**stale, "TORCHELASTIC_RUN_ID": "x"}
+    assert from_environ(clean_environ(under_torchrun)).source == "torchrun"
+
+
+def test_a_plain_script_survives_the_warning_signal(tmp_path):
+    """Scripts written for torchrun have no SIGUSR2 handler; the runner makes the warning harmless."""
+    script = tmp_path / "plain.py"
+    script.write_text("import os, signal\nos.kill(os.getpid(), signal.SIGUSR2)\nprint('alive')\n")
+    spec = build_spec([Layer("flags", {})], target=Target("script", str(script)), workdir=str(tmp_path),
+                      python=sys.executable)
+    (tmp_path / "spec.json").write_text(json.dumps(spec.to_dict()))
+    done = subprocess.run([sys.executable, "-m", "hpc_ddp.runner", str(tmp_path / "spec.json")],
+                          env={"PATH": "/usr/bin"}, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "alive", done.stderr

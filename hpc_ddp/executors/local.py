@@ -54,7 +54,7 @@ def rank_envs(spec: JobSpec, job_id: str, port: int, physical_gpus: int, attempt
                 "GROUP_RANK": str(node), "GROUP_WORLD_SIZE": str(spec.nodes),
                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                 "HPC_DDP_HOSTS": ",".join(["localhost"] * spec.nodes), "HPC_DDP_JOB_ID": job_id,
-                "HPC_DDP_RESTART_COUNT": str(attempt),
+                "HPC_DDP_RESTART_COUNT": str(attempt), "HPC_DDP_LOCAL": "1",
                 # Each simulated node gets a node-local disk of its own, as staging expects.
                 "TMPDIR": str(Path(run_dir) / ".local-nodes" / f"node-{node}"),
             }

@@ -120,8 +120,11 @@ class RankTask:
         if self._attempt is not None:
             from .. import attempts
 
-            attempts.end(*self._attempt, child.returncode if child and child.returncode is not None else 1,
-                         self._env)
+            requeue, reason = attempts.end(*self._attempt, child.returncode if child and child.returncode is not None
+                                           else 1, self._env)
+            if not requeue:
+                print(f"hpc-ddp: not requeueing: {reason}", flush=True)
+                return None  # submitit: no requeue
         return submitit.helpers.DelayedSubmission(RankTask(self.spec_path))
 
 
