@@ -8,6 +8,7 @@ interleaved A/B and repeated, and the median samples/s of each is compared. Writ
 from __future__ import annotations
 
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -57,6 +58,45 @@ def ours(work: Path, job: Path, n: int) -> float:
     return (last["step"] - first["step"]) * BATCH * 2 / (last["time"] - first["time"])
 
 
+def staging(work: Path, repeats: int) -> dict:
+    """Our per-node staging against `cp -r` and `tar -xf` of the same data on the same disk."""
+    import shutil
+    import time
+
+    from hpc_ddp.staging import stage
+
+    src = work / "shared" / "imagefolder"
+    for i in range(400):  # 400 files x 256 KB = 100 MB in 10 class folders
+        path = src / f"class_{i % 10}" / f"{i:05d}.bin"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(os.urandom(256 * 1024))
+    archive = work / "shared" / "imagefolder.tar"
+    subprocess.run(["tar", "-cf", str(archive), "-C", str(src.parent), src.name], check=True)
+    nbytes = 400 * 256 * 1024
+
+    def timed(fn) -> float:
+        dest = work / "local"
+        shutil.rmtree(dest, ignore_errors=True)
+        dest.mkdir()
+        subprocess.run(["sync"], check=True)
+        started = time.perf_counter()
+        fn(dest)
+        subprocess.run(["sync"], check=True)  # both sides pay for getting the bytes to disk
+        return nbytes / 1e6 / (time.perf_counter() - started)
+
+    runs: dict[str, list[float]] = {"cp -r": [], "ours (dir)": [], "tar -xf": [], "ours (tar)": []}
+    for _ in range(repeats):
+        runs["cp -r"].append(timed(lambda d: subprocess.run(["cp", "-r", str(src), str(d)], check=True)))
+        runs["ours (dir)"].append(timed(lambda d: stage(src, d, log=lambda _m: None)))
+        runs["tar -xf"].append(timed(lambda d: subprocess.run(["tar", "-xf", str(archive), "-C", str(d)], check=True)))
+        runs["ours (tar)"].append(timed(lambda d: stage(archive, d, log=lambda _m: None)))
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    return {"MB_per_s": runs, "median_MB_per_s": med,
+            "ratio_dir": med["ours (dir)"] / med["cp -r"], "ratio_tar": med["ours (tar)"] / med["tar -xf"],
+            "target": ">= 0.90",
+            "shared_reads_per_node": {"ours": 1, "every rank copies": "local ranks per node (e.g. 8)"}}
+
+
 def main() -> int:
     with tempfile.TemporaryDirectory(prefix="hpc-ddp-bench-") as tmp:
         work = Path(tmp)
@@ -67,6 +107,7 @@ def main() -> int:
         for n in range(REPEATS):  # interleaved, so drifts in machine load hit both alike
             a.append(plain(work, data, n))
             b.append(ours(work, job, n))
+        stage_result = staging(work, REPEATS)
     result = {
         "machine": f"{platform.node()} {platform.machine()} {platform.python_version()}",
         "setup": {"world_size": 2, "backend": "gloo", "steps": STEPS, "batch_per_rank": BATCH,
@@ -74,6 +115,7 @@ def main() -> int:
         "throughput": {"plain_samples_per_s": a, "ours_samples_per_s": b,
                        "plain_median": statistics.median(a), "ours_median": statistics.median(b),
                        "ratio": statistics.median(b) / statistics.median(a), "target": ">= 1.00"},
+        "staging": stage_result,
     }
     out = REPO / "bench" / "results.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
@@ -81,6 +123,11 @@ def main() -> int:
     print(f"{'':28}{'plain DDP loop':>16}{'hpc-ddp trainer':>17}{'ratio':>8}")
     print(f"{'samples/s (median of ' + str(REPEATS) + ')':28}{t['plain_median']:>16,.0f}{t['ours_median']:>17,.0f}"
           f"{t['ratio']:>8.2f}")
+    m = stage_result["median_MB_per_s"]
+    print(f"{'staging a directory, MB/s':28}{m['cp -r']:>16,.0f}{m['ours (dir)']:>17,.0f}{stage_result['ratio_dir']:>8.2f}"
+          "   (cp -r)")
+    print(f"{'staging a tar, MB/s':28}{m['tar -xf']:>16,.0f}{m['ours (tar)']:>17,.0f}{stage_result['ratio_tar']:>8.2f}"
+          "   (tar -xf)")
     print(f"wrote {out}")
     return 0
 

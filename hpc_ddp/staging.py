@@ -35,7 +35,7 @@ from pathlib import Path
 
 from .errors import HpcDdpError, UserError
 
-__all__ = ["stage", "wait_for_stage", "is_archive", "StagingError", "source_manifest", "ARCHIVE_SUFFIXES", "StageResult"]
+__all__ = ["stage", "wait_for_stage", "download_once", "is_archive", "StagingError", "source_manifest", "ARCHIVE_SUFFIXES", "StageResult"]
 
 ARCHIVE_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".zip")
 MARKER_SUFFIX = ".complete.json"
@@ -128,6 +128,46 @@ def wait_for_stage(src: str | os.PathLike, scratch: str | os.PathLike, *, name: 
             raise StagingError(f"waited {timeout:.0f} s for local rank 0 to stage {name} into {root}",
                                hint="see local rank 0's log on this node (logs/job-*/attempt-*/rank-*.log)")
         time.sleep(0.2)
+    return target
+
+
+def download_once(download: Callable[[Path], None], target: str | os.PathLike, *, key: str, builder: bool,
+                  timeout: float = 3600, log: Callable[[str], None] = print) -> Path:
+    """Run `download(tmp_dir)` once and publish its result at `target`; everyone else waits.
+
+    `builder` says who downloads: local rank 0 when `target` is on node-local disk (one download per
+    node), global rank 0 when it is on a shared filesystem (one download in all). torchvision's own
+    `download=True` writes in place with no completion marker, so concurrent ranks corrupt each other;
+    here the download goes to a temporary directory, is renamed into place, and only then marked done.
+    A marker whose `key` (e.g. the URL and version) differs means "download again".
+    """
+    target = Path(target)
+    marker = target.with_name(f"{target.name}{MARKER_SUFFIX}")
+    if not builder:
+        deadline = time.monotonic() + timeout
+        while not _complete(target, marker, key):
+            if time.monotonic() > deadline:
+                raise StagingError(f"waited {timeout:.0f} s for {target.name} to be downloaded",
+                                   hint="see the log of the rank that downloads it (local rank 0, or rank 0)")
+            time.sleep(0.2)
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if _complete(target, marker, key):
+        return target
+    for leftover in target.parent.glob(f".{target.name}.tmp-*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+    marker.unlink(missing_ok=True)
+    if target.exists():
+        shutil.rmtree(target)
+    tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir(mode=0o700)
+    started = time.monotonic()
+    download(tmp)
+    _fsync_tree(tmp)
+    os.rename(tmp, target)
+    _fsync_dir(target.parent)
+    _write_marker(marker, {"key": key})
+    log(f"hpc-ddp: downloaded {target.name} in {time.monotonic() - started:.1f} s -> {target}")
     return target
 
 
@@ -274,14 +314,29 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _fsync_tree(root: Path) -> None:
-    for dirpath, _dirs, files in os.walk(root):
-        for name in files:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(Path(dirpath))
+    """Make the staged files durable before the marker says they are complete. One syncfs(2) of the
+    scratch filesystem instead of an fsync per file: with thousands of small files the per-file
+    fsyncs cost more than the copy itself."""
+    fd = os.open(root, os.O_RDONLY)
+    try:
+        if _LIBC is None or _LIBC.syncfs(fd) != 0:
+            os.sync()
+    finally:
+        os.close(fd)
+
+
+def _load_libc():
+    try:
+        import ctypes
+        import ctypes.util
+
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        return libc if hasattr(libc, "syncfs") else None
+    except OSError:
+        return None
+
+
+_LIBC = _load_libc()
 
 
 class _exclusive:

@@ -222,3 +222,43 @@ def test_bad_dataset_specs(value, message):
 
     with pytest.raises(SpecError, match=message):
         build_spec([Layer("c", {"datasets": value})], target=Target("script", "/t.py"), workdir="/", python="p")
+
+
+def _download_rank(target, local_rank, rank, shared, mirror, counter, queue):
+    import fcntl
+
+    from hpc_ddp.staging import download_once
+
+    def fetch(tmp):  # a local file source standing in for the network
+        with open(counter, "a") as fh:
+            fcntl.flock(fh, fcntl.LOCK_EX)
+            fh.write("x")
+        time.sleep(0.3)  # slow, so the waiting ranks really wait
+        import shutil
+
+        shutil.copytree(mirror, tmp, dirs_exist_ok=True)
+
+    builder = rank == 0 if shared else local_rank == 0
+    path = download_once(fetch, target, key="v1", builder=builder, timeout=30, log=lambda _m: None)
+    queue.put(digest_tree(Path(path)))
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_download_happens_once_per_node_or_once_in_all(tmp_path, shared):
+    mirror = make_source(tmp_path, files=3)
+    counter = tmp_path / "downloads"
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    procs = []
+    for node in range(2):
+        target = tmp_path / ("shared-fs" if shared else f"node{node}-local") / "mnist"
+        for local in range(4):
+            procs.append(ctx.Process(target=_download_rank, args=(target, local, node * 4 + local, shared, mirror,
+                                                                  counter, queue)))
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert all(p.exitcode == 0 for p in procs)
+    assert {queue.get(timeout=5) for _ in procs} == {digest_tree(mirror)}
+    assert len(counter.read_text()) == (1 if shared else 2)
