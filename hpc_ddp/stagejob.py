@@ -50,7 +50,10 @@ def _one(spec: JobSpec, dist: DistEnv, src: Path, name: str, scratch: Path, log:
                                   checksums=spec.stage_checksums))
     except (StagingError, OSError) as exc:
         if spec.stage_fallback == "fail" or is_archive(src):
-            raise
+            if isinstance(exc, StagingError):
+                raise
+            raise StagingError(f"cannot stage {name} into {scratch}: {exc}",
+                               hint="set the profile's scratch to a writable node-local directory") from None
         log(f"hpc-ddp stage: {name}: node-local staging failed ({exc}); reading the shared copy in place")
         return str(src)
 

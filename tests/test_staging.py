@@ -262,3 +262,25 @@ def test_download_happens_once_per_node_or_once_in_all(tmp_path, shared):
     assert all(p.exitcode == 0 for p in procs)
     assert {queue.get(timeout=5) for _ in procs} == {digest_tree(mirror)}
     assert len(counter.read_text()) == (1 if shared else 2)
+
+
+@pytest.mark.parametrize("fallback", ["shared", "fail"])
+def test_unusable_local_disk_reads_the_shared_copy_or_fails(tmp_path, fallback):
+    from hpc_ddp.distenv import DistEnv
+    from hpc_ddp.spec import Layer, Target, build_spec
+    from hpc_ddp.stagejob import stage_for_job
+
+    src = make_source(tmp_path, files=2)
+    (tmp_path / "not-a-dir").write_text("")
+    spec = build_spec([Layer("c", {"datasets": [f"{src}:mnist"], "scratch": str(tmp_path / "not-a-dir"),
+                                   "stage_fallback": fallback})],
+                      target=Target("script", "/t.py"), workdir="/", python="p")
+    dist = DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, node_rank=0, num_nodes=1,
+                   master_addr="n1", master_port=1, hosts=("n1",), job_id="5", restart_count=0, source="slurm")
+    logged = []
+    if fallback == "fail":
+        with pytest.raises(StagingError, match="cannot stage mnist into .*HINT"):
+            stage_for_job(spec, dist, tmp_path / "run", {}, log=logged.append)
+        return
+    assert stage_for_job(spec, dist, tmp_path / "run", {}, log=logged.append) == {"mnist": str(src)}
+    assert "reading the shared copy in place" in logged[-1]
