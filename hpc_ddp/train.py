@@ -454,7 +454,16 @@ def main(argv: list[str] | None = None) -> None:
     except HpcDdpError as exc:
         print(f"hpc-ddp train: error: {exc}", file=sys.stderr, flush=True)
         code = exc.exit_code
-    sys.exit(code)
+    except Exception:  # noqa: BLE001 - report it, then leave at once (below)
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Leave without interpreter shutdown: a loader worker or communication thread stuck after a failure
+    # must not keep a rank (and so the whole job) alive.
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -43,6 +43,16 @@ def simulated_gpus(node: int, gpus: int, physical: int) -> str:
     return ",".join(str(j) for j in range(gpus))
 
 
+def node_scratch(run_dir: str, node: int) -> Path:
+    """A short per-node temp dir (sockets in TMPDIR must fit AF_UNIX's 108-byte path limit, which a
+    run dir often would not): /tmp/hpc-ddp-local-<run dir hash>/node-<k>."""
+    import hashlib
+    import tempfile
+
+    tag = hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:10]
+    return Path(tempfile.gettempdir()) / f"hpc-ddp-local-{tag}" / f"node-{node}"
+
+
 def rank_envs(spec: JobSpec, job_id: str, port: int, physical_gpus: int, attempt: int = 0,
               deadline: float | None = None, run_dir: str = ".") -> list[dict[str, str]]:
     envs = []
@@ -56,7 +66,7 @@ def rank_envs(spec: JobSpec, job_id: str, port: int, physical_gpus: int, attempt
                 "HPC_DDP_HOSTS": ",".join(["localhost"] * spec.nodes), "HPC_DDP_JOB_ID": job_id,
                 "HPC_DDP_RESTART_COUNT": str(attempt), "HPC_DDP_LOCAL": "1",
                 # Each simulated node gets a node-local disk of its own, as staging expects.
-                "TMPDIR": str(Path(run_dir) / ".local-nodes" / f"node-{node}"),
+                "TMPDIR": str(node_scratch(run_dir, node)),
             }
             if spec.gpus:
                 env["CUDA_VISIBLE_DEVICES"] = simulated_gpus(node, spec.gpus, physical_gpus)

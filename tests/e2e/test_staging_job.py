@@ -28,8 +28,10 @@ def test_each_node_stages_once_and_every_rank_reads_it(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     seen = [json.loads((tmp_path / "run" / f"seen-{r}.json").read_text()) for r in range(4)]
     assert len({s["digest"] for s in seen}) == 1
+    from hpc_ddp.executors.local import node_scratch
+
     for s in seen:
-        node = tmp_path / "run" / ".local-nodes" / f"node-{s['NODE_RANK']}"
+        node = node_scratch(str(tmp_path / "run"), int(s["NODE_RANK"]))
         assert s["HPC_DDP_DATA_MNIST"] == str(node / "hpc-ddp-datasets" / "mnist")
         assert s["DATASETS"] == "mnist" and s["DATASETS_PATH"] == str(node / "hpc-ddp-datasets")
     copies = [line for line in done.stdout.splitlines() if "hpc-ddp stage: mnist:" in line and "MB/s" in line]
@@ -45,5 +47,7 @@ def test_trainer_reads_the_staged_copy(tmp_path):
         f'num_workers = 0\neval_every_epoch = false\n')
     done = hpc_ddp("submit", "--executor", "local", "--run-dir", "run", "job.toml", cwd=tmp_path, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
-    staged = tmp_path / "run" / ".local-nodes" / "node-0" / "hpc-ddp-datasets" / "mnist"
+    from hpc_ddp.executors.local import node_scratch
+
+    staged = node_scratch(str(tmp_path / "run"), 0) / "hpc-ddp-datasets" / "mnist"
     assert f"hpc-ddp: reading the staged copy {staged} of {data}" in done.stdout
