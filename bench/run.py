@@ -66,13 +66,13 @@ def staging(work: Path, repeats: int) -> dict:
     from hpc_ddp.staging import stage
 
     src = work / "shared" / "imagefolder"
-    for i in range(400):  # 400 files x 256 KB = 100 MB in 10 class folders
+    for i in range(1000):  # 1000 files x 400 KB = 400 MB in 10 class folders
         path = src / f"class_{i % 10}" / f"{i:05d}.bin"
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(os.urandom(256 * 1024))
+        path.write_bytes(os.urandom(400 * 1024))
     archive = work / "shared" / "imagefolder.tar"
     subprocess.run(["tar", "-cf", str(archive), "-C", str(src.parent), src.name], check=True)
-    nbytes = 400 * 256 * 1024
+    nbytes = 1000 * 400 * 1024
 
     def timed(fn) -> float:
         dest = work / "local"
@@ -85,11 +85,16 @@ def staging(work: Path, repeats: int) -> dict:
         return nbytes / 1e6 / (time.perf_counter() - started)
 
     runs: dict[str, list[float]] = {"cp -r": [], "ours (dir)": [], "tar -xf": [], "ours (tar)": []}
-    for _ in range(repeats):
-        runs["cp -r"].append(timed(lambda d: subprocess.run(["cp", "-r", str(src), str(d)], check=True)))
-        runs["ours (dir)"].append(timed(lambda d: stage(src, d, log=lambda _m: None)))
-        runs["tar -xf"].append(timed(lambda d: subprocess.run(["tar", "-xf", str(archive), "-C", str(d)], check=True)))
-        runs["ours (tar)"].append(timed(lambda d: stage(archive, d, log=lambda _m: None)))
+    ops = {
+        "cp -r": lambda d: subprocess.run(["cp", "-r", str(src), str(d)], check=True),
+        "ours (dir)": lambda d: stage(src, d, log=lambda _m: None),
+        "tar -xf": lambda d: subprocess.run(["tar", "-xf", str(archive), "-C", str(d)], check=True),
+        "ours (tar)": lambda d: stage(archive, d, log=lambda _m: None),
+    }
+    for r in range(repeats):  # alternate which of each pair goes first, so cache effects hit both alike
+        for pair in (("cp -r", "ours (dir)"), ("tar -xf", "ours (tar)")):
+            for name in (pair if r % 2 == 0 else pair[::-1]):
+                runs[name].append(timed(ops[name]))
     med = {k: statistics.median(v) for k, v in runs.items()}
     return {"MB_per_s": runs, "median_MB_per_s": med,
             "ratio_dir": med["ours (dir)"] / med["cp -r"], "ratio_tar": med["ours (tar)"] / med["tar -xf"],
@@ -107,7 +112,7 @@ def main() -> int:
         for n in range(REPEATS):  # interleaved, so drifts in machine load hit both alike
             a.append(plain(work, data, n))
             b.append(ours(work, job, n))
-        stage_result = staging(work, REPEATS)
+        stage_result = staging(work, 2 * REPEATS + 1)
     result = {
         "machine": f"{platform.node()} {platform.machine()} {platform.python_version()}",
         "setup": {"world_size": 2, "backend": "gloo", "steps": STEPS, "batch_per_rank": BATCH,
