@@ -34,6 +34,9 @@ from typing import Any
 
 import torch
 
+from .durable import fsync_dir as _fsync_dir
+from .durable import replace_durable
+from .durable import write_durable as _write_durable
 from .errors import HpcDdpError
 
 __all__ = ["CheckpointManager", "CheckpointError", "Loaded", "state_sha256", "verify", "inspect_checkpoint"]
@@ -68,21 +71,6 @@ def state_sha256(state_dict: Mapping[str, torch.Tensor]) -> str:
         if isinstance(value, torch.Tensor):
             digest.update(value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_durable(path: Path, data: bytes) -> None:
-    with open(path, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
 
 
 def _serialize(obj: Any) -> bytes:
@@ -132,10 +120,7 @@ class CheckpointManager:
         return name
 
     def _point_latest_to(self, name: str) -> None:
-        tmp = self.root / f".tmp-latest-{uuid.uuid4().hex[:8]}"
-        _write_durable(tmp, (name + "\n").encode())
-        os.replace(tmp, self.root / LATEST)
-        _fsync_dir(self.root)
+        replace_durable(self.root / LATEST, (name + "\n").encode())
 
     def _prune(self, keep_name: str) -> None:
         complete = self.checkpoints()

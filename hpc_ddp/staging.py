@@ -25,6 +25,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import stat
 import subprocess
 import tarfile
@@ -34,6 +35,8 @@ import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
+from .durable import fsync_dir as _fsync_dir
+from .durable import replace_durable
 from .errors import HpcDdpError, UserError
 
 __all__ = ["stage", "wait_for_stage", "download_once", "is_archive", "StagingError", "source_manifest", "ARCHIVE_SUFFIXES", "StageResult"]
@@ -123,11 +126,16 @@ def wait_for_stage(src: str | os.PathLike, scratch: str | os.PathLike, *, name: 
     root = Path(scratch)
     key = _source_key(src, source_manifest(src, checksums))
     target, marker = root / name, root / f"{name}{MARKER_SUFFIX}"
+    return _wait_complete(target, marker, key, timeout,
+                          f"waited {timeout:.0f} s for local rank 0 to stage {name} into {root}",
+                          "see local rank 0's log on this node (logs/job-*/attempt-*/rank-*.log)")
+
+
+def _wait_complete(target: Path, marker: Path, key: str, timeout: float, message: str, hint: str) -> Path:
     deadline = time.monotonic() + timeout
     while not _complete(target, marker, key):
         if time.monotonic() > deadline:
-            raise StagingError(f"waited {timeout:.0f} s for local rank 0 to stage {name} into {root}",
-                               hint="see local rank 0's log on this node (logs/job-*/attempt-*/rank-*.log)")
+            raise StagingError(message, hint=hint)
         time.sleep(0.2)
     return target
 
@@ -145,13 +153,8 @@ def download_once(download: Callable[[Path], None], target: str | os.PathLike, *
     target = Path(target)
     marker = target.with_name(f"{target.name}{MARKER_SUFFIX}")
     if not builder:
-        deadline = time.monotonic() + timeout
-        while not _complete(target, marker, key):
-            if time.monotonic() > deadline:
-                raise StagingError(f"waited {timeout:.0f} s for {target.name} to be downloaded",
-                                   hint="see the log of the rank that downloads it (local rank 0, or rank 0)")
-            time.sleep(0.2)
-        return target
+        return _wait_complete(target, marker, key, timeout, f"waited {timeout:.0f} s for {target.name} to be downloaded",
+                              "see the log of the rank that downloads it (local rank 0, or rank 0)")
     target.parent.mkdir(parents=True, exist_ok=True)
     if _complete(target, marker, key):
         return target
@@ -203,7 +206,7 @@ def _copy_tree(src: Path, tmp: Path) -> None:
     """GNU cp where there is one (it is what the benchmark compares against), else shutil."""
     if shutil.which("cp"):
         done = subprocess.run(["cp", "-r", "-L", "--preserve=timestamps", str(src), str(tmp)],
-                              capture_output=True, text=True)
+                              capture_output=True, text=True, preexec_fn=_die_with_parent)
         if done.returncode != 0:
             raise StagingError(f"copying {src} failed: {done.stderr.strip()[:300]}")
     else:
@@ -258,7 +261,7 @@ def _extract(src: Path, tmp: Path) -> tuple[int, int]:
         if shutil.which("tar"):
             # Every member was checked above; GNU tar then extracts about 20% faster than tarfile.
             done = subprocess.run(["tar", "-xf", str(src), "-C", str(tmp), "--no-same-owner"],
-                                  capture_output=True, text=True)
+                                  capture_output=True, text=True, preexec_fn=_die_with_parent)
             if done.returncode != 0:
                 raise StagingError(f"tar could not extract {src}: {done.stderr.strip()[:300]}")
         else:
@@ -319,21 +322,7 @@ def _complete(target: Path, marker: Path, key: str) -> bool:
 
 
 def _write_marker(marker: Path, data: dict) -> None:
-    tmp = marker.with_name(f".{marker.name}.tmp-{uuid.uuid4().hex[:8]}")
-    with open(tmp, "w") as fh:
-        json.dump(data, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, marker)
-    _fsync_dir(marker.parent)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    replace_durable(marker, json.dumps(data).encode())
 
 
 def _fsync_tree(root: Path) -> None:
@@ -348,13 +337,20 @@ def _fsync_tree(root: Path) -> None:
         os.close(fd)
 
 
+def _die_with_parent() -> None:
+    """In the cp/tar child: die with the stager. A SIGKILLed stager must not leave a copy running into
+    the temp dir that the next stager is about to clean up (PR_SET_PDEATHSIG)."""
+    if _LIBC is not None:
+        _LIBC.prctl(1, signal.SIGKILL)
+
+
 def _load_libc():
     try:
         import ctypes
         import ctypes.util
 
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        return libc if hasattr(libc, "syncfs") else None
+        return libc if hasattr(libc, "syncfs") and hasattr(libc, "prctl") else None
     except OSError:
         return None
 
