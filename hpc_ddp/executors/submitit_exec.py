@@ -131,9 +131,6 @@ class RankTask:
 class SubmititExecutor:
     name = "submitit"
 
-    def __init__(self, **_ignored):
-        pass
-
     def plan(self, spec: JobSpec, run_dir: str) -> Plan:
         params = submitit_parameters(spec)
         lines = [f"# submitit executor: SlurmExecutor(folder={run_dir + '/submitit/%j'!r}, python={spec.python!r})",
