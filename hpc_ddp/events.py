@@ -4,6 +4,7 @@ most the line being written and never corrupts the ones before it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -30,13 +31,11 @@ class JsonLines:
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
     """Every complete record; a torn last line (a kill mid-write) is skipped."""
     records = []
-    try:
+    with contextlib.suppress(FileNotFoundError):  # no file yet: no records
         with open(path) as fh:
             for line in fh:
                 try:
                     records.append(json.loads(line))
                 except ValueError:
                     continue
-    except FileNotFoundError:
-        pass
     return records

@@ -12,6 +12,7 @@ Output goes to the same per-rank log files as on Slurm and, prefixed by rank, to
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import signal
@@ -251,7 +252,5 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):  # the rank already exited
         os.killpg(proc.pid, sig)
-    except ProcessLookupError:
-        pass
