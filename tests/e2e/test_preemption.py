@@ -91,11 +91,36 @@ def test_preempted_twice_and_warned_once_ends_bitwise_identical(slurm_conf, work
     assert rank_logs == [f"logs/job-{job}/attempt-{a}/rank-{r}.log" for a in range(4) for r in range(4)]
 
 
+SLOW_MODEL = """
+import time
+from torch import nn
+
+
+class SlowLinear(nn.Module):
+    # Pinned step time: the run must outlast one 1-minute attempt however fast the machine is.
+    def __init__(self, num_classes, in_channels, image_size):
+        super().__init__()
+        self.fc = nn.Linear(in_channels * image_size * image_size, num_classes)
+
+    def forward(self, x):
+        time.sleep(0.25)
+        return self.fc(x.flatten(1))
+
+
+def make(**kwargs):
+    return SlowLinear(**kwargs)
+"""
+
+
 def test_time_limit_signals_checkpoints_requeues_and_finishes(slurm_conf, workspace):
+    (workspace / "slowmodel.py").write_text(SLOW_MODEL)
+    # 60 epochs x 4 steps x 0.25 s = 60 s of training: needs at least two 1-minute attempts.
     (workspace / "long.toml").write_text(
-        'nodes = 2\ngpus = 2\n[train]\ndataset = "fake"\nfake_size = 256\nimage_size = 8\nmodel = "mlp"\n'
-        'epochs = 150\nbatch_size = 16\nnum_workers = 0\nlog_every = 50\neval_every_epoch = false\n')
-    job = submit_json("--time", "1", "--signal-lead", "20", "--run-dir", "tl", "long.toml", cwd=workspace)["job_id"]
+        'nodes = 2\ngpus = 2\n[train]\ndataset = "fake"\nfake_size = 256\nimage_size = 8\n'
+        'model = "slowmodel:make"\nepochs = 60\nbatch_size = 16\nnum_workers = 0\nlog_every = 20\n'
+        'eval_every_epoch = false\n')
+    job = submit_json("--time", "1", "--signal-lead", "20", "--run-dir", "tl", "long.toml", cwd=workspace,
+                      env={"PYTHONPATH": str(workspace)})["job_id"]
     run_dir = workspace / "tl"
     for _ in range(6):
         wait_until(lambda: job_field(job, "JobState") in ("PENDING", "COMPLETED", "FAILED", "TIMEOUT")
