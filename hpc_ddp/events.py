@@ -1,6 +1,9 @@
 """Append-only JSON-lines records in the run dir: `events.jsonl` (what happened to the job) and
 `metrics.jsonl` (training curves). One line per record, each flushed and fsynced, so a kill loses at
-most the line being written and never corrupts the ones before it."""
+most the line being written and never corrupts the ones before it.
+
+Every string in a record is masked (`secrets`) before it is written: event reasons and error texts can
+quote a rank's output, and a token in it must not land on disk. Keys are ours and are not masked."""
 
 from __future__ import annotations
 
@@ -10,6 +13,8 @@ import os
 import time
 from pathlib import Path
 from typing import Any
+
+from . import secrets
 
 __all__ = ["JsonLines", "read_jsonl"]
 
@@ -21,7 +26,8 @@ class JsonLines:
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        line = json.dumps({"time": round(time.time(), 3), **record}, default=str) + "\n"
+        clean = secrets.current().deep({"time": round(time.time(), 3), **record})
+        line = json.dumps(clean) + "\n"
         with open(self.path, "a") as fh:
             fh.write(line)
             fh.flush()

@@ -3,6 +3,9 @@ recorded (attempts, why each ended, checkpoints, progress, the failure's likely 
 
 Slurm's view comes from squeue, then sacct where accounting exists, then `scontrol show job`, each
 falling back cleanly to the next; the run dir's events.jsonl fills in the rest.
+
+What these print is masked (`secrets`): under sbatch, Slurm writes the rank logs itself, so a token a
+program printed is on disk as printed; status details quote those logs, and `logs` prints them.
 """
 
 from __future__ import annotations
@@ -13,12 +16,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from . import secrets
 from .attempts import attempts_from_events, latest_checkpoint_step
 from .classify import classify_failure
 from .events import read_jsonl
 from .procs import CommandRunner
 
-__all__ = ["run_status", "scheduler_state", "log_files", "format_status"]
+__all__ = ["run_status", "scheduler_state", "log_files", "new_log_lines", "format_status"]
 
 _ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "PREEMPTED", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
           "DEADLINE")
@@ -65,6 +69,18 @@ def log_files(run_dir: Path, rank: int | None = None) -> list[tuple[int, int, Pa
     return sorted(found, key=lambda t: (t[0], t[1], str(t[2])))
 
 
+def new_log_lines(run_dir: Path, rank: int | None, offsets: dict[str, int]) -> Iterator[str]:
+    """`[attempt A rank R] line` for every line written since `offsets` (updated), secrets masked."""
+    scrub = secrets.current()
+    for attempt, r, path in log_files(run_dir, rank):
+        with open(path, "rb") as fh:
+            fh.seek(offsets.get(str(path), 0))
+            data = fh.read()
+            offsets[str(path)] = fh.tell()
+        for line in scrub.lines(data.decode(errors="replace").splitlines()):
+            yield f"[attempt {attempt} rank {r}] {line}"
+
+
 def _failure(run_dir: Path) -> dict[str, str] | None:
     files = log_files(run_dir)
     if not files:
@@ -73,7 +89,7 @@ def _failure(run_dir: Path) -> dict[str, str] | None:
     texts = [p.read_text(errors="replace")[-200_000:] for a, _, p in files if a == last_attempt]
     texts += [p.read_text(errors="replace")[-50_000:] for p in run_dir.glob("logs/slurm-*.out")]
     found = classify_failure(texts)
-    return {"kind": found[0], "detail": found[1]} if found else None
+    return {"kind": found[0], "detail": secrets.current()(found[1])} if found else None
 
 
 def run_status(run_dir: Path, job_id: str | None, executor: str | None, commands: CommandRunner) -> dict[str, Any]:
@@ -100,7 +116,8 @@ def run_status(run_dir: Path, job_id: str | None, executor: str | None, commands
                     for e in events if e.get("event") == "resume"],
         "failure": _failure(run_dir) if state in ("FAILED", "STOPPED") else None,
     }
-    return status
+    # events.jsonl is masked as written; this also covers records written before masking existed.
+    return secrets.current().deep(status)
 
 
 def _overall_state(sched: dict[str, Any], events: list[dict[str, Any]], gave_up: str | None) -> str:

@@ -48,10 +48,15 @@ class Executor(Protocol):
 
 
 def write_run_dir(plan: Plan) -> Path:
-    """Create the run dir (private to the user) with the spec every rank will load."""
+    """Create the run dir with the spec every rank will load.
+
+    spec.json is the one file that keeps the program's arguments unmasked: it is how they reach every rank
+    (the runner builds argv from it, on every requeue too), so a `--token ...` argument must stay as given.
+    It is created readable by the user alone instead; everything else hpc-ddp writes is masked."""
     run_dir = Path(plan.run_dir)
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True, mode=0o700)
-    _write_atomic(run_dir / SPEC_NAME, json.dumps(plan.spec.to_dict(), indent=2) + "\n")
+    run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)  # checkpoints and logs: the user's alone
+    (run_dir / "logs").mkdir(exist_ok=True, mode=0o700)
+    _write_private(run_dir / SPEC_NAME, json.dumps(plan.spec.to_dict(), indent=2) + "\n")
     return run_dir
 
 
@@ -61,7 +66,11 @@ def record_submission(sub: Submission) -> None:
         fh.write(json.dumps(sub.to_json()) + "\n")
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def _write_private(path: Path, text: str) -> None:
+    """Atomically, mode 0600 from the moment the file exists (a chmod afterwards would leave a window)."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+    os.chmod(tmp, 0o600)  # O_CREAT keeps the mode of a stale tmp file left by a killed run
     os.replace(tmp, path)

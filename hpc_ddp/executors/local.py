@@ -16,16 +16,16 @@ import contextlib
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
-from .. import attempts
+from .. import attempts, secrets
 from ..distenv import port_for_job
 from ..exitcodes import REQUEUE_EXIT_CODE
+from ..ports import first_free_port
 from ..render import runner_command
 from ..spec import JobSpec
 from .base import Plan, Submission, record_submission, write_run_dir
@@ -89,10 +89,12 @@ class LocalExecutor:
         lines = [f"# local executor: {spec.nodes} simulated node(s) x {spec.tasks_per_node} task(s) "
                  f"= {spec.world_size} process(es) on this machine",
                  f"# run dir: {run_dir}", f"# each rank runs: {spec.target.describe()}"]
-        for env in rank_envs(spec, self.job_id, port_for_job(self.job_id), _physical_gpus(), run_dir=run_dir):
+        for env in rank_envs(spec, self.job_id, spec.master_port or port_for_job(self.job_id), _physical_gpus(),
+                             run_dir=run_dir):
             shown = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items() if k not in ("HPC_DDP_HOSTS",))
             lines.append(f"{shown} {cmd}")
-        return Plan("local", spec, run_dir, None, summary="\n".join(lines) + "\n")
+        # The program's arguments may hold a token: --dry-run shows them masked (spec.json keeps them).
+        return Plan("local", spec, run_dir, None, summary=secrets.current()("\n".join(lines) + "\n"))
 
     def submit(self, plan: Plan) -> Submission:
         run_dir = write_run_dir(plan)
@@ -119,7 +121,8 @@ class LocalExecutor:
                 return attempts.NOT_ADMITTED_EXIT_CODE
             log_dir = run_dir / "logs" / f"job-{self.job_id}" / f"attempt-{attempt}"
             log_dir.mkdir(parents=True, exist_ok=True)
-            port = _free_port(port_for_job(f"{self.job_id}-{attempt}"))
+            # A port the user chose is used as given, so a taken one fails fast as it would on Slurm.
+            port = spec.master_port or first_free_port(port_for_job(f"{self.job_id}-{attempt}"))
             deadline = time.time() + spec.time if spec.time else None
             envs = rank_envs(spec, self.job_id, port, _physical_gpus(), attempt, deadline, str(run_dir))
             for env in envs:
@@ -152,25 +155,15 @@ def _physical_gpus() -> int:
     return len(list(gpus.iterdir())) if gpus.is_dir() else 0
 
 
-def _free_port(start: int) -> int:
-    for port in range(start, start + 50):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("127.0.0.1", port))
-                return port
-            except OSError:
-                continue
-    return start
-
-
 def _run_ranks(argv: list[str], envs: list[dict[str, str]], log_dir: Path, *, echo: bool, cwd: str,
                timeline: list[tuple[float, int]] | None = None) -> int:
     procs, pumps = [], []
+    scrubber = secrets.current()  # built once: the pumps call it for every line
     for rank, extra in enumerate(envs):
         proc = subprocess.Popen(argv, env={**os.environ, **extra}, cwd=cwd, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, start_new_session=True)
-        pump = threading.Thread(target=_pump, args=(proc, log_dir / f"rank-{rank}.log", f"[rank {rank}] ", echo),
-                                daemon=True)
+        pump = threading.Thread(target=_pump, daemon=True,
+                                args=(proc, log_dir / f"rank-{rank}.log", f"[rank {rank}] ", echo, scrubber))
         pump.start()
         procs.append(proc)
         pumps.append(pump)
@@ -197,9 +190,13 @@ def _forward_signals(procs: list[subprocess.Popen]) -> dict:
     return {signum: signal.signal(signum, forward) for signum in _FORWARDED}
 
 
-def _pump(proc: subprocess.Popen, log_path: Path, prefix: str, echo: bool) -> None:
+def _pump(proc: subprocess.Popen, log_path: Path, prefix: str, echo: bool, scrubber: secrets.Scrubber) -> None:
+    """Copy a rank's output to its log file and the terminal, secrets masked. surrogateescape keeps bytes
+    that are not UTF-8 as they were in the log file."""
+    raw = (line.decode("utf-8", "surrogateescape") for line in iter(proc.stdout.readline, b""))
     with open(log_path, "ab") as log:
-        for line in iter(proc.stdout.readline, b""):
+        for text in scrubber.lines(raw):
+            line = text.encode("utf-8", "surrogateescape")
             log.write(line)
             log.flush()
             if echo:

@@ -13,9 +13,10 @@ import subprocess
 import time
 from pathlib import Path
 
+from .. import secrets
 from ..errors import SubmitError
 from ..exitcodes import REQUEUE_EXIT_CODE
-from ..render import SPEC_NAME
+from ..render import SPEC_NAME, refuse_secrets
 from ..spec import JobSpec
 from .base import Plan, Submission, record_submission, write_run_dir
 
@@ -132,12 +133,15 @@ class SubmititExecutor:
     name = "submitit"
 
     def plan(self, spec: JobSpec, run_dir: str) -> Plan:
+        scrub = secrets.current()
+        # submitit writes setup lines and sbatch options into its own script: refuse secrets, as render does.
+        refuse_secrets([*spec.setup, *spec.sbatch_args], spec, scrub)
         params = submitit_parameters(spec)
         lines = [f"# submitit executor: SlurmExecutor(folder={run_dir + '/submitit/%j'!r}, python={spec.python!r})",
                  "update_parameters("]
         lines += [f"    {k}={v!r}," for k, v in params.items()]
         lines += [")", f"submit(RankTask({str(Path(run_dir) / SPEC_NAME)!r}))  # each rank runs: {spec.target.describe()}"]
-        return Plan("submitit", spec, run_dir, None, summary="\n".join(lines) + "\n")
+        return Plan("submitit", spec, run_dir, None, summary=scrub("\n".join(lines) + "\n"))
 
     def submit(self, plan: Plan) -> Submission:
         import submitit
