@@ -160,6 +160,9 @@ class CheckpointManager:
         elif candidates:
             self.log(f"hpc-ddp: {self.root / LATEST} does not name a checkpoint ({latest!r}); "
                      f"using the newest one found")
+        if candidates:
+            for place in (self.root.parent, self.root):
+                self._warn_if_others_can_write(place)
         for path in candidates:
             try:
                 return load(path, files)
@@ -168,6 +171,26 @@ class CheckpointManager:
         if candidates:
             self.log(f"hpc-ddp: no valid checkpoint among {len(candidates)} in {self.root}; starting from scratch")
         return None
+
+    def _warn_if_others_can_write(self, place: Path) -> None:
+        try:
+            reason = others_can_write(place.stat(), os.getuid())
+        except OSError:
+            return
+        if reason:
+            self.log(f"hpc-ddp: warning: {place} {reason}: they could plant a checkpoint this run would resume "
+                     f"from. HINT: chmod go-w {place}")
+
+
+def others_can_write(st: os.stat_result, uid: int) -> str | None:
+    """Why users other than `uid` can change what is in a directory with this stat, or None."""
+    if st.st_uid != uid:
+        return f"belongs to another user (uid {st.st_uid})"
+    if st.st_mode & 0o002:
+        return "is writable by every user"
+    if st.st_mode & 0o020:
+        return "is writable by its group"
+    return None
 
 
 def verify(path: Path) -> dict[str, Any]:

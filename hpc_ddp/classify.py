@@ -13,6 +13,7 @@ _RULES = [
     ("node_failure", re.compile(r"DUE TO NODE FAILURE|NODE_FAIL|Node failure on")),
     ("time_limit", re.compile(r"DUE TO TIME LIMIT")),
     ("preempted", re.compile(r"DUE TO PREEMPTION")),
+    ("rank_lost", re.compile(r"stopped responding \(no heartbeat|rendezvous store at \S+ stopped answering")),
     ("rendezvous_timeout", re.compile(r"DistNetworkError|TCPStore|Timed out waiting|timed out after .*rendezvous|"
                                       r"Connection refused.*MASTER|rendezvous", re.IGNORECASE)),
     ("user_code_exception", re.compile(r"Traceback \(most recent call last\)")),

@@ -10,12 +10,14 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import sys
 from collections.abc import Mapping
 from pathlib import Path
 
 from .distenv import DistEnv, from_environ
 from .errors import EnvError, HpcDdpError
+from .ports import PORT_HINT, port_in_use, taken_port_message
 from .spec import JobSpec
 
 __all__ = ["select_gpus", "rank_environment", "program_argv", "load_spec", "main"]
@@ -57,7 +59,7 @@ def rank_environment(spec: JobSpec, dist: DistEnv, env: Mapping[str, str], run_d
     cuda = select_gpus(env.get("CUDA_VISIBLE_DEVICES"), dist.local_rank, dist.local_world_size, per_task,
                        spec.gpu_bind) if spec.gpus else env.get("CUDA_VISIBLE_DEVICES")
     out = {
-        "MASTER_ADDR": dist.master_addr, "MASTER_PORT": str(dist.master_port),
+        "MASTER_ADDR": dist.master_addr, "MASTER_PORT": str(spec.master_port or dist.master_port),
         "RANK": str(dist.rank), "LOCAL_RANK": str(dist.local_rank),
         "WORLD_SIZE": str(dist.world_size), "LOCAL_WORLD_SIZE": str(dist.local_world_size),
         "GROUP_RANK": str(dist.node_rank), "NODE_RANK": str(dist.node_rank),
@@ -69,6 +71,9 @@ def rank_environment(spec: JobSpec, dist: DistEnv, env: Mapping[str, str], run_d
         "BACKEND": env.get("HPC_DDP_BACKEND") or ("nccl" if gpu_visible(cuda, nvidia_driver) else "gloo"),
         "WORKSPACE": run_dir, "WORKER_PER_NODE": str(dist.local_world_size),
         "PYTHONUNBUFFERED": "1",
+        # Bounds a script of the user's own can pass to init_process_group(timeout=...).
+        "HPC_DDP_RENDEZVOUS_TIMEOUT": str(spec.rendezvous_timeout),
+        "HPC_DDP_COLLECTIVE_TIMEOUT": str(spec.collective_timeout),
     }
     if dist.job_id:
         out["HPC_DDP_JOB_ID"] = dist.job_id
@@ -131,6 +136,7 @@ def prepare(spec_path: str) -> tuple[list[str], dict[str, str]]:
     run_dir = str(Path(spec_path).resolve().parent)
     env = dict(base)
     env.update(rank_environment(spec, dist, base, run_dir, nvidia_driver=_nvidia_driver_loaded()))
+    _check_master_port(dist, int(env["MASTER_PORT"]))
     if spec.datasets:
         from .stagejob import dataset_env, scratch_dir, stage_for_job
 
@@ -138,6 +144,12 @@ def prepare(spec_path: str) -> tuple[list[str], dict[str, str]]:
                                log=lambda m: print(m, file=sys.stderr, flush=True))
         env.update(dataset_env(staged, scratch_dir(spec, os.environ), spec))
     return program_argv(spec, dist, sys.executable, str(Path(spec_path).resolve())), env
+
+
+def _check_master_port(dist: DistEnv, port: int) -> None:
+    """Rank 0 will listen on MASTER_PORT: if something holds it, say so now, not after the others time out."""
+    if dist.rank == 0 and dist.world_size > 1 and port_in_use(port):
+        raise EnvError(taken_port_message(port, socket.gethostname()), hint=PORT_HINT)
 
 
 def main(argv: list[str] | None = None) -> None:

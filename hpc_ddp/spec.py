@@ -79,6 +79,9 @@ class JobSpec:
     stage_fallback: str = "shared"     # node-local disk unusable: read the shared copy ("shared") or "fail"
     stage_checksums: bool = False
     stage_timeout: int = 3600          # seconds a rank waits for staging, on its node and across nodes
+    master_port: int | None = None     # None: derived from the job id
+    rendezvous_timeout: int = 120      # seconds the ranks wait for each other at start-up
+    collective_timeout: int = 600      # seconds one collective may block before a rank gives up
 
     @property
     def world_size(self) -> int:
@@ -203,7 +206,7 @@ _SBATCH_OPTIONS = {
     "ntasks-per-gpu", "ntasks-per-socket", "overcommit", "oversubscribe", "power", "priority", "profile",
     "propagate", "reservation", "sockets-per-node", "spread-job", "switches", "thread-spec",
     "threads-per-core", "time-min", "tmp", "uid", "use-min-nodes", "wait-all-nodes", "wckey",
-    "cluster-constraint", "clusters", "cpus-per-gpu", "extra-node-info", "mem-per-gpu",
+    "cluster-constraint", "clusters", "cpus-per-gpu", "extra-node-info",
 }
 
 
@@ -246,6 +249,13 @@ def _datasets(raw: Any) -> tuple[tuple[str, str], ...]:
     return tuple(out)
 
 
+def _port(raw: Any) -> int:
+    port = count(1)(raw)
+    if not 1024 <= port <= 65535:
+        raise ValueError(f"{port} is not a port we can listen on (1024-65535)")
+    return port
+
+
 def _sbatch_args(raw: Any) -> tuple[str, ...]:
     return tuple(_sbatch_arg(x) for x in _lines(raw))
 
@@ -260,7 +270,8 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "epochs": count(1), "lr": number(0.0, strict=True), "batch_size": count(1), "python": _string,
     "profile": _token, "script": _string, "module": _string, "args": _args, "train": parse_train,
     "datasets": _datasets, "stage_fallback": choice(("shared", "fail")), "stage_checksums": flag,
-    "stage_timeout": count(10),
+    "stage_timeout": count(10), "master_port": _port, "rendezvous_timeout": count(5),
+    "collective_timeout": count(10),
 }
 SPEC_KEYS = frozenset(PARSERS)
 PROFILE_KEYS = SPEC_KEYS - {"script", "module", "args", "profile", "job_name", "run_dir", "pass_local_rank", "train",

@@ -9,7 +9,9 @@ REQUEUE_EXIT_CODE; the next attempt resumes from the same sample with the same R
 the resumed run ends bitwise identical to an uninterrupted one.
 
 Rehearsal knobs (environment): HPC_DDP_FAULT_STOP_AT=N[,M...] acts as if a stop signal arrived after step N;
-HPC_DDP_FAULT_KILL_AT=N SIGKILLs rank 0 after step N (no checkpoint, like a node failure).
+HPC_DDP_FAULT_KILL_AT=N[:R] SIGKILLs rank R (default 0) after step N (no checkpoint, like a node failure);
+HPC_DDP_FAULT_HANG_AT=N[:R] SIGSTOPs rank R after step N (a hung rank); HPC_DDP_FAULT_NO_JOIN=R keeps
+rank R from ever joining the rendezvous (a rank that never starts).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from . import rendezvous
 from .checkpoint import CheckpointManager, Loaded, state_sha256
 from .data import build_data, shutdown_workers
 from .deadline import job_deadline, stop_lead
@@ -66,6 +69,8 @@ class Context:
     env: DistEnv
     device: torch.device
     distributed: bool
+    store: Any = None        # the rendezvous store (rank 0 hosts it: keep it alive)
+    heartbeat: Any = None
 
     @property
     def is_main(self) -> bool:
@@ -76,23 +81,33 @@ def fingerprint(cfg: TrainConfig, world_size: int) -> dict[str, Any]:
     return {**{f: getattr(cfg, f) for f in FINGERPRINT_FIELDS}, "world_size": world_size}
 
 
-def _setup(env: DistEnv, gpu_bind: str = "rank") -> Context:
+def _setup(env: DistEnv, spec: JobSpec) -> Context:
     backend = os.environ.get("BACKEND") or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl" and torch.cuda.is_available():
         # With gpu_bind="rank" the runner left this rank only its own GPU(s): the first is ours. With
         # "node" every rank sees the node's GPUs, one per local rank.
-        shared = gpu_bind == "node" and torch.cuda.device_count() >= env.local_world_size
+        shared = spec.gpu_bind == "node" and torch.cuda.device_count() >= env.local_world_size
         index = env.local_rank if shared else 0
         device = torch.device("cuda", index)
         torch.cuda.set_device(device)
     else:
         backend, device = "gloo", torch.device("cpu")
-    if env.world_size > 1:
-        os.environ.setdefault("MASTER_ADDR", env.master_addr)
-        os.environ.setdefault("MASTER_PORT", str(env.master_port))
-        timeout = timedelta(seconds=float(os.environ.get("HPC_DDP_PG_TIMEOUT", 600)))
-        dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, timeout=timeout)
-    return Context(env, device, env.world_size > 1)
+    ctx = Context(env, device, env.world_size > 1)
+    if ctx.distributed:
+        _fault_before_join(env)
+        # Our own store: a bounded join that names missing ranks, then the process group on top of it.
+        ctx.store = rendezvous.join(env, timeout_s=spec.rendezvous_timeout)
+        dist.init_process_group(backend, store=dist.PrefixStore("pg", ctx.store), rank=env.rank,
+                                world_size=env.world_size, timeout=timedelta(seconds=spec.collective_timeout))
+        rendezvous.health_check(ctx.store, env, device, timeout_s=spec.rendezvous_timeout)
+        ctx.heartbeat = rendezvous.Heartbeat(env).start()
+    return ctx
+
+
+def _fault_before_join(env: DistEnv) -> None:
+    """HPC_DDP_FAULT_NO_JOIN=R: rank R hangs before the rendezvous (a rank that never starts)."""
+    if os.environ.get("HPC_DDP_FAULT_NO_JOIN") == str(env.rank):
+        time.sleep(10**6)
 
 
 def _rng_state() -> dict[str, Any]:
@@ -418,11 +433,13 @@ class Trainer:
                      "(by a communication library?); stop requests on it will not checkpoint")
 
     def _fault_injection(self) -> None:
-        step = self.progress.step
+        step, rank = self.progress.step, self.ctx.env.rank
         if str(step) in os.environ.get("HPC_DDP_FAULT_STOP_AT", "").split(","):
             self.stop.request("HPC_DDP_FAULT_STOP_AT")
-        if os.environ.get("HPC_DDP_FAULT_KILL_AT") == str(step) and self.ctx.is_main:
-            os.kill(os.getpid(), signal.SIGKILL)
+        for knob, sig in (("HPC_DDP_FAULT_KILL_AT", signal.SIGKILL), ("HPC_DDP_FAULT_HANG_AT", signal.SIGSTOP)):
+            at, _, who = os.environ.get(knob, "").partition(":")
+            if at == str(step) and rank == int(who or 0):
+                os.kill(os.getpid(), sig)
 
 
 def run(spec: JobSpec, run_dir: Path, env: DistEnv | None = None) -> int:
@@ -430,16 +447,26 @@ def run(spec: JobSpec, run_dir: Path, env: DistEnv | None = None) -> int:
     if spec.train is None:
         raise HpcDdpError("this job has no [train] table; the built-in trainer has nothing to do")
     stop = StopFlag((spec.signal, "TERM")).install()
-    ctx = _setup(env or from_environ(os.environ, pid=os.getpid()), spec.gpu_bind)
+    ctx = _setup(env or from_environ(os.environ, pid=os.getpid()), spec)
     trainer = None
     try:
         trainer = Trainer(spec.train, ctx, run_dir, stop, signal_lead=spec.signal_lead)
         return trainer.fit()
+    except (dist.DistError, RuntimeError) as exc:
+        # A failed collective usually means a peer is gone: name it rather than show a gloo/NCCL trace.
+        lost = rendezvous.explain_failure(ctx.store, ctx.env) if ctx.distributed else None
+        if lost is None:
+            raise
+        raise rendezvous.PeerLost(f"rank {ctx.env.rank}: {lost}; stopping ({type(exc).__name__}: "
+                                  f"{str(exc).splitlines()[0][:200]})",
+                                  hint="see that rank's log (hpc-ddp logs JOB --rank N)") from None
     finally:
         if trainer is not None:
             trainer.close()
-        if ctx.distributed and dist.is_initialized():
-            dist.destroy_process_group()
+        if ctx.heartbeat is not None:
+            ctx.heartbeat.stop()
+        if ctx.distributed:
+            rendezvous.leave()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -696,3 +696,27 @@ def test_kill_while_replacing_the_same_step_keeps_old_or_new(tmp_path: Path, mon
     monkeypatch.setattr(ckpt.os, "rename", real_rename)
     loaded = CheckpointManager(tmp_path, log=lambda _m: None).load_latest()
     assert loaded is not None and loaded.step == 5  # the old step 5 or the new one, never step 4
+
+
+# ---- a directory other users can write to could hold a planted checkpoint ----
+
+def test_loading_from_a_directory_others_can_write_warns(three: Path) -> None:
+    os.chmod(three, 0o777)
+    said: list[str] = []
+    assert CheckpointManager(three, log=said.append).load_latest().step == 3
+    assert len(said) == 1 and f"{three} is writable by every user" in said[0] and "chmod go-w" in said[0]
+
+
+def test_loading_from_a_private_directory_says_nothing(three: Path) -> None:
+    os.chmod(three, 0o700)
+    os.chmod(three.parent, 0o700)
+    assert CheckpointManager(three, log=pytest.fail).load_latest().step == 3
+
+
+@pytest.mark.parametrize("uid,mode,reason", [
+    (1000, 0o40700, None), (1000, 0o40755, None), (1000, 0o40775, "is writable by its group"),
+    (1000, 0o41777, "is writable by every user"), (0, 0o40700, "belongs to another user (uid 0)"),
+])
+def test_others_can_write(uid: int, mode: int, reason: str | None) -> None:
+    st = os.stat_result((mode, 0, 0, 1, uid, 0, 0, 0, 0, 0))
+    assert ckpt.others_can_write(st, 1000) == reason
