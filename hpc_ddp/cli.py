@@ -47,7 +47,10 @@ class Cli(click.Group):
 
 
 def _fail(message: str, code: int) -> None:
-    click.echo(f"hpc-ddp: error: {message}", err=True)
+    from . import secrets
+
+    # A spec error or sbatch's stderr may quote a value the user typed.
+    click.echo(f"hpc-ddp: error: {secrets.current()(message)}", err=True)
     sys.exit(code)
 
 
@@ -81,6 +84,9 @@ _SPEC_OPTIONS = [
     click.option("--max-requeues", help="Requeues after time limits [default: 10]."),
     click.option("--max-preemptions", help="Requeues after preemptions [default: 20]."),
     click.option("--epochs"), click.option("--lr"), click.option("--batch-size"),
+    click.option("--master-port", help="Port rank 0 listens on for the rendezvous [default: derived from the job id]."),
+    click.option("--rendezvous-timeout", help="Seconds the ranks wait for each other at start-up [default: 120]."),
+    click.option("--collective-timeout", help="Seconds a collective may block before the ranks give up [default: 600]."),
     click.option("--pass-local-rank", is_flag=True, default=None,
                  help="Append --local_rank=N to the script's arguments (torch.distributed.launch style)."),
     click.option("--stage", "datasets", multiple=True, metavar="SRC[:NAME]",
@@ -96,10 +102,10 @@ def spec_options(fn):
     return fn
 
 
-_NOT_SPEC = ("argv", "module", "dry_run", "as_json")
+_NOT_SPEC = ("argv", "module", "dry_run", "as_json", "no_preflight")
 
 
-def _build(params: dict) -> JobSpec:
+def _build(params: dict, default_target: Target | None = None) -> JobSpec:
     argv = list(params["argv"])
     module = params["module"]
     cwd = Path.cwd()
@@ -115,6 +121,8 @@ def _build(params: dict) -> JobSpec:
         target = _job_target(job_layer, job_path, tuple(args), cwd)
         job_values = {k: v for k, v in job_layer.values.items() if k not in ("script", "module", "args")}
         layers.append(Layer(job_layer.origin, job_values, job_layer.allowed))
+    elif default_target is not None and not (head or module):
+        target = default_target
     else:
         target = resolve_target(head, module, tuple(args), cwd)
     profile = flags.get("profile") or next((ly.values.get("profile") for ly in layers), None) \
@@ -186,6 +194,7 @@ def _executor_for(spec: JobSpec, quiet: bool):
 @spec_options
 @click.option("--dry-run", is_flag=True, help="Print the exact script (or plan); submit nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@click.option("--no-preflight", is_flag=True, help="Skip the checks against the cluster (see `hpc-ddp doctor`).")
 def submit(**params) -> None:
     """Submit TARGET (a script, -m module, or a job file) on N nodes x G GPUs.
 
@@ -203,6 +212,8 @@ def submit(**params) -> None:
         else:
             click.echo(plan.dry_run_text(), nl=False)
         return
+    if executor.name != "local" and not params["no_preflight"]:
+        _preflight(plan)
     if executor.name == "local":
         _register(spec, plan.run_dir, executor.job_id, "local")  # before it runs: it may run for hours
     sub = executor.submit(plan)
@@ -219,6 +230,51 @@ def submit(**params) -> None:
         click.echo(f"Submitted job {sub.job_id} ({sub.executor}); run dir {sub.run_dir}")
     if sub.returncode:
         sys.exit(1)
+
+
+def _preflight(plan) -> None:
+    """Warnings are printed and the submission goes on; errors stop it before anything queues."""
+    from .preflight import Host, job_paths, run_preflight
+
+    report = run_preflight(plan.spec, SubprocessCommands(), Host.current(), paths=job_paths(plan.spec, plan.run_dir))
+    for finding in report.findings:
+        if finding.level != "ok":
+            click.echo(f"hpc-ddp: {finding.line()}", err=True)
+    if report.errors:
+        raise UserError("preflight: the job cannot run as asked; nothing was submitted",
+                        hint="fix the errors above, or skip these checks with --no-preflight")
+
+
+@cli.command(context_settings={"allow_interspersed_args": False})
+@spec_options
+@click.option("--json", "as_json", is_flag=True, help="Print the cluster and the findings as JSON.")
+def doctor(**params) -> None:
+    """Check a job against the cluster before it queues, and show the cluster: partitions, nodes, CPUs,
+    memory, GPUs and time limits (sinfo); whether the request fits; account/QoS (sbatch --test-only);
+    paths the nodes cannot read; SBATCH_*/SLURM_* variables in this shell. Exit 2 if the job cannot run
+    as asked. Without TARGET only the resources and the shell are checked.
+
+    \b
+      hpc-ddp doctor
+      hpc-ddp doctor --nodes 2 --gpus 4 --time 4:00:00 --partition gpu train.py
+    """
+    from .preflight import NO_TARGET, Host, Report, check, format_cluster, job_paths, run_preflight
+    from .render import render_sbatch
+
+    spec, commands, host = _build(params, default_target=NO_TARGET), SubprocessCommands(), Host.current()
+    name, why = choose_executor(spec.executor, commands.which("sbatch") is not None)
+    if name == "local":  # nothing queues: only the shell matters
+        report = Report(None, tuple(check(spec, None, host)))
+    else:
+        run_dir = _run_dir(spec, _dt.datetime.now())
+        script = render_sbatch(spec, run_dir, generated_at="", command_line="hpc-ddp doctor")
+        report = run_preflight(spec, commands, host, paths=job_paths(spec, run_dir), test_script=script)
+    if params["as_json"]:
+        click.echo(json.dumps({"executor": name, **report.to_json()}, indent=2))
+    else:
+        lines = [f"executor {name} ({why})", *(format_cluster(report.cluster) if report.cluster else [])]
+        click.echo("\n".join(lines + [finding.line() for finding in report.findings]))
+    sys.exit(2 if report.errors else 0)
 
 
 @cli.command(context_settings={"allow_interspersed_args": False})
@@ -371,18 +427,13 @@ def logs(job: str | None, rank: int | None, follow: bool) -> None:
     """Every rank's log across all attempts, each line prefixed by attempt and rank."""
     import time
 
-    from .status import log_files
+    from .status import new_log_lines
 
     run_dir, job_id, executor = _resolve(job)
     offsets: dict[str, int] = {}
     while True:
-        for attempt, r, path in log_files(run_dir, rank):
-            with open(path, "rb") as fh:
-                fh.seek(offsets.get(str(path), 0))
-                data = fh.read()
-                offsets[str(path)] = fh.tell()
-            for line in data.decode(errors="replace").splitlines():
-                click.echo(f"[attempt {attempt} rank {r}] {line}")
+        for line in new_log_lines(run_dir, rank, offsets):  # srun wrote these: mask secrets as we print
+            click.echo(line)
         if not follow or not _still_running(run_dir, job_id, executor):
             return
         time.sleep(1)

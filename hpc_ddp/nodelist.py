@@ -1,4 +1,4 @@
-"""Slurm hostlists and task counts: `gpu[001-003,5],cpu07` -> hosts, `2(x3),1` -> tasks per node.
+"""Slurm hostlists and task counts: `gpu[001-003,5],cpu07` <-> hosts, `2(x3),1` -> tasks per node.
 
 Pure functions, no Slurm needed. The expansion agrees with `scontrol show hostnames` for every list
 Slurm accepts (tested against it when it is installed), and also accepts text after the last bracket
@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import itertools
 import re
+from collections.abc import Sequence
 
 from .errors import EnvError
 
-__all__ = ["expand_hostlist", "expand_tasks_per_node"]
+__all__ = ["expand_hostlist", "compress_hostlist", "expand_tasks_per_node"]
 
 _TASKS_ITEM = re.compile(r"^(\d+)(?:\(x(\d+)\))?$")
 
@@ -23,6 +24,36 @@ def expand_hostlist(hostlist: str) -> tuple[str, ...]:
     for item in _split_top_level(hostlist):
         hosts.extend(_expand_item(item, hostlist))
     return tuple(hosts)
+
+
+def compress_hostlist(hosts: Sequence[str]) -> str:
+    """Host names -> a hostlist that expands back to them: `n01 n02 n03 n07 gpu5` -> `n[01-03,07],gpu5`.
+    Zero-padded numbers keep their width; unpadded ones (n9, n10) share a group, as Slurm pads."""
+    groups: dict[tuple[str, int], list[int]] = {}
+    others = []
+    for host in dict.fromkeys(hosts):
+        m = re.fullmatch(r"(.*?)(\d+)", host)
+        if m and "[" not in host and "]" not in host and "," not in host:
+            width = len(m.group(2)) if m.group(2).startswith("0") else 0
+            groups.setdefault((m.group(1), width), []).append(int(m.group(2)))
+        else:
+            others.append(host)
+    out = []
+    for (prefix, width), numbers in groups.items():
+        body = ",".join(str(a).zfill(width) + (f"-{str(b).zfill(width)}" if b > a else "")
+                        for a, b in _runs(sorted(numbers)))
+        out.append(f"{prefix}[{body}]" if len(numbers) > 1 else f"{prefix}{body}")
+    return ",".join(out + others)
+
+
+def _runs(numbers: Sequence[int]) -> list[tuple[int, int]]:
+    runs: list[tuple[int, int]] = []
+    for n in numbers:
+        if runs and n == runs[-1][1] + 1:
+            runs[-1] = (runs[-1][0], n)
+        else:
+            runs.append((n, n))
+    return runs
 
 
 def expand_tasks_per_node(spec: str) -> tuple[int, ...]:

@@ -25,6 +25,10 @@ def project(tmp_path, monkeypatch):
     fake = bin_dir / "sbatch"
     fake.write_text(f"#!/bin/bash\necho \"$PWD $*\" >> {calls}\necho '4711;cluster'\n")
     fake.chmod(0o755)
+    # submit's preflight reads the cluster: a fake like the test Slurm, not whatever sinfo finds here.
+    sinfo = bin_dir / "sinfo"
+    sinfo.write_text("#!/bin/bash\nfor n in hpcn1 hpcn2; do echo \"debug*|up|infinite|$n|idle|4|4000|gpu:2\"; done\n")
+    sinfo.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
     monkeypatch.setenv("HPC_DDP_PROFILES", str(tmp_path / "profiles.toml"))
     monkeypatch.delenv("HPC_DDP_PROFILE", raising=False)

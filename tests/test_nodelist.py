@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from hpc_ddp.errors import EnvError
-from hpc_ddp.nodelist import expand_hostlist, expand_tasks_per_node
+from hpc_ddp.nodelist import compress_hostlist, expand_hostlist, expand_tasks_per_node
 
 # (hostlist, expansion): every row was checked against `scontrol show hostnames` of Slurm 22.05,
 # except the ones marked newer (text after the last bracket, which 22.05 refuses).
@@ -110,3 +110,21 @@ def slurm_conf_env(tmp_path_factory):
     conf.write_text("ClusterName=oracle\nSlurmctldHost=localhost\nNodeName=n1 CPUs=1\n"
                     "PartitionName=p Nodes=n1\n")
     return {**os.environ, "SLURM_CONF": str(conf)}
+
+
+# ---- compressing: hosts -> a hostlist that expands back to them ----
+
+@pytest.mark.parametrize("hosts,hostlist", [
+    (["hpcn1", "hpcn2"], "hpcn[1-2]"), (["n01", "n02", "n03", "n07", "gpu5"], "n[01-03,07],gpu5"),
+    (["n9", "n10", "n11"], "n[9-11]"), (["n09", "n10"], "n09,n10"), (["login"], "login"),
+    (["a1", "a1", "b"], "a1,b"), (["n3", "n1"], "n[1,3]"), (["n1-ib", "n2-ib"], "n1-ib,n2-ib"),
+])
+def test_compress_table(hosts, hostlist):
+    assert compress_hostlist(hosts) == hostlist
+
+
+@settings(max_examples=200, deadline=None)
+@given(hostlists)
+def test_compress_round_trips(hostlist):
+    hosts = list(dict.fromkeys(expand_hostlist(hostlist)))
+    assert sorted(expand_hostlist(compress_hostlist(hosts))) == sorted(hosts)
