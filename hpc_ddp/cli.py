@@ -131,7 +131,18 @@ def _build(params: dict, default_target: Target | None = None) -> JobSpec:
         layers.insert(0, profile_layer(str(profile), profiles_path(os.environ)))
         flags.setdefault("profile", profile)
     layers.append(Layer("command line", flags, is_cli=True))
-    return build_spec(layers, target=target, workdir=str(cwd), python=sys.executable)
+    spec = build_spec(layers, target=target, workdir=str(cwd), python=sys.executable)
+    _check_datasets_exist(spec)
+    return spec
+
+
+def _check_datasets_exist(spec: JobSpec) -> None:
+    # Checked here, where the job is submitted, rather than by the stager after hours in the queue.
+    for name, src in spec.datasets:
+        if not Path(src).exists():
+            raise SpecError(f"dataset {name!r}: source {src} does not exist",
+                            hint="give a directory or an archive (.tar, .tar.gz, .zip) that the "
+                                 "compute nodes can read")
 
 
 def _abs_stage(item: str, cwd: Path) -> str:
@@ -238,11 +249,14 @@ def _preflight(plan) -> None:
 
     report = run_preflight(plan.spec, SubprocessCommands(), Host.current(), paths=job_paths(plan.spec, plan.run_dir))
     for finding in report.findings:
-        if finding.level != "ok":
+        if finding.level == "warning" or finding in report.errors[:-1]:
             click.echo(f"hpc-ddp: {finding.line()}", err=True)
     if report.errors:
-        raise UserError("preflight: the job cannot run as asked; nothing was submitted",
-                        hint="fix the errors above, or skip these checks with --no-preflight")
+        # The last error is the exit line, so a single problem reads as one line like any other user error.
+        last = report.errors[-1]
+        more = f" (and {len(report.errors) - 1} more above)" if len(report.errors) > 1 else ""
+        raise UserError(f"{last.message}{more}; nothing was submitted",
+                        hint=f"{last.hint + '; or ' if last.hint else ''}skip these checks with --no-preflight")
 
 
 @cli.command(context_settings={"allow_interspersed_args": False})

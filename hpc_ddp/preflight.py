@@ -406,7 +406,7 @@ def job_paths(spec: JobSpec, run_dir: str) -> list[tuple[str, str]]:
     what = {"script": "script", "trainer": "job file"}.get(spec.target.kind)
     first = (what, spec.target.value) if what else ("working directory (the module is imported from it)",
                                                      spec.workdir)
-    return [first, ("run dir", run_dir)]
+    return [first, ("run dir", run_dir), *((f"dataset {name!r}", src) for name, src in spec.datasets)]
 
 
 def check_paths(paths: Sequence[tuple[str, str]], host: Host) -> list[Finding]:

@@ -103,6 +103,10 @@ class JobSpec:
         return cls(**fields)
 
 
+# Keys whose flag is not simply --key-with-dashes (repeatable flags are named in the singular).
+_FLAG_NAMES = {"sbatch_args": "--sbatch-arg", "datasets": "--stage"}
+
+
 @dataclasses.dataclass(frozen=True)
 class Layer:
     """One source of values, e.g. `Layer("job file jobs/a.toml", {...})`. `origin` prefixes messages."""
@@ -113,7 +117,9 @@ class Layer:
     is_cli: bool = False  # name values as flags (--tasks-per-node) rather than keys (tasks_per_node)
 
     def where(self, key: str) -> str:
-        return f"--{key.replace('_', '-')}" if self.is_cli else f"{self.origin}: {key}"
+        if self.is_cli:
+            return _FLAG_NAMES.get(key, f"--{key.replace('_', '-')}")
+        return f"{self.origin}: {key}"
 
 
 # ---- value parsers: raw (str from a flag, or a TOML value) -> typed; raise SpecError(reason) ----

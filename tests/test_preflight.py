@@ -271,10 +271,16 @@ def test_submit_is_stopped_by_an_error_and_nothing_is_queued(project):
     result = invoke("submit", "--nodes", "3", "train.py")
     assert result.exit_code == 2, result.output
     errors = [ln for ln in result.output.splitlines() if ln.startswith("hpc-ddp: error:")]
-    assert errors == ["hpc-ddp: error: --nodes 3: partition debug has only 2 node(s) HINT: use --nodes 2 or "
-                      "fewer, or a partition with more nodes",
-                      "hpc-ddp: error: preflight: the job cannot run as asked; nothing was submitted HINT: fix the "
-                      "errors above, or skip these checks with --no-preflight"]
+    assert errors == ["hpc-ddp: error: --nodes 3: partition debug has only 2 node(s); nothing was submitted HINT: "
+                      "use --nodes 2 or fewer, or a partition with more nodes; or skip these checks with --no-preflight"]
+    assert not (project / "sbatch-calls").exists() and not (project / "runs").exists()
+
+
+def test_several_errors_are_all_shown_and_the_last_ends_the_command(project):
+    result = invoke("submit", "--nodes", "3", "--gpus", "4", "--tasks-per-node", "1", "train.py")
+    assert result.exit_code == 2, result.output
+    errors = [ln for ln in result.output.splitlines() if ln.startswith("hpc-ddp: error:")]
+    assert len(errors) == 2 and "(and 1 more above); nothing was submitted" in errors[-1]
     assert not (project / "sbatch-calls").exists() and not (project / "runs").exists()
 
 

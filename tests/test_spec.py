@@ -66,7 +66,8 @@ def test_bad_values_name_key_and_origin(key, value, message):
     with pytest.raises(SpecError) as info:
         build(Layer("command line", {key: value}, is_cli=True))
     assert message in str(info.value)
-    assert str(info.value).startswith(f"--{key.replace('_', '-')}:")
+    flag = {"sbatch_args": "--sbatch-arg"}.get(key, f"--{key.replace('_', '-')}")  # named as the user typed it
+    assert str(info.value).startswith(f"{flag}:")
     assert "\n" not in str(info.value).replace("\\n", "")
 
 
