@@ -272,7 +272,8 @@ def doctor(**params) -> None:
       hpc-ddp doctor
       hpc-ddp doctor --nodes 2 --gpus 4 --time 4:00:00 --partition gpu train.py
     """
-    from .preflight import NO_TARGET, Host, Report, check, format_cluster, job_paths, run_preflight
+    from .cluster import format_cluster
+    from .preflight import NO_TARGET, Host, Report, check, job_paths, run_preflight
     from .render import render_sbatch
 
     spec, commands, host = _build(params, default_target=NO_TARGET), SubprocessCommands(), Host.current()

@@ -1,8 +1,8 @@
 """Preflight: can this job run on this cluster as asked? Answered before anything queues.
 
 Owns three things:
-  * reading the outside world into plain frozen values: the cluster from `sinfo` (`parse_sinfo` ->
-    `Cluster` of `Partition`s of `Node`s) and the submitting shell (`Host`: environment, mounts);
+  * the submitting shell as a plain frozen value (`Host`: environment, mounts); the cluster comes from
+    `cluster` (sinfo -> `Cluster` of `Partition`s of `Node`s);
   * `check(spec, cluster, host, paths)`, pure: those values -> `Finding`s, each one line with its fix;
   * `run_preflight`, the edge that gathers the values through a `CommandRunner` and calls `check`.
 
@@ -26,24 +26,16 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .errors import HpcDdpError, SpecError
-from .nodelist import compress_hostlist
-from .procs import CommandRunner
+from .cluster import Cluster, Node, Partition, Unavailable, limit_text, mem_mb, one_line, read_cluster
+from .errors import HpcDdpError
+from .procs import CommandRunner, slurm_unreachable
 from .render import SCRIPT_NAME
-from .slurmtime import format_time, parse_time
+from .slurmtime import format_time
 from .spec import JobSpec, Target
 
-__all__ = ["Node", "Partition", "Cluster", "Host", "Finding", "Report", "NO_TARGET", "SINFO_ARGV",
-           "parse_sinfo", "gres_gpus", "parse_mounts", "mem_mb", "check", "job_paths", "run_preflight",
-           "sbatch_test_only", "format_cluster"]
+__all__ = ["Host", "Finding", "Report", "NO_TARGET", "parse_mounts", "check", "job_paths", "run_preflight",
+           "sbatch_test_only"]
 
-# One line per (partition, node): partition (`*` marks the default), its state and time limit, then the
-# node's name, state, CPUs, memory (MB) and generic resources.
-SINFO_FORMAT = "%P|%a|%l|%N|%t|%c|%m|%G"
-SINFO_ARGV = ("sinfo", "--noheader", "--Node", f"--format={SINFO_FORMAT}")
-# A node in one of these states takes no new jobs (`*` after a state: not responding).
-_DEAD_STATES = {"down", "drain", "drained", "drng", "draining", "fail", "failg", "failing", "futr", "future",
-                "inval", "invalid", "unk", "unknown", "npc", "maint"}
 _LOCAL_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
 _MEMORY_FS = {"tmpfs", "ramfs"}
 _NETWORK_FS = {"nfs", "nfs4", "lustre", "gpfs", "beegfs", "ceph", "cephfs", "cifs", "smb3", "panfs", "wekafs",
@@ -54,45 +46,6 @@ NO_TARGET = Target("module", "hpc_ddp_doctor")  # `doctor` without TARGET: check
 
 
 # ---- values ----
-
-@dataclasses.dataclass(frozen=True)
-class Node:
-    name: str
-    state: str
-    cpus: int
-    mem_mb: int
-    gpus: int
-    gres: str = ""
-
-    @property
-    def usable(self) -> bool:
-        return not self.state.endswith("*") and self.state.rstrip("*~#!%$@^-+").lower() not in _DEAD_STATES
-
-
-@dataclasses.dataclass(frozen=True)
-class Partition:
-    name: str
-    nodes: tuple[Node, ...]
-    max_time: int | None = None  # seconds; None: no limit
-    default: bool = False
-    state: str = "up"
-
-    @property
-    def usable_nodes(self) -> tuple[Node, ...]:
-        return tuple(n for n in self.nodes if n.usable)
-
-
-@dataclasses.dataclass(frozen=True)
-class Cluster:
-    partitions: tuple[Partition, ...]
-
-    def get(self, name: str) -> Partition | None:
-        return next((p for p in self.partitions if p.name == name), None)
-
-    @property
-    def default(self) -> Partition | None:
-        return next((p for p in self.partitions if p.default), None)
-
 
 @dataclasses.dataclass(frozen=True)
 class Host:
@@ -147,36 +100,6 @@ class Report:
                 "ok": not self.errors}
 
 
-# ---- parsing (pure) ----
-
-def parse_sinfo(text: str) -> Cluster:
-    """`sinfo --noheader --Node --format=SINFO_FORMAT` output -> Cluster, the default partition first."""
-    heads: dict[str, tuple[bool, str, int | None]] = {}
-    nodes: dict[str, list[Node]] = {}
-    for line in filter(None, (ln.strip() for ln in text.splitlines())):
-        fields = line.split("|")
-        if len(fields) != 8:
-            raise ValueError(f"unexpected sinfo line {line!r} (wanted 8 |-separated fields)")
-        part, avail, limit, name, state, cpus, mem, gres = fields
-        default, part = part.endswith("*"), part.rstrip("*")
-        heads.setdefault(part, (default, avail, _time_limit(limit)))
-        nodes.setdefault(part, []).append(Node(name, state, _leading_int(cpus), _leading_int(mem),
-                                               gres_gpus(gres), gres))
-    order = sorted(heads, key=lambda p: (not heads[p][0], p))  # the default first; sinfo's order varies
-    return Cluster(tuple(Partition(p, tuple(nodes[p]), heads[p][2], heads[p][0], heads[p][1]) for p in order))
-
-
-def gres_gpus(gres: str) -> int:
-    """GPUs in a node's gres: `gpu:2` -> 2, `gpu:a100:4(S:0-1),shard:8` -> 4, `gpu:a:2,gpu:b:1` -> 3,
-    `(null)` -> 0. A gpu entry without a count is one GPU."""
-    total = 0
-    for item in re.sub(r"\([^)]*\)", "", gres).split(","):  # drop socket/index annotations first
-        parts = item.strip().split(":")
-        if parts[0] == "gpu":
-            total += int(parts[-1]) if len(parts) > 1 and parts[-1].isdigit() else 1
-    return total
-
-
 def parse_mounts(text: str) -> tuple[tuple[str, str], ...]:
     """/proc/mounts -> ((mount point, fs type), ...); octal escapes (`\\040` for a space) undone."""
     out = []
@@ -185,29 +108,6 @@ def parse_mounts(text: str) -> tuple[tuple[str, str], ...]:
         if len(fields) >= 3:
             out.append((re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[1]), fields[2]))
     return tuple(out)
-
-
-def mem_mb(mem: str | None) -> int | None:
-    """A spec's --mem (`64G`, `4000M`, `4000`: MB) -> MB; None for no request or `0` (all of a node)."""
-    if not mem:
-        return None
-    m = re.fullmatch(r"(\d+)([KMGT]?)", mem.upper())
-    if not m:
-        raise ValueError(f"not a Slurm memory size: {mem!r}")
-    mb = int(m.group(1)) * {"K": 1 / 1024, "": 1, "M": 1, "G": 1024, "T": 1024 ** 2}[m.group(2)]
-    return math.ceil(mb) or None
-
-
-def _time_limit(text: str) -> int | None:
-    try:
-        return parse_time(text)
-    except SpecError:  # "n/a" and the like: no limit we can check; sbatch still enforces the real one
-        return None
-
-
-def _leading_int(text: str) -> int:
-    m = re.match(r"\d+", text.strip())  # aggregated forms print "4+"; a missing value counts as 0
-    return int(m.group()) if m else 0
 
 
 # ---- the checks (pure) ----
@@ -293,7 +193,7 @@ def _state_problems(part: Partition) -> list[Finding]:
 def _time_problems(spec: JobSpec, part: Partition, cluster: Cluster) -> list[Finding]:
     if spec.time is None or part.max_time is None or spec.time <= part.max_time:
         return []
-    longer = [f"{p.name} ({_limit_text(p.max_time)})" for p in cluster.partitions
+    longer = [f"{p.name} ({limit_text(p.max_time)})" for p in cluster.partitions
               if p.max_time is None or p.max_time >= spec.time]
     other = f", or a partition with a longer limit: {', '.join(longer)}" if longer else ""
     return [_error(f"time limit {format_time(spec.time)} is over partition {part.name}'s limit of "
@@ -355,17 +255,13 @@ def _per_node(spec: JobSpec) -> str:
 def _fits_text(spec: JobSpec, part: Partition) -> str:
     fit = sum(_node_fits(spec, n) for n in part.nodes)
     limit = (f"time limit {format_time(spec.time)}" if spec.time else "no --time: the partition's default") + \
-        f" (max {_limit_text(part.max_time)})"
+        f" (max {limit_text(part.max_time)})"
     return (f"{_count(spec.nodes, 'node')} x {_per_node(spec)} fit partition {part.name} ({fit} of {len(part.nodes)} "
             f"nodes can take it); {limit}")
 
 
 def _count(n: int, word: str) -> str:
     return f"{n} {word}" + ("" if n == 1 else "s")
-
-
-def _limit_text(seconds: int | None) -> str:
-    return "infinite" if seconds is None else format_time(seconds)
 
 
 def check_environment(environ: Mapping[str, str]) -> list[Finding]:
@@ -448,30 +344,6 @@ def _mount_of(path: str, mounts: Sequence[tuple[str, str]]) -> tuple[str, str]:
 
 # ---- the edge: ask Slurm, then check ----
 
-class Unavailable(HpcDdpError):
-    """The cluster could not be read: its checks are skipped, with a warning."""
-
-
-def read_cluster(commands: CommandRunner, environ: Mapping[str, str]) -> Cluster:
-    if commands.which("sinfo") is None:
-        raise Unavailable("sinfo is not on PATH")
-    # SINFO_PARTITION and friends would filter or reshape what we parse.
-    env = {k: v for k, v in environ.items() if not k.startswith("SINFO_")}
-    try:
-        done = commands.run(SINFO_ARGV, env=env, timeout=30)
-    except HpcDdpError as exc:  # not found, or no answer in time
-        raise Unavailable(str(exc.message)) from None
-    if done.returncode != 0:
-        raise Unavailable(f"sinfo failed: {_one_line(done.stderr or done.stdout) or done.returncode}")
-    try:
-        cluster = parse_sinfo(done.stdout)
-    except ValueError as exc:
-        raise Unavailable(str(exc)) from None
-    if not cluster.partitions:
-        raise Unavailable("sinfo lists no partitions")
-    return cluster
-
-
 # sbatch's refusals -> the fix (first match wins).
 _REFUSAL_HINTS = [
     ("account", ("see your accounts with `sacctmgr show assoc user=$USER format=account,partition,qos` "
@@ -482,7 +354,6 @@ _REFUSAL_HINTS = [
                                              "options against `sinfo -o '%P %N %c %m %G %f'`")),
     ("time limit", "lower --time (see the limits with `sinfo -s`)"),
 ]
-_UNREACHABLE = ("Unable to contact slurm controller", "Socket timed out", "Connection refused")
 
 
 def sbatch_test_only(commands: CommandRunner, script: str) -> Finding:
@@ -493,10 +364,10 @@ def sbatch_test_only(commands: CommandRunner, script: str) -> Finding:
             done = commands.run(["sbatch", "--test-only", SCRIPT_NAME], cwd=tmp, timeout=30)
         except HpcDdpError as exc:
             return _warning(f"sbatch --test-only did not run: {exc.message}")
-    said = _one_line(done.stderr + "\n" + done.stdout)
+    said = one_line(done.stderr + "\n" + done.stdout)
     if done.returncode == 0:
         return _ok(f"sbatch --test-only accepts the job ({said})")
-    if any(sign in said for sign in _UNREACHABLE):
+    if slurm_unreachable(said):
         return _warning(f"sbatch --test-only could not reach Slurm: {said}", hint="check `sinfo`; try again later")
     hint = next((fix for sign, fix in _REFUSAL_HINTS if sign in said.lower()), None)
     return _error(f"sbatch --test-only refuses the job: {said}", hint=hint)
@@ -517,28 +388,3 @@ def run_preflight(spec: JobSpec, commands: CommandRunner, host: Host, *, paths: 
     if test_script is not None and cluster is not None and not any(f.level == "error" for f in findings):
         findings.append(sbatch_test_only(commands, test_script))
     return Report(cluster, tuple(findings))
-
-
-def _one_line(text: str) -> str:
-    return " ".join(text.split())
-
-
-# ---- the cluster, as `doctor` prints it ----
-
-def format_cluster(cluster: Cluster) -> list[str]:
-    """A table of partitions: usable/total nodes, CPUs, memory, GPUs per node (min-max) and time limit."""
-    rows = [("PARTITION", "STATE", "NODES", "CPUS", "MEMORY", "GPUS", "TIME LIMIT", "NODELIST")]
-    for p in cluster.partitions:
-        nodes = p.usable_nodes or p.nodes
-        count = f"{len(p.usable_nodes)}/{len(p.nodes)}" if len(p.usable_nodes) != len(p.nodes) else str(len(p.nodes))
-        rows.append((p.name + ("*" if p.default else ""), p.state, count, _span(n.cpus for n in nodes),
-                     _span(n.mem_mb for n in nodes) + "M", _span(n.gpus for n in nodes), _limit_text(p.max_time),
-                     compress_hostlist([n.name for n in p.nodes])))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
-    return ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)) + "  " + r[-1] for r in rows]
-
-
-def _span(values) -> str:
-    values = list(values)
-    low, high = min(values), max(values)
-    return str(low) if low == high else f"{low}-{high}"

@@ -14,7 +14,14 @@ from typing import Protocol
 
 from .errors import SubmitError
 
-__all__ = ["Completed", "CommandRunner", "SubprocessCommands", "FakeCommands"]
+__all__ = ["Completed", "CommandRunner", "SubprocessCommands", "FakeCommands", "slurm_unreachable"]
+
+# What Slurm's commands print when the controller is down: not the user's mistake, try again later.
+_UNREACHABLE = ("Unable to contact slurm controller", "Socket timed out", "Connection refused")
+
+
+def slurm_unreachable(message: str) -> bool:
+    return any(sign in message for sign in _UNREACHABLE)
 
 
 @dataclasses.dataclass(frozen=True)

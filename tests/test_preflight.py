@@ -9,8 +9,8 @@ import pytest
 from click.testing import CliRunner
 
 from hpc_ddp.cli import cli
-from hpc_ddp.preflight import (Cluster, Host, Node, Partition, check, gres_gpus, job_paths, mem_mb, parse_mounts,
-                               parse_sinfo, run_preflight, sbatch_test_only)
+from hpc_ddp.cluster import Cluster, Node, Partition, gres_gpus, mem_mb, parse_sinfo
+from hpc_ddp.preflight import Host, check, job_paths, parse_mounts, run_preflight, sbatch_test_only
 from hpc_ddp.procs import Completed, FakeCommands
 from hpc_ddp.spec import Layer, Target, build_spec
 

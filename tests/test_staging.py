@@ -3,7 +3,6 @@ hostile archives refused, reuse, and the free-space check."""
 
 import hashlib
 import multiprocessing as mp
-import os
 import signal
 import subprocess
 import sys

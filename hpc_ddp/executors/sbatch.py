@@ -5,13 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import SubmitError, UserError
-from ..procs import CommandRunner, SubprocessCommands
+from ..procs import CommandRunner, SubprocessCommands, slurm_unreachable
 from ..render import SCRIPT_NAME, render_sbatch
 from ..spec import JobSpec
 from .base import Plan, Submission, record_submission, write_run_dir
-
-
-_UNREACHABLE = ("Unable to contact slurm controller", "Socket timed out", "Connection refused")
 
 
 class SchedulerRefused(UserError):
@@ -39,7 +36,7 @@ class SbatchExecutor:
         done = self.commands.run(["sbatch", "--parsable", SCRIPT_NAME], cwd=str(run_dir))
         if done.returncode != 0:
             message = " ".join((done.stderr.strip() or done.stdout.strip() or f"exit code {done.returncode}").splitlines())
-            if any(sign in message for sign in _UNREACHABLE):  # Slurm itself is down: not the user's mistake
+            if slurm_unreachable(message):  # Slurm itself is down: not the user's mistake
                 raise SubmitError(f"sbatch could not reach Slurm: {message}", hint="check `sinfo`; try again later")
             raise SchedulerRefused(f"sbatch refused the job: {message}")
         job_id = done.stdout.strip().split(";")[0]

@@ -55,5 +55,6 @@ def test_submit_that_cannot_fit_queues_nothing(slurm_conf, tmp_path):
     done = hpc_ddp("submit", "--time", "20", "--partition", "short", "--run-dir", "run", "allreduce_probe.py",
                    cwd=tmp_path, timeout=60)
     assert done.returncode == 2, done.stdout + done.stderr
-    assert "hpc-ddp: error: preflight: the job cannot run as asked; nothing was submitted" in done.stderr
+    assert ("hpc-ddp: error: time limit 0-00:20:00 is over partition short's limit of 0-00:10:00: the job would "
+            "wait in the queue forever; nothing was submitted") in done.stderr
     assert not (tmp_path / "run").exists() and "Submitted job" not in done.stdout

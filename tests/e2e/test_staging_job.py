@@ -42,9 +42,9 @@ def test_each_node_stages_once_and_every_rank_reads_it(tmp_path):
 def test_trainer_reads_the_staged_copy(tmp_path):
     data = write_mnist(tmp_path / "shared" / "mnist", train=256, test=64)
     (tmp_path / "job.toml").write_text(
-        f'nodes = 1\ntasks_per_node = 2\n[datasets]\nmnist = "shared/mnist"\n'
-        f'[train]\ndataset = "mnist"\ndata_dir = "shared/mnist"\nmodel = "mlp"\nbatch_size = 16\n'
-        f'num_workers = 0\neval_every_epoch = false\n')
+        'nodes = 1\ntasks_per_node = 2\n[datasets]\nmnist = "shared/mnist"\n'
+        '[train]\ndataset = "mnist"\ndata_dir = "shared/mnist"\nmodel = "mlp"\nbatch_size = 16\n'
+        'num_workers = 0\neval_every_epoch = false\n')
     done = hpc_ddp("submit", "--executor", "local", "--run-dir", "run", "job.toml", cwd=tmp_path, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     from hpc_ddp.executors.local import node_scratch
