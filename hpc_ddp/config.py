@@ -31,8 +31,11 @@ def read_toml(path: Path, what: str) -> dict[str, Any]:
             return tomllib.load(fh)
     except FileNotFoundError:
         raise SpecError(f"{what} {str(path)!r} does not exist") from None
-    except (OSError, UnicodeDecodeError) as exc:
+    except OSError as exc:
         raise SpecError(f"cannot read {what} {str(path)!r}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise SpecError(f"{what} {str(path)!r} is not UTF-8 text (byte {exc.start})",
+                        hint="save it as UTF-8; TOML files must be") from None
     except tomllib.TOMLDecodeError as exc:
         raise SpecError(f"{what} {str(path)!r} is not valid TOML: {exc}") from None
 

@@ -205,8 +205,12 @@ def test_bad_input_exits_2_with_one_line(project, args, message):
     (["empty.toml"], "names nothing to run"),
     (["absent.toml"], "does not exist"),
     (["-m", "not a module"], "not a Python module name"),
+    (["dir.toml"], "cannot read job file"),
+    (["binary.toml"], "is not UTF-8 text (byte 10)"),
 ])
 def test_bad_targets(project, args, message):
+    (project / "dir.toml").mkdir()
+    (project / "binary.toml").write_bytes(b"nodes = 2\n\xff\xfe\n")
     (project / "bad.toml").write_text("nodes = [\n")
     (project / "unknown.toml").write_text('script = "train.py"\ngpu = 2\n')
     (project / "empty.toml").write_text("nodes = 2\n")
@@ -263,3 +267,29 @@ def test_job_file_run_dir_is_relative_to_the_file(project):
     (project / "jobs" / "j.toml").write_text('script = "../train.py"\nrun_dir = "../runs/exp1"\n')
     result = invoke("submit", "--dry-run", "--json", "jobs/j.toml")
     assert json.loads(result.output[result.output.index("{"):])["run_dir"] == str(project / "runs" / "exp1")
+
+
+JOB_FILE_BAD = [
+    ('nodes = "two"', "nodes: 'two' is not a whole number"),
+    ("nodes = true", "nodes: True is not a whole number"),
+    ("time = 5.5", "time: time '5.5' is not a Slurm time"),
+    ("gpu_bind = 3", "gpu_bind: 3 is not one of rank, node"),
+    ("master_port = 22", "master_port: 22 is not a port we can listen on"),
+    ('[train]\nmodel = 5', "train: model: 5 is not a model name"),
+    ('[train]\nepochs = -1', "train: epochs: -1 is below the minimum of 1"),
+    ('[train]\ndataset = "fake"\noptimiser = "sgd"', "train: unknown key 'optimiser' (did you mean 'optimizer'?)"),
+    ('[train]\ndataset = "fake"\nlr = "fast"', "train: lr: 'fast' is not a number"),
+    ('args = "--a"', "args must be a list of strings"),
+    ('datasets = {"1x" = "/tmp"}', "datasets: dataset name '1x' must be a letter"),
+]
+
+
+@pytest.mark.parametrize("body,message", JOB_FILE_BAD)
+def test_bad_job_file_values_name_the_file_and_key(project, body, message):
+    text = body if "[train]" in body else 'script = "train.py"\n' + body
+    (project / "job.toml").write_text(text + "\n")
+    result = invoke("submit", "job.toml")
+    assert result.exit_code == 2, result.output
+    lines = [ln for ln in result.output.splitlines() if ln.startswith("hpc-ddp: error:")]
+    assert len(lines) == 1 and f"job file '{project / 'job.toml'}': " in lines[0] and message in lines[0], result.output
+    assert "Traceback" not in result.output and not (project / "sbatch-calls").exists()
