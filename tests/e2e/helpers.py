@@ -96,6 +96,21 @@ def release_when_requeued(job_id: str, timeout: float = 60) -> None:
     subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], capture_output=True)
 
 
+def run_through_requeues(job_id: str, timeout: float = 600) -> str:
+    """Release every requeue of the job at once until it ends; its final state."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        state = job_field(job_id, "JobState")
+        if state not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", None):
+            return state
+        if state == "PENDING" and job_field(job_id, "Restarts") not in (None, "0"):
+            time.sleep(5)  # see release_when_requeued
+            subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], capture_output=True)
+        time.sleep(1)
+    subprocess.run(["scancel", job_id])
+    raise AssertionError(f"job {job_id} did not finish within {timeout} s")
+
+
 def submit_json(*args: str, cwd: Path, env: dict | None = None) -> dict:
     done = hpc_ddp("submit", "--json", *args, cwd=cwd, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
