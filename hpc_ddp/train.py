@@ -2,11 +2,11 @@
 runner starts it for job files with a [train] table), or `hpc-ddp train JOB.toml` directly.
 
 One loop over small parts: data (`data`), model (`models`), checkpoints (`checkpoint`), stop flag
-(`stopping`), records (`events`). Each optimizer step ends with ONE all-reduce that carries the loss,
-every rank's stop flag and the "checkpoint due" flag, so all ranks log the same loss and stop or save
-at the same step. A stop (warning signal, SIGTERM) saves a checkpoint at that step and exits with
-REQUEUE_EXIT_CODE; the next attempt resumes from the same sample with the same RNG streams, so on CPU
-the resumed run ends bitwise identical to an uninterrupted one.
+(`stopping`), records (`events`). Every rank's loss, stop flag and "checkpoint due" flag for a step
+ride on DDP's last gradient bucket (`reduce`), so all ranks log the same loss and stop or save at the
+same step without a second synchronisation per step. A stop (warning signal, SIGTERM) saves a
+checkpoint at that step and exits with REQUEUE_EXIT_CODE; the next attempt resumes from the same sample
+with the same RNG streams, so on CPU the resumed run ends bitwise identical to an uninterrupted one.
 
 Rehearsal knobs (environment): HPC_DDP_FAULT_STOP_AT=N[,M...] acts as if a stop signal arrived after step N;
 HPC_DDP_FAULT_KILL_AT=N[:R] SIGKILLs rank R (default 0) after step N (no checkpoint, like a node failure);
@@ -43,7 +43,7 @@ from .errors import HpcDdpError, UserError
 from .events import JsonLines
 from .exitcodes import REQUEUE_EXIT_CODE
 from .models import build_model
-from .reduce import ordered_allreduce_hook
+from .reduce import StepFlags, flags_hook
 from .spec import JobSpec
 from .stopping import StopFlag
 from .trainconfig import FINGERPRINT_FIELDS, TrainConfig
@@ -163,6 +163,8 @@ class Trainer:
         self.steps_per_epoch = self.data.micro_batches_per_epoch // cfg.grad_accum
         total = self.steps_per_epoch * cfg.epochs
         self.total_steps = min(total, cfg.max_steps) if cfg.max_steps else total
+        self.flags: StepFlags | None = None   # set by _model when DDP carries the step's flags
+        self.sent: torch.Tensor | None = None
         self.model = self._model()
         self.optimizer = self._optimizer()
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _schedule(cfg, self.total_steps))
@@ -195,8 +197,9 @@ class Trainer:
                 self.log("hpc-ddp: sync_bn needs GPUs (SyncBatchNorm has no CPU kernel); using plain BatchNorm")
         if ctx.distributed:
             model = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
-            if ctx.device.type == "cpu" and ctx.env.world_size > 2:
-                model.register_comm_hook(None, ordered_allreduce_hook)  # see reduce.py: exact resume
+            # See reduce.py: the step's flags ride on the gradients; rank-order sums give exact resume on CPU.
+            self.flags = StepFlags(ordered=ctx.device.type == "cpu" and ctx.env.world_size > 2)
+            model.register_comm_hook(self.flags, flags_hook)
         return model
 
     def _optimizer(self) -> torch.optim.Optimizer:
@@ -291,13 +294,13 @@ class Trainer:
         window = (time.monotonic(), p.step)
         for _ in range(steps_left):
             step_started = time.monotonic()
-            loss = self._step(batches)
+            self._step(batches)
             self._time_step(time.monotonic() - step_started)
             p.step += 1
             p.batch_in_epoch += cfg.grad_accum
             p.samples += cfg.batch_size * cfg.grad_accum * self.ctx.env.world_size
             self._fault_injection()
-            mean_loss, stop, due = self._agree(loss)
+            mean_loss, stop, due = self._agree()
             window = self._record(mean_loss, window)
             if stop:
                 return self._stop()
@@ -307,7 +310,7 @@ class Trainer:
             self._end_epoch()
         return None
 
-    def _step(self, batches) -> float:
+    def _step(self, batches) -> None:
         cfg, total = self.cfg, 0.0
         for micro in range(cfg.grad_accum):
             x, y = next(batches)
@@ -318,8 +321,10 @@ class Trainer:
                 with torch.autocast(self.ctx.device.type, dtype=self.autocast_dtype or torch.float32,
                                     enabled=self.autocast_dtype is not None):
                     loss = nn.functional.cross_entropy(self.model(x), y) / cfg.grad_accum
+                total += loss.item()
+                if last:
+                    self._send_flags(total)
                 self.scaler.scale(loss).backward()
-            total += loss.item()
         if cfg.clip_grad:
             self.scaler.unscale_(self.optimizer)
             nn.utils.clip_grad_norm_(self.model.parameters(), cfg.clip_grad)
@@ -327,7 +332,6 @@ class Trainer:
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        return total
 
     def _time_step(self, seconds: float) -> None:
         self.step_seconds = seconds if self.step_seconds is None else 0.9 * self.step_seconds + 0.1 * seconds
@@ -350,19 +354,32 @@ class Trainer:
         near = max(self.signal_lead, self._lead()) + 90  # Slurm may signal up to 60 s early
         return "time_limit" if self.deadline - time.time() <= near else "preempted"
 
-    def _agree(self, loss: float) -> tuple[float, bool, bool]:
-        """One all-reduce per step: mean loss, anyone asked to stop, a periodic checkpoint is due."""
-        cfg, p = self.cfg, self.progress
+    def _send_flags(self, loss: float) -> None:
+        """This rank's view of the step about to complete: its loss, a stop request, a checkpoint due.
+        Set before the synchronising backward, which carries them to the other ranks (reduce.py)."""
+        cfg, step = self.cfg, self.progress.step + 1
         self._check_deadline()
-        due = (cfg.checkpoint_every_steps and p.step % cfg.checkpoint_every_steps == 0) or (
+        if str(step) in os.environ.get("HPC_DDP_FAULT_STOP_AT", "").split(","):
+            self.stop.request("HPC_DDP_FAULT_STOP_AT")  # as if the signal came during this step
+        due = (cfg.checkpoint_every_steps and step % cfg.checkpoint_every_steps == 0) or (
             cfg.checkpoint_every_minutes and self.ctx.is_main
             and time.monotonic() - self.last_save >= 60 * cfg.checkpoint_every_minutes)
-        flags = torch.tensor([loss, float(self.stop.requested), float(bool(due))], dtype=torch.float64,
-                             device=self.ctx.device)
+        self.sent = torch.tensor([loss, float(self.stop.requested), float(bool(due))], dtype=torch.float64,
+                                 device=self.ctx.device)
+        if self.flags is not None:
+            self.flags.outgoing, self.flags.incoming = self.sent, None
+
+    def _agree(self) -> tuple[float, bool, bool]:
+        """Every rank's flags for the step just done, summed: mean loss, anyone asked to stop, a periodic
+        checkpoint is due. They came with the gradients; a separate all-reduce only if they could not."""
+        summed = self.sent
         if self.ctx.distributed:
-            dist.all_reduce(flags)
-        world = self.ctx.env.world_size
-        return flags[0].item() / world, flags[1].item() > 0, flags[2].item() > 0
+            summed = self.flags.incoming
+            if summed is None:
+                summed = self.sent.clone()
+                dist.all_reduce(summed)
+        values = summed.tolist()
+        return values[0] / self.ctx.env.world_size, values[1] > 0, values[2] > 0
 
     def _record(self, loss: float, window: tuple[float, int]) -> tuple[float, int]:
         p, cfg = self.progress, self.cfg
@@ -434,8 +451,6 @@ class Trainer:
 
     def _fault_injection(self) -> None:
         step, rank = self.progress.step, self.ctx.env.rank
-        if str(step) in os.environ.get("HPC_DDP_FAULT_STOP_AT", "").split(","):
-            self.stop.request("HPC_DDP_FAULT_STOP_AT")
         for knob, sig in (("HPC_DDP_FAULT_KILL_AT", signal.SIGKILL), ("HPC_DDP_FAULT_HANG_AT", signal.SIGSTOP)):
             at, _, who = os.environ.get(knob, "").partition(":")
             if at == str(step) and rank == int(who or 0):
