@@ -26,6 +26,7 @@ import os
 import pickle
 import re
 import shutil
+import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -79,6 +80,19 @@ def _serialize(obj: Any) -> bytes:
     return buffer.getvalue()
 
 
+def _hash_while(data: bytes, write: Callable[[], None]) -> str:
+    """sha256 of `data`, computed in a thread while `write()` runs: hashing and writing (fsync included)
+    both release the GIL, so the manifest costs little more than the write itself."""
+    digest: list[str] = []
+    worker = threading.Thread(target=lambda: digest.append(hashlib.sha256(data).hexdigest()))
+    worker.start()
+    try:
+        write()
+    finally:
+        worker.join()
+    return digest[0]
+
+
 class CheckpointManager:
     """Save (rank 0) and load (every rank) checkpoints under `root`, keeping the newest `keep` (>= 2)."""
 
@@ -99,8 +113,7 @@ class CheckpointManager:
         files = {}
         for fname, obj in payloads.items():
             data = _serialize(obj)
-            _write_durable(tmp / fname, data)
-            files[fname] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+            files[fname] = {"size": len(data), "sha256": _hash_while(data, lambda: _write_durable(tmp / fname, data))}
         manifest = {**meta, "format": FORMAT, "step": step, "created": time.time(), "files": files}
         _write_durable(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
         _fsync_dir(tmp)
