@@ -34,9 +34,10 @@ test: install
 	@set -o pipefail; eval "$$(bash tests/slurm/slurm-up.sh | tail -n 1)"; \
 	$(PY) -m pytest -q tests; rc=$$?; bash tests/slurm/slurm-down.sh; exit $$rc
 
-# Our trainer against a plain hand-written DDP loop (CPU, 2 ranks); writes bench/results.json.
+# hpc-ddp against plain alternatives (bench/README.md); writes bench/results.json and .png (~10 min).
+# Quick check of the harness only: make bench BENCH_ARGS=--quick
 bench: install
-	$(PY) bench/run.py
+	$(PY) bench/run.py $(BENCH_ARGS)
 
 # Unit and CLI tests only (no Slurm, no DDP processes).
 test-fast: install

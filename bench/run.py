@@ -1,140 +1,123 @@
-"""`make bench`: our trainer against the plain hand-written DDP loop, side by side in one run.
+"""`make bench`: every comparison of bench/README.md in one run; writes bench/results.json and
+bench/results.png and prints the table.
 
-Same model (the small CNN), data (a generated MNIST-format set read by torchvision's MNIST), batch size,
-loader workers and world size (2 ranks, gloo, CPU), both started by the local executor; runs are
-interleaved A/B and repeated, and the median samples/s of each is compared. Writes bench/results.json.
+    python bench/run.py                 # the full suite (about 10 minutes on 2 cores)
+    python bench/run.py --quick         # every code path, few steps, 1 repeat (BENCH_QUICK=1 too);
+                                        # writes bench/results-quick.*, not the published results
+    python bench/run.py --only training,checkpoint
+    python bench/run.py --only gpu --update   # re-take sections, keep the other rows of results.json
+
+Sections: training, startup, resume, checkpoint, staging, gpu (skipped without a GPU). A section that
+fails becomes an error row; the others still run, and the exit code is 1.
 """
 
 from __future__ import annotations
 
-import json
+import argparse
 import os
-import platform
-import statistics
-import subprocess
+import shutil
 import sys
 import tempfile
+import time
+import traceback
 from pathlib import Path
 
-from hpc_ddp.datagen import write_mnist
-from hpc_ddp.events import read_jsonl
+if __package__ in (None, ""):  # `python bench/run.py`: make `bench` importable as a package
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-REPO = Path(__file__).resolve().parent.parent
-STEPS, BATCH, WORKERS, REPEATS = 200, 32, 2, 3
+from bench import (
+    ckpt_bench,
+    gpu_bench,
+    report,
+    resume_bench,
+    stage_bench,
+    startup_bench,
+    train_bench,
+)
+from bench.common import REPO, Row, Workspace, say, settings
 
-JOB = """nodes = 1
-tasks_per_node = 2
-[train]
-dataset = "mnist"
-data_dir = "{data}"
-model = "cnn"
-epochs = 1
-max_steps = {steps}
-batch_size = {batch}
-lr = 0.05
-num_workers = {workers}
-log_every = 10
-eval_every_epoch = false
-"""
+SECTIONS = {"training": train_bench.run, "startup": startup_bench.run, "resume": resume_bench.run,
+            "checkpoint": ckpt_bench.run, "staging": stage_bench.run, "gpu": gpu_bench.run}
 
 
-def hpc_ddp(*args: str, cwd: Path) -> None:
-    subprocess.run([sys.executable, "-m", "hpc_ddp", "submit", "--executor", "local", *args], cwd=cwd, check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="hpc-ddp benchmarks against plain alternatives (bench/README.md).")
+    p.add_argument("--quick", action="store_true", default=os.environ.get("BENCH_QUICK") == "1",
+                   help="few steps, 1 repeat: checks the harness, not the numbers")
+    p.add_argument("--only", help=f"comma-separated sections ({', '.join(SECTIONS)})")
+    p.add_argument("--out", help="results path without suffix [default: bench/results, or bench/results-quick]")
+    p.add_argument("--keep", action="store_true", help="keep the scratch directory (logs of every run)")
+    p.add_argument("--update", action="store_true",
+                   help="replace only the rows of the sections run in the existing results file; keep the others")
+    args = p.parse_args(argv)
+    args.sections = args.only.split(",") if args.only else list(SECTIONS)
+    unknown = [s for s in args.sections if s not in SECTIONS]
+    if unknown:
+        p.error(f"unknown section(s) {', '.join(unknown)}; choose from {', '.join(SECTIONS)}")
+    return args
 
 
-def plain(work: Path, data: Path, n: int) -> float:
-    out = work / f"plain-{n}.json"
-    hpc_ddp("--tasks-per-node", "2", "--run-dir", str(work / f"plain-{n}"), str(REPO / "bench" / "plain_ddp.py"),
-            "--", str(data), str(STEPS), str(BATCH), str(WORKERS), str(out), cwd=work)
-    return json.loads(out.read_text())["samples_per_s"]
+def run_sections(ws: Workspace, names: list[str]) -> list[Row]:
+    rows = []
+    for name in names:
+        started = time.monotonic()
+        try:
+            rows += SECTIONS[name](ws)
+        except Exception as exc:  # noqa: BLE001 - one broken section must not hide the others' numbers
+            traceback.print_exc()
+            rows.append(Row(name, f"{name}: failed", "", "", None,
+                            extra={"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}))
+        say(f"{name}: {time.monotonic() - started:.0f} s")
+    return rows
 
 
-def ours(work: Path, job: Path, n: int) -> float:
-    run_dir = work / f"ours-{n}"
-    hpc_ddp("--run-dir", str(run_dir), str(job), cwd=work)
-    records = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r]
-    first, last = records[0], records[-1]  # step 10 and the last step: start-up excluded, as for plain
-    return (last["step"] - first["step"]) * BATCH * 2 / (last["time"] - first["time"])
+def cleanup_node_dirs(root: Path) -> None:
+    """The local executor's per-node temp dirs (/tmp/hpc-ddp-local-*) of the runs made here."""
+    from hpc_ddp.executors.local import node_scratch
+
+    for spec in root.rglob("spec.json"):
+        shutil.rmtree(node_scratch(str(spec.parent), 0).parent, ignore_errors=True)
 
 
-def staging(work: Path, repeats: int) -> dict:
-    """Our per-node staging against `cp -r` and `tar -xf` of the same data on the same disk."""
-    import shutil
-    import time
-
-    from hpc_ddp.staging import stage
-
-    src = work / "shared" / "imagefolder"
-    for i in range(1000):  # 1000 files x 400 KB = 400 MB in 10 class folders
-        path = src / f"class_{i % 10}" / f"{i:05d}.bin"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(os.urandom(400 * 1024))
-    archive = work / "shared" / "imagefolder.tar"
-    subprocess.run(["tar", "-cf", str(archive), "-C", str(src.parent), src.name], check=True)
-    nbytes = 1000 * 400 * 1024
-
-    def timed(fn) -> float:
-        dest = work / "local"
-        shutil.rmtree(dest, ignore_errors=True)
-        dest.mkdir()
-        subprocess.run(["sync"], check=True)
-        started = time.perf_counter()
-        fn(dest)
-        subprocess.run(["sync"], check=True)  # both sides pay for getting the bytes to disk
-        return nbytes / 1e6 / (time.perf_counter() - started)
-
-    runs: dict[str, list[float]] = {"cp -r": [], "ours (dir)": [], "tar -xf": [], "ours (tar)": []}
-    ops = {
-        "cp -r": lambda d: subprocess.run(["cp", "-r", str(src), str(d)], check=True),
-        "ours (dir)": lambda d: stage(src, d, log=lambda _m: None),
-        "tar -xf": lambda d: subprocess.run(["tar", "-xf", str(archive), "-C", str(d)], check=True),
-        "ours (tar)": lambda d: stage(archive, d, log=lambda _m: None),
-    }
-    for r in range(repeats):  # alternate which of each pair goes first, so cache effects hit both alike
-        for pair in (("cp -r", "ours (dir)"), ("tar -xf", "ours (tar)")):
-            for name in (pair if r % 2 == 0 else pair[::-1]):
-                runs[name].append(timed(ops[name]))
-    med = {k: statistics.median(v) for k, v in runs.items()}
-    return {"MB_per_s": runs, "median_MB_per_s": med,
-            "ratio_dir": med["ours (dir)"] / med["cp -r"], "ratio_tar": med["ours (tar)"] / med["tar -xf"],
-            "target": ">= 0.90",
-            "shared_reads_per_node": {"ours": 1, "every rank copies": "local ranks per node (e.g. 8)"}}
+def merged(path: Path, rows: list[Row], sections: list[str]) -> tuple[list[Row], list[dict]]:
+    """--update: the rows of `path` from other sections, with the new ones, in section order; and the
+    earlier runs those rows came from."""
+    if not path.exists():
+        return rows, []
+    kept, doc = report.read_json(path)
+    earlier = [*doc.get("earlier_runs", []), {k: doc[k] for k in ("machine", "settings", "seconds")}]
+    order = list(SECTIONS)
+    rows = [r for r in kept if r.section not in sections] + rows
+    return sorted(rows, key=lambda r: order.index(r.section) if r.section in order else len(order)), earlier
 
 
-def main() -> int:
-    with tempfile.TemporaryDirectory(prefix="hpc-ddp-bench-") as tmp:
-        work = Path(tmp)
-        data = write_mnist(work / "mnist", train=STEPS * BATCH * 2 + 512, test=64)
-        job = work / "job.toml"
-        job.write_text(JOB.format(data=data, steps=STEPS, batch=BATCH, workers=WORKERS))
-        a, b = [], []
-        for n in range(REPEATS):  # interleaved, so drifts in machine load hit both alike
-            a.append(plain(work, data, n))
-            b.append(ours(work, job, n))
-        stage_result = staging(work, 2 * REPEATS + 1)
-    result = {
-        "machine": f"{platform.node()} {platform.machine()} {platform.python_version()}",
-        "setup": {"world_size": 2, "backend": "gloo", "steps": STEPS, "batch_per_rank": BATCH,
-                  "loader_workers": WORKERS, "repeats": REPEATS},
-        "throughput": {"plain_samples_per_s": a, "ours_samples_per_s": b,
-                       "plain_median": statistics.median(a), "ours_median": statistics.median(b),
-                       "ratio": statistics.median(b) / statistics.median(a), "target": ">= 1.00"},
-        "staging": stage_result,
-    }
-    out = REPO / "bench" / "results.json"
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    t = result["throughput"]
-    print(f"{'':28}{'plain DDP loop':>16}{'hpc-ddp trainer':>17}{'ratio':>8}")
-    print(f"{'samples/s (median of ' + str(REPEATS) + ')':28}{t['plain_median']:>16,.0f}{t['ours_median']:>17,.0f}"
-          f"{t['ratio']:>8.2f}")
-    m = stage_result["median_MB_per_s"]
-    print(f"{'staging a directory, MB/s':28}{m['cp -r']:>16,.0f}{m['ours (dir)']:>17,.0f}{stage_result['ratio_dir']:>8.2f}"
-          "   (cp -r)")
-    print(f"{'staging a tar, MB/s':28}{m['tar -xf']:>16,.0f}{m['ours (tar)']:>17,.0f}{stage_result['ratio_tar']:>8.2f}"
-          "   (tar -xf)")
-    print(f"wrote {out}")
-    return 0
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    s = settings(args.quick)
+    out = Path(args.out) if args.out else REPO / "bench" / ("results-quick" if s.quick else "results")
+    started = time.monotonic()
+    root = Path(tempfile.mkdtemp(prefix="hpc-ddp-bench-"))
+    say(f"{'quick' if s.quick else 'full'} run of {', '.join(args.sections)}; scratch {root}")
+    try:
+        rows = run_sections(Workspace(root, s), args.sections)
+    finally:
+        cleanup_node_dirs(root)
+        if args.keep:
+            say(f"kept {root}")
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+    seconds, mach = time.monotonic() - started, report.machine()
+    failed = any(r.extra.get("error") for r in rows)
+    for row in rows:
+        row.extra["taken"] = f"{mach['date']} on {mach['hostname']}" + (f" ({mach['gpu']})" if mach["gpu"] else "")
+    rows, earlier = merged(out.with_suffix(".json"), rows, args.sections) if args.update else (rows, [])
+    report.write_json(out.with_suffix(".json"), rows, mach, s, seconds, earlier)
+    report.chart(out.with_suffix(".png"), rows, mach)
+    print(f"\n{mach['cpu']}, {mach['cores']} cores, {mach['ram_gib']} GiB, torch {mach['torch']}"
+          + (f", {mach['gpu']}" if mach["gpu"] else ", no GPU") + f", {mach['date']}; {seconds / 60:.1f} min\n")
+    print(report.table(rows))
+    print(f"\nwrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,1 @@
+"""`make bench`: hpc-ddp against plain alternatives, side by side in one run (see bench/README.md)."""
