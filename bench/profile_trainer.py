@@ -1,13 +1,13 @@
 """Where the trainer's time per step goes (a developer tool; not part of `make bench`).
 
-    python bench/profile_trainer.py [--ranks 2] [--steps 200] [--agree normal|async|none]
+    python bench/profile_trainer.py [--ranks 2] [--steps 200]
     python bench/profile_trainer.py --startup --steps 2      # when each start-up phase ends
     PROFILE_SORT=cumulative python bench/profile_trainer.py --cprofile --steps 2
 
 Builds the same CPU job as the throughput benchmark, starts its ranks the way the local executor does
 (the per-rank runner's environment, then `hpc_ddp.train.run` in the process), and on rank 0 times each
 part of every step by wrapping the trainer's own methods: waiting for the next batch, forward+backward+
-optimizer, the per-step agreement all-reduce, the metrics record. The same split is measured for the
+optimizer (the step's flags travel with its gradients), reading the agreed flags, the metrics record. The same split is measured for the
 plain loop's steps (bench/plain_ddp.py's body, timed inline). With --cprofile, rank 0 runs under
 cProfile instead and the top functions by total time are printed (cProfile slows Python-heavy parts).
 Also times, in this process, the per-sample work of the loader workers: the trainer's reseeding
@@ -37,7 +37,7 @@ import time; marks = [("process start", time.time())]
 import cProfile, json, os, pstats, sys
 from pathlib import Path
 from hpc_ddp.runner import prepare, load_spec
-spec_path, out, mode, agree = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
+spec_path, out, mode = sys.argv[1], sys.argv[2], sys.argv[3]
 argv, env = prepare(spec_path)
 os.environ.update(env)
 marks.append(("runner's prepare()", time.time()))
@@ -59,20 +59,6 @@ if mode == "startup":  # when each start-up phase ends, on rank 0
             marks.append(("first step (loader workers start, batch, fwd/bwd)", time.time()))
         return r
     train.Trainer._step = _step
-if agree != "normal":  # what the per-step all-reduce costs: deferred by one step, or left out
-    import torch, torch.distributed as dist
-    def _agree(self, loss):
-        self._check_deadline()
-        flags = torch.tensor([loss, float(self.stop.requested), 0.0], dtype=torch.float64)
-        if agree == "none":
-            return loss, False, False
-        pending, self._pending = getattr(self, "_pending", None), (flags, dist.all_reduce(flags, async_op=True))
-        if pending is None:
-            return loss, False, False
-        pending[1].wait()
-        f = pending[0]
-        return f[0].item() / self.ctx.env.world_size, f[1].item() > 0, f[2].item() > 0
-    train.Trainer._agree = _agree
 phases = {"data": [], "compute": [], "agree": [], "record": [], "step_total": [], "starts": []}
 if rank == 0 and mode == "phases":
     T = train.Trainer
@@ -176,9 +162,6 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--cprofile", action="store_true")
     p.add_argument("--startup", action="store_true", help="when each start-up phase ends (rank 0), 3 runs")
-    p.add_argument("--agree", default="normal", choices=["normal", "async", "none"],
-                   help="replace the per-step all-reduce: `async` waits for it one step later, `none` drops it "
-                        "(measurements only: without it ranks do not agree on stopping)")
     a = p.parse_args()
     from hpc_ddp.datagen import write_mnist
     from hpc_ddp.executors.local import rank_envs
@@ -197,7 +180,7 @@ def main() -> None:
         mode = "cprofile" if a.cprofile else "startup" if a.startup else "phases"
         for _ in range(3 if a.startup else 1):
             started = time.time()
-            _ranks(lambda r: [PY, "-c", CHILD, spec_path, out, mode, a.agree], envs)
+            _ranks(lambda r: [PY, "-c", CHILD, spec_path, out, mode], envs)
             if a.startup:
                 print("start-up of rank 0, s since the ranks were spawned:")
                 for name, at in json.loads(Path(out).read_text()):
