@@ -90,6 +90,8 @@ def _hash_while(data: bytes, write: Callable[[], None]) -> str:
         write()
     finally:
         worker.join()
+    if not digest:  # sha256 of bytes cannot fail short of memory; say so rather than IndexError
+        raise CheckpointError("hashing a checkpoint file failed (out of memory?)")
     return digest[0]
 
 

@@ -84,9 +84,11 @@ _SPEC_OPTIONS = [
     click.option("--max-requeues", help="Requeues after time limits [default: 10]."),
     click.option("--max-preemptions", help="Requeues after preemptions [default: 20]."),
     click.option("--epochs"), click.option("--lr"), click.option("--batch-size"),
-    click.option("--master-port", help="Port rank 0 listens on for the rendezvous [default: derived from the job id]."),
-    click.option("--rendezvous-timeout", help="Seconds the ranks wait for each other at start-up [default: 120]."),
-    click.option("--collective-timeout", help="Seconds a collective may block before the ranks give up [default: 600]."),
+    click.option("--master-port",
+                 help="Port rank 0 listens on for the rendezvous [default: derived from the job id]."),
+    click.option("--rendezvous-timeout", help="Seconds the ranks wait for each other at start-up [default: 300]."),
+    click.option("--collective-timeout",
+                 help="Seconds a collective may block before the ranks give up [default: 600]."),
     click.option("--pass-local-rank", is_flag=True, default=None,
                  help="Append --local_rank=N to the script's arguments (torch.distributed.launch style)."),
     click.option("--stage", "datasets", multiple=True, metavar="SRC[:NAME]",
@@ -131,18 +133,8 @@ def _build(params: dict, default_target: Target | None = None) -> JobSpec:
         layers.insert(0, profile_layer(str(profile), profiles_path(os.environ)))
         flags.setdefault("profile", profile)
     layers.append(Layer("command line", flags, is_cli=True))
-    spec = build_spec(layers, target=target, workdir=str(cwd), python=sys.executable)
-    _check_datasets_exist(spec)
-    return spec
+    return build_spec(layers, target=target, workdir=str(cwd), python=sys.executable)
 
-
-def _check_datasets_exist(spec: JobSpec) -> None:
-    # Checked here, where the job is submitted, rather than by the stager after hours in the queue.
-    for name, src in spec.datasets:
-        if not Path(src).exists():
-            raise SpecError(f"dataset {name!r}: source {src} does not exist",
-                            hint="give a directory or an archive (.tar, .tar.gz, .zip) that the "
-                                 "compute nodes can read")
 
 
 def _abs_stage(item: str, cwd: Path) -> str:
@@ -447,9 +439,10 @@ def logs(job: str | None, rank: int | None, follow: bool) -> None:
     run_dir, job_id, executor = _resolve(job)
     offsets: dict[str, int] = {}
     while True:
-        for line in new_log_lines(run_dir, rank, offsets):  # srun wrote these: mask secrets as we print
+        running = follow and _still_running(run_dir, job_id, executor)
+        for line in new_log_lines(run_dir, rank, offsets, whole_lines=running):  # srun wrote these: mask
             click.echo(line)
-        if not follow or not _still_running(run_dir, job_id, executor):
+        if not running:
             return
         time.sleep(1)
 

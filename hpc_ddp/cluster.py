@@ -22,7 +22,8 @@ __all__ = ["Node", "Partition", "Cluster", "Unavailable", "SINFO_ARGV", "parse_s
 # One line per (partition, node): partition (`*` marks the default), its state and time limit, then the
 # node's name, state, CPUs, memory (MB) and generic resources.
 SINFO_FORMAT = "%P|%a|%l|%N|%t|%c|%m|%G"
-SINFO_ARGV = ("sinfo", "--noheader", "--Node", f"--format={SINFO_FORMAT}")
+# --all: partitions marked Hidden are still open to the users allowed in them.
+SINFO_ARGV = ("sinfo", "--all", "--noheader", "--Node", f"--format={SINFO_FORMAT}")
 # A node in one of these states takes no new jobs (`*` after a state: not responding).
 _DEAD_STATES = {"down", "drain", "drained", "drng", "draining", "fail", "failg", "failing", "futr", "future",
                 "inval", "invalid", "unk", "unknown", "npc", "maint"}

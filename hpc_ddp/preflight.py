@@ -115,11 +115,21 @@ def parse_mounts(text: str) -> tuple[tuple[str, str], ...]:
 def check(spec: JobSpec, cluster: Cluster | None, host: Host,
           paths: Sequence[tuple[str, str]] = ()) -> list[Finding]:
     """Everything we can tell without asking Slurm to schedule: `cluster` None skips the cluster checks."""
-    findings = check_cluster(spec, cluster) if cluster is not None else []
+    findings = []
+    if cluster is not None and not _other_cluster(spec):
+        findings = check_cluster(spec, cluster, host.environ.get("SBATCH_PARTITION"))
     return findings + check_environment(host.environ) + check_paths(paths, host)
 
 
-def check_cluster(spec: JobSpec, cluster: Cluster) -> list[Finding]:
+def _other_cluster(spec: JobSpec) -> bool:
+    # --clusters sends the job to another cluster, whose partitions our sinfo does not show.
+    return any(arg.startswith(("--clusters", "--cluster=")) for arg in spec.sbatch_args)
+
+
+def check_cluster(spec: JobSpec, cluster: Cluster, env_partition: str | None = None) -> list[Finding]:
+    """`env_partition`: $SBATCH_PARTITION, which sbatch uses when the script names no partition."""
+    if env_partition and not spec.partition:
+        spec = dataclasses.replace(spec, partition=env_partition)
     partitions, findings = _requested_partitions(spec, cluster)
     if not partitions:
         return findings
@@ -271,8 +281,8 @@ def check_environment(environ: Mapping[str, str]) -> list[Finding]:
     others = [k for k in stray if not k.startswith("SBATCH_")]
     found = []
     if sbatch:  # sbatch(1): input environment variables override the options in the batch script
-        found.append(_warning(f"{_show(sbatch, environ)} in your shell {_verb(sbatch, 'override')} the script's "
-                              "#SBATCH lines",
+        found.append(_warning(f"{_show(sbatch, environ)} in your shell {_verb(sbatch, 'override')} or "
+                              f"{_verb(sbatch, 'add')} to the script's #SBATCH options",
                               hint=f"unset {' '.join(sbatch)}"))
     job = environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID")
     if job:
@@ -373,6 +383,15 @@ def sbatch_test_only(commands: CommandRunner, script: str) -> Finding:
     return _error(f"sbatch --test-only refuses the job: {said}", hint=hint)
 
 
+def _missing_datasets(spec: JobSpec) -> list[Finding]:
+    # Here, not where the spec is built: a dataset may live on a filesystem only compute nodes mount,
+    # and --no-preflight must be able to let such a job through.
+    return [_error(f"dataset {name!r}: source {src} does not exist on this machine",
+                   hint="give a directory or an archive (.tar, .tar.gz, .zip) the compute nodes can read; if "
+                        "only they mount it, use --no-preflight")
+            for name, src in spec.datasets if not os.path.exists(src)]
+
+
 def run_preflight(spec: JobSpec, commands: CommandRunner, host: Host, *, paths: Sequence[tuple[str, str]] = (),
                   test_script: str | None = None) -> Report:
     """Read the cluster, check `spec` against it and the shell; with `test_script`, then ask sbatch too
@@ -384,7 +403,7 @@ def run_preflight(spec: JobSpec, commands: CommandRunner, host: Host, *, paths: 
         cluster = None
         findings = [_warning(f"could not read the cluster ({exc.message}): partition, node and time-limit "
                              "checks skipped", hint="check that `sinfo` works in this shell (SLURM_CONF?)")]
-    findings += check(spec, cluster, host, paths)
+    findings += check(spec, cluster, host, paths) + _missing_datasets(spec)
     if test_script is not None and cluster is not None and not any(f.level == "error" for f in findings):
         findings.append(sbatch_test_only(commands, test_script))
     return Report(cluster, tuple(findings))

@@ -13,7 +13,9 @@ Flags -- every step the ranks must agree on the mean loss, whether anyone was as
 whether a checkpoint is due. A separate all-reduce for three numbers is a second synchronisation point
 per step (7-8% of a small CPU step, measured by bench/profile_trainer.py); appended to the last
 gradient bucket they travel with the gradients for free. `StepFlags` is the hook's state: the trainer
-sets `outgoing` before the synchronising backward and reads `incoming` after it.
+sets `outgoing` before the synchronising backward and reads `incoming` after it. The flags are summed
+in the bucket's dtype (float32): the logged mean loss has float32 precision. Used on CPU (gloo) only so
+far; on GPUs the trainer keeps DDP's built-in all-reduce and a separate one for the flags.
 """
 
 # No `from __future__ import annotations` here: DDP checks the hook's annotations at runtime and

@@ -19,6 +19,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -28,10 +29,11 @@ from .distenv import DistEnv
 from .errors import HpcDdpError
 from .ports import PORT_HINT, taken_port_message
 
-__all__ = ["RendezvousError", "PeerLost", "expected_host", "describe_ranks", "join",
-           "health_check", "Heartbeat", "unresponsive", "leave"]
+__all__ = ["RendezvousError", "PeerLost", "expected_host", "describe_ranks", "join", "health_check",
+           "Heartbeat", "mark_left", "unresponsive", "explain_failure", "leave"]
 
 HEARTBEAT_S = 2.0
+LEFT_AFTER_OTHERS = "left after another rank's failure"  # a `left/<rank>` reason that blames nobody
 
 
 class RendezvousError(HpcDdpError):
@@ -74,7 +76,8 @@ def _scoped(store: dist.Store, env: DistEnv) -> dist.PrefixStore:
 def _store(env: DistEnv, timeout_s: float, host: str) -> dist.TCPStore:
     """Rank 0 listens; the others connect (waiting at most `timeout_s` for rank 0 to come up)."""
     timeout = timedelta(seconds=timeout_s)
-    if env.rank == 0:
+    # Under torchrun its agent already serves a store on MASTER_PORT: every rank is a client of it.
+    if env.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         try:
             return dist.TCPStore(env.master_addr, env.master_port, env.world_size, True, timeout,
                                  wait_for_workers=False)
@@ -90,7 +93,8 @@ def _store(env: DistEnv, timeout_s: float, host: str) -> dist.TCPStore:
         raise RendezvousError(
             f"rank {env.rank} on {host} could not reach rank 0's rendezvous at {env.master_addr}:{env.master_port} "
             f"within {timeout_s:g} s ({exc}): rank 0 ({expected_host(env, 0)}) did not start, died, or is unreachable",
-            hint="see rank 0's log (hpc-ddp logs JOB --rank 0); raise rendezvous_timeout if nodes start slowly") from None
+            hint="see rank 0's log (hpc-ddp logs JOB --rank 0); raise rendezvous_timeout if nodes start "
+                 "slowly") from None
 
 
 def _missing(store: dist.Store, env: DistEnv, prefix: str) -> list[int]:
@@ -99,11 +103,20 @@ def _missing(store: dist.Store, env: DistEnv, prefix: str) -> list[int]:
 
 def _wait_all(store: dist.Store, env: DistEnv, prefix: str, deadline: float) -> list[int]:
     """Wait until every rank has set `prefix/<rank>`; the ranks still missing at the deadline."""
-    while time.monotonic() < deadline:
-        if int(store.add(f"{prefix}/count", 0)) >= env.world_size:
-            return []
-        time.sleep(0.05)
-    return _missing(store, env, prefix)
+    try:
+        while time.monotonic() < deadline:
+            if int(store.add(f"{prefix}/count", 0)) >= env.world_size:
+                return []
+            time.sleep(0.05)
+        return _missing(store, env, prefix)
+    except dist.DistError:
+        raise RendezvousError(f"rank {env.rank}: {_store_gone(env)} while the ranks were meeting: it gave up or "
+                              "died first", hint="its log says why (hpc-ddp logs JOB --rank 0)") from None
+
+
+def _store_gone(env: DistEnv) -> str:
+    return (f"rank 0 ({expected_host(env, 0)}) is gone: its rendezvous store at {env.master_addr}:"
+            f"{env.master_port} stopped answering")
 
 
 def join(env: DistEnv, *, timeout_s: float, host: str | None = None) -> dist.Store:
@@ -124,11 +137,14 @@ def join(env: DistEnv, *, timeout_s: float, host: str | None = None) -> dist.Sto
     return store
 
 
-def health_check(store: dist.Store, env: DistEnv, device: torch.device, timeout_s: float) -> None:
-    """One small all-reduce over the real backend and device, which must finish within `timeout_s`."""
+def health_check(store: dist.Store, env: DistEnv, device: torch.device, timeout_s: float,
+                 connect: Callable[[], None] = lambda: None) -> None:
+    """`connect()` (building the process group: gloo connects every pair of ranks there) and one small
+    all-reduce over the real backend and device must finish within `timeout_s`."""
     store.set(f"health/{env.rank}", "entered")
     done = threading.Event()
     threading.Thread(target=_health_watchdog, args=(store, env, timeout_s, done), daemon=True).start()
+    connect()
     ones = torch.ones(1, device=device)
     dist.all_reduce(ones)
     total = int(ones.item())
@@ -142,12 +158,13 @@ def _health_watchdog(store: dist.Store, env: DistEnv, timeout_s: float, done: th
     # The all-reduce itself may block far longer (the collective timeout): say why, and leave.
     if done.wait(timeout_s):
         return
-    why = "the all-reduce did not complete although every rank entered it"
+    why = "every rank got that far, so the ranks cannot reach each other"
     with contextlib.suppress(Exception):  # the store may be gone too; still leave
         absent = _missing(store, env, "health")
         if absent:
             why = f"{describe_ranks(env, absent)} never reached it"
-    print(f"hpc-ddp: error: health check: the first all-reduce did not complete within {timeout_s:g} s: {why}\n"
+    print(f"hpc-ddp: error: health check: connecting the ranks and a first all-reduce did not complete within "
+          f"{timeout_s:g} s: {why}\n"
           "HINT: check those ranks' logs and the network between the nodes (NCCL_SOCKET_IFNAME / "
           "GLOO_SOCKET_IFNAME)", file=sys.stderr, flush=True)
     os._exit(1)
@@ -179,27 +196,59 @@ class Heartbeat:
         self._stop.set()
 
 
+def mark_left(store: dist.Store | None, env: DistEnv, why: str) -> None:
+    """Say in the store that this rank is leaving, and why, before its heartbeat stops: the others must
+    not take a rank that failed for its own reason, or finished, for one that hung."""
+    if store is not None:
+        with contextlib.suppress(Exception):  # the store may already be gone
+            store.set(f"left/{env.rank}", why[:300])
+
+
 def unresponsive(store: dist.Store, env: DistEnv, window_s: float = 2.5 * HEARTBEAT_S) -> list[int]:
-    """Ranks whose heartbeat did not move during `window_s`. Raises DistError if the store is gone."""
+    """Ranks whose heartbeat did not move during `window_s` and that did not say they left.
+    Raises DistError if the store is gone."""
     keys = [f"heartbeat/{r}" for r in range(env.world_size)]
     before = [int(store.add(k, 0)) for k in keys]
     time.sleep(window_s)
     after = [int(store.add(k, 0)) for k in keys]
-    return [r for r in range(env.world_size) if after[r] == before[r] and r != env.rank]
+    return [r for r in range(env.world_size)
+            if after[r] == before[r] and r != env.rank and not store.check([f"left/{r}"])]
+
+
+def _failed_ranks(store: dist.Store, env: DistEnv) -> list[str]:
+    out = []
+    for r in range(env.world_size):
+        if r != env.rank and store.check([f"left/{r}"]):
+            why = store.get(f"left/{r}").decode(errors="replace")
+            if why not in ("finished", LEFT_AFTER_OTHERS):
+                out.append(f"rank {r} ({expected_host(env, r)}) failed: {why}")
+    return out
 
 
 def explain_failure(store: dist.Store | None, env: DistEnv, window_s: float = 2.5 * HEARTBEAT_S) -> str | None:
-    """After a failed collective: which peer is gone, as one line, or None if all still beat."""
+    """After a failed collective: which peer failed or is gone, as one line, or None if every other rank
+    is alive and well. The first rank to find out records its verdict; later ones repeat it rather than
+    blame ranks that have since left after finding out themselves."""
     if store is None:
         return None
     try:
+        if store.check(["verdict"]):
+            return store.get("verdict").decode()
         lost = unresponsive(store, env, window_s)
+        if store.check(["verdict"]):
+            return store.get("verdict").decode()
+        parts = _failed_ranks(store, env)
+        if lost:
+            parts.append(f"{describe_ranks(env, lost)} stopped responding (no heartbeat for {window_s:g} s): "
+                         f"{'they' if len(lost) > 1 else 'it'} died or hung")
+        if not parts:
+            return None
+        line = "; ".join(parts)
+        if int(store.add("verdict/claim", 1)) == 1:
+            store.set("verdict", line)
+        return line
     except Exception:  # noqa: BLE001 - the store lives in rank 0's process: it is the one that went
-        return (f"rank 0 ({expected_host(env, 0)}) is gone: its rendezvous store at "
-                f"{env.master_addr}:{env.master_port} stopped answering")
-    if not lost:
-        return None
-    return f"{describe_ranks(env, lost)} stopped responding (no heartbeat for {window_s:g} s): it died or hung"
+        return _store_gone(env)
 
 
 def leave(timeout_s: float = 10.0) -> None:

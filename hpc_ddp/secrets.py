@@ -56,7 +56,9 @@ _SHAPES = (
 )
 _WORDS = r"password|passwd|passphrase|secret|token|api[_-]?key|access[_-]?key|private[_-]?key|credentials?"
 # `password=x`, `"token": "x"`, `--hf-token x`, `Bearer x`: only the value is masked, the key stays.
-_KEYED = (rf"(?P<key>(?i:(?:{_WORDS})[\"']?[ \t]*[:=][ \t]*[\"']?|--[A-Za-z0-9-]*?(?:{_WORDS})(?:=|[ \t]+)[\"']?))"
+# The option name is bounded and must start a dash run, so a long run of dashes costs linear time.
+_KEYED = (rf"(?P<key>(?i:(?:{_WORDS})[\"']?[ \t]*[:=][ \t]*[\"']?"
+          rf"|(?<![\w-])--(?:[A-Za-z0-9][A-Za-z0-9-]{{0,62}}?)?(?:{_WORDS})(?:=|[ \t]+)[\"']?))"
           r"(?P<value>[^\s\"'`,;&|(){}\[\]]+)"
           r"|(?P<bearer>(?i:\bbearer[ \t]+))(?P<bvalue>[A-Za-z0-9._~+/-]{16,}=*)")
 _BEGIN = re.compile(r"-----BEGIN[A-Z ]*PRIVATE KEY-----")

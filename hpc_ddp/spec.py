@@ -80,7 +80,7 @@ class JobSpec:
     stage_checksums: bool = False
     stage_timeout: int = 3600          # seconds a rank waits for staging, on its node and across nodes
     master_port: int | None = None     # None: derived from the job id
-    rendezvous_timeout: int = 120      # seconds the ranks wait for each other at start-up
+    rendezvous_timeout: int = 300      # seconds the ranks wait for each other at start-up (skew of big jobs)
     collective_timeout: int = 600      # seconds one collective may block before a rank gives up
 
     @property

@@ -69,14 +69,20 @@ def log_files(run_dir: Path, rank: int | None = None) -> list[tuple[int, int, Pa
     return sorted(found, key=lambda t: (t[0], t[1], str(t[2])))
 
 
-def new_log_lines(run_dir: Path, rank: int | None, offsets: dict[str, int]) -> Iterator[str]:
-    """`[attempt A rank R] line` for every line written since `offsets` (updated), secrets masked."""
+def new_log_lines(run_dir: Path, rank: int | None, offsets: dict[str, int], *,
+                  whole_lines: bool = False) -> Iterator[str]:
+    """`[attempt A rank R] line` for every line written since `offsets` (updated), secrets masked.
+    `whole_lines` (while following a running job): leave a line still being written for the next call,
+    so a token split across two reads is masked whole."""
     scrub = secrets.current()
     for attempt, r, path in log_files(run_dir, rank):
         with open(path, "rb") as fh:
-            fh.seek(offsets.get(str(path), 0))
+            start = offsets.get(str(path), 0)
+            fh.seek(start)
             data = fh.read()
-            offsets[str(path)] = fh.tell()
+        if whole_lines:
+            data = data[:data.rfind(b"\n") + 1]
+        offsets[str(path)] = start + len(data)
         for line in scrub.lines(data.decode(errors="replace").splitlines()):
             yield f"[attempt {attempt} rank {r}] {line}"
 

@@ -97,9 +97,9 @@ def _setup(env: DistEnv, spec: JobSpec) -> Context:
         _fault_before_join(env)
         # Our own store: a bounded join that names missing ranks, then the process group on top of it.
         ctx.store = rendezvous.join(env, timeout_s=spec.rendezvous_timeout)
-        dist.init_process_group(backend, store=dist.PrefixStore("pg", ctx.store), rank=env.rank,
-                                world_size=env.world_size, timeout=timedelta(seconds=spec.collective_timeout))
-        rendezvous.health_check(ctx.store, env, device, timeout_s=spec.rendezvous_timeout)
+        rendezvous.health_check(ctx.store, env, device, timeout_s=spec.rendezvous_timeout, connect=lambda: (
+            dist.init_process_group(backend, store=dist.PrefixStore("pg", ctx.store), rank=env.rank,
+                                    world_size=env.world_size, timeout=timedelta(seconds=spec.collective_timeout))))
         ctx.heartbeat = rendezvous.Heartbeat(env).start()
     return ctx
 
@@ -197,9 +197,11 @@ class Trainer:
                 self.log("hpc-ddp: sync_bn needs GPUs (SyncBatchNorm has no CPU kernel); using plain BatchNorm")
         if ctx.distributed:
             model = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
-            # See reduce.py: the step's flags ride on the gradients; rank-order sums give exact resume on CPU.
-            self.flags = StepFlags(ordered=ctx.device.type == "cpu" and ctx.env.world_size > 2)
-            model.register_comm_hook(self.flags, flags_hook)
+            if ctx.device.type == "cpu":
+                # See reduce.py: the step's flags ride on the gradients, and rank-order sums give exact
+                # resume. Not on GPUs yet: NCCL keeps DDP's built-in all-reduce until the hook is measured there.
+                self.flags = StepFlags(ordered=ctx.env.world_size > 2)
+                model.register_comm_hook(self.flags, flags_hook)
         return model
 
     def _optimizer(self) -> torch.optim.Optimizer:
@@ -374,7 +376,7 @@ class Trainer:
         checkpoint is due. They came with the gradients; a separate all-reduce only if they could not."""
         summed = self.sent
         if self.ctx.distributed:
-            summed = self.flags.incoming
+            summed = self.flags.incoming if self.flags is not None else None
             if summed is None:
                 summed = self.sent.clone()
                 dist.all_reduce(summed)
@@ -463,7 +465,7 @@ def run(spec: JobSpec, run_dir: Path, env: DistEnv | None = None) -> int:
         raise HpcDdpError("this job has no [train] table; the built-in trainer has nothing to do")
     stop = StopFlag((spec.signal, "TERM")).install()
     ctx = _setup(env or from_environ(os.environ, pid=os.getpid()), spec)
-    trainer = None
+    trainer, why = None, "finished"
     try:
         trainer = Trainer(spec.train, ctx, run_dir, stop, signal_lead=spec.signal_lead)
         return trainer.fit()
@@ -471,17 +473,27 @@ def run(spec: JobSpec, run_dir: Path, env: DistEnv | None = None) -> int:
         # A failed collective usually means a peer is gone: name it rather than show a gloo/NCCL trace.
         lost = rendezvous.explain_failure(ctx.store, ctx.env) if ctx.distributed else None
         if lost is None:
+            why = _summary(exc)
             raise
-        raise rendezvous.PeerLost(f"rank {ctx.env.rank}: {lost}; stopping ({type(exc).__name__}: "
-                                  f"{str(exc).splitlines()[0][:200]})",
+        why = rendezvous.LEFT_AFTER_OTHERS
+        raise rendezvous.PeerLost(f"rank {ctx.env.rank}: {lost}; stopping ({_summary(exc)[:200]})",
                                   hint="see that rank's log (hpc-ddp logs JOB --rank N)") from None
+    except BaseException as exc:
+        why = _summary(exc)
+        raise
     finally:
+        rendezvous.mark_left(ctx.store, ctx.env, why)  # before the heartbeat stops: see mark_left
         if trainer is not None:
             trainer.close()
         if ctx.heartbeat is not None:
             ctx.heartbeat.stop()
         if ctx.distributed:
             rendezvous.leave()
+
+
+def _summary(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
 
 
 def main(argv: list[str] | None = None) -> None:

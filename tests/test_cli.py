@@ -175,7 +175,7 @@ BAD = [
     (["--gpu-bind", "socket"], "Invalid value for '--gpu-bind'"),
     (["--sbatch-arg", "-N 2"], "--sbatch-arg: '-N 2' is not of the form --option"),
     (["--sbatch-arg", "--dependency=after:1 --uid=0"], "--sbatch-arg: the value contains whitespace"),
-    (["--stage", "/nonexistent/ds"], "dataset 'ds': source /nonexistent/ds does not exist"),
+    (["--stage", "/nonexistent/ds"], "dataset 'ds': source /nonexistent/ds does not exist on this machine; nothing"),
     (["--stage", "train.py:1bad"], "--stage: dataset name '1bad' must be a letter"),
     # Refused by the preflight against the cluster (the fake sinfo: 2 nodes x 4 CPUs, 4000 MB, 2 GPUs).
     (["--nodes", "3"], "--nodes 3: partition debug has only 2 node(s); nothing was submitted"),

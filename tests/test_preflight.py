@@ -134,7 +134,7 @@ def test_no_default_partition_asks_for_one():
 
 
 @pytest.mark.parametrize("environ,warning,hint", [
-    ({"SBATCH_PARTITION": "gpu"}, "SBATCH_PARTITION=gpu in your shell overrides the script's #SBATCH lines",
+    ({"SBATCH_PARTITION": "gpu"}, "SBATCH_PARTITION=gpu in your shell overrides or adds to the script's #SBATCH options",
      "unset SBATCH_PARTITION"),
     ({"SLURM_CPU_BIND": "none", "SRUN_CPUS_PER_TASK": "2"},
      "SLURM_CPU_BIND=none, SRUN_CPUS_PER_TASK=2 in your shell go into the job", "unset SLURM_CPU_BIND SRUN_CPUS"),
@@ -180,7 +180,7 @@ def test_run_preflight_asks_sinfo_then_sbatch_test_only():
     commands = fake()
     report = run_preflight(spec(gpus=2), commands, QUIET, test_script="#!/bin/bash\n")
     assert report.errors == () and report.cluster == CLUSTER
-    assert [c[0][:2] for c in commands.calls] == [("sinfo", "--noheader"), ("sbatch", "--test-only")]
+    assert [c[0][:2] for c in commands.calls] == [("sinfo", "--all"), ("sbatch", "--test-only")]
     assert report.findings[-1].message.startswith("sbatch --test-only accepts the job (sbatch: Job 5")
 
 
@@ -319,3 +319,20 @@ def test_doctor_for_the_local_executor_checks_only_the_shell(project):
     assert result.exit_code == 0, result.output
     assert result.output.splitlines() == ["executor local (as requested)",
                                           "ok: no SBATCH_*, SLURM_* or SRUN_* variables in your shell change the job"]
+
+
+def test_sbatch_partition_in_the_shell_is_the_partition_checked():
+    found = check(spec(gpus=2), CLUSTER, Host({"SBATCH_PARTITION": "short"}, (("/", "nfs4"),)))
+    assert any(f.level == "ok" and "fit partition short" in f.message for f in found), found
+
+
+def test_another_cluster_skips_the_cluster_checks():
+    found = check(spec(nodes=9, sbatch_args=["--clusters=other"]), CLUSTER, QUIET)
+    assert not [f for f in found if f.level == "error"]
+
+
+def test_a_dataset_missing_here_is_an_error_that_no_preflight_can_skip(tmp_path):
+    report = run_preflight(spec(datasets={"imgs": str(tmp_path / "absent")}), fake(), QUIET)
+    assert [f.message for f in report.errors] == [f"dataset 'imgs': source {tmp_path / 'absent'} does not exist on "
+                                                  "this machine"]
+    assert "--no-preflight" in report.errors[0].hint

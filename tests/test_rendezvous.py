@@ -132,3 +132,40 @@ def test_leave_does_not_wait_for_a_hanging_destroy(monkeypatch):
 ])
 def test_failures_are_classified(text, kind):
     assert classify_failure([text])[0] == kind
+
+
+def test_a_rank_that_left_with_an_error_is_named_for_it_and_one_that_finished_is_not(port):
+    server = dist.TCPStore("127.0.0.1", port, 4, True, wait_for_workers=False)
+    store = rendezvous._scoped(server, _env(0, 4, port))
+    alive = rendezvous.Heartbeat(_env(3, 4, port), interval_s=0.1).start()
+    for r in (1, 2):
+        store.add(f"heartbeat/{r}", 1)
+    rendezvous.mark_left(store, _env(1, 4, port), "ValueError: bad shard")
+    rendezvous.mark_left(store, _env(2, 4, port), "finished")
+    try:
+        line = rendezvous.explain_failure(store, _env(0, 4, port), window_s=0.5)
+        assert line == "rank 1 (node1) failed: ValueError: bad shard"
+    finally:
+        alive.stop()
+
+
+def test_the_first_verdict_is_repeated_by_ranks_that_find_out_later(port):
+    server = dist.TCPStore("127.0.0.1", port, 3, True, wait_for_workers=False)
+    store = rendezvous._scoped(server, _env(0, 3, port))
+    store.add("heartbeat/2", 1)
+    first = rendezvous.explain_failure(store, _env(1, 3, port), window_s=0.3)
+    assert first.startswith("ranks 0 (node0), 2 (node2) stopped responding")
+    # Rank 1 has left after finding out; a later rank must not blame it (or re-wait).
+    rendezvous.mark_left(store, _env(1, 3, port), rendezvous.LEFT_AFTER_OTHERS)
+    started = time.monotonic()
+    assert rendezvous.explain_failure(store, _env(0, 3, port), window_s=5) == first
+    assert time.monotonic() - started < 1
+
+
+def test_ranks_still_waiting_when_rank_0_gives_up_say_so(port):
+    server = dist.TCPStore("127.0.0.1", port, 3, True, wait_for_workers=False)
+    client = rendezvous._scoped(dist.TCPStore("127.0.0.1", port, 3, False), _env(1, 3, port))
+    del server
+    with pytest.raises(rendezvous.RendezvousError) as err:
+        rendezvous._wait_all(client, _env(1, 3, port), "joined", time.monotonic() + 5)
+    assert "rank 1: rank 0 (node0) is gone" in err.value.message and "gave up or died first" in err.value.message

@@ -249,3 +249,17 @@ def test_a_local_run_leaks_no_secret(tmp_path, monkeypatch):
         assert GH.encode() not in data and WANDB.encode() not in data, path
         assert ARG.encode() not in data or path.name == "spec.json", path
     assert (run_dir / "spec.json").stat().st_mode & 0o077 == 0
+
+
+def test_following_a_log_never_prints_half_a_token(tmp_path, monkeypatch):
+    from hpc_ddp.status import new_log_lines
+
+    monkeypatch.setenv("HF_TOKEN", "hf_" + "q" * 34)
+    log = tmp_path / "logs" / "job-7" / "attempt-0" / "rank-0.log"
+    log.parent.mkdir(parents=True)
+    log.write_text("step 1\nlogin with hf_qqqqq")  # the rank is in the middle of writing the token
+    offsets: dict = {}
+    assert list(new_log_lines(tmp_path, None, offsets, whole_lines=True)) == ["[attempt 0 rank 0] step 1"]
+    with open(log, "a") as fh:
+        fh.write("q" * 29 + " ok\n")
+    assert list(new_log_lines(tmp_path, None, offsets, whole_lines=True)) == ["[attempt 0 rank 0] login with *** ok"]

@@ -89,8 +89,9 @@ class LocalExecutor:
         lines = [f"# local executor: {spec.nodes} simulated node(s) x {spec.tasks_per_node} task(s) "
                  f"= {spec.world_size} process(es) on this machine",
                  f"# run dir: {run_dir}", f"# each rank runs: {spec.target.describe()}"]
-        for env in rank_envs(spec, self.job_id, spec.master_port or port_for_job(self.job_id), _physical_gpus(),
-                             run_dir=run_dir):
+        # The port attempt 0 starts from (submit moves on to the next free one if it is taken).
+        port = spec.master_port or port_for_job(f"{self.job_id}-0")
+        for env in rank_envs(spec, self.job_id, port, _physical_gpus(), run_dir=run_dir):
             shown = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items() if k not in ("HPC_DDP_HOSTS",))
             lines.append(f"{shown} {cmd}")
         # The program's arguments may hold a token: --dry-run shows them masked (spec.json keeps them).
