@@ -156,7 +156,7 @@ def interleaved(runs: dict[str, Callable[[int], float]], repeats: int, unit: str
 # ---- launching ----
 
 class BenchError(RuntimeError):
-    pass
+    """A benchmark run failed; its section becomes an error row."""
 
 
 def free_port() -> int:
