@@ -3,14 +3,29 @@
 The batch script (and the local executor) call this at the start and the end of every attempt:
 
     python -m hpc_ddp.attempts begin RUN_DIR ATTEMPT   -> exit 0: go on; exit 3: do not run (reason logged)
-    python -m hpc_ddp.attempts end RUN_DIR ATTEMPT RC  -> prints "requeue" or "stop"
+    python -m hpc_ddp.attempts end RUN_DIR ATTEMPT RC  -> prints "requeue", "requeued" (by Slurm) or "stop"
 
 Everything is recorded in RUN_DIR/events.jsonl (append-only), next to the trainer's own records, so
 `hpc-ddp status` can tell the whole story. The policy itself (`decide_begin`, `decide_end`) is pure.
 
-Causes: an attempt ends "completed" (exit 0), "time_limit" or "preempted" (exit 75 after the trainer
-checkpointed; the trainer says which: a stop near the job's end time is a time limit), "killed"
-(no end record: the job was killed from outside, e.g. preempted or requeued by an admin), or "failed".
+Causes: an attempt ends "completed" (exit 0), "time_limit" or "preempted" (exit 75 after the program
+checkpointed; the trainer says which: a stop near the job's end time is a time limit), "killed" (no end
+record: the job was killed from outside before the batch shell could say so), "cancelled", or "failed".
+
+A program that dies of Slurm's SIGTERM (preemption, an admin's requeue, the hard time limit) is not a
+failed program: `end` asks Slurm what happened to the job (`scontrol show job`) and records such an
+attempt as "preempted" or "time_limit", so it runs again within the caps. What Slurm shows from inside
+the batch shell, measured on Slurm 22.05 (tests/e2e/test_user_scripts.py runs each case):
+
+    preempted, GraceTime=0      COMPLETING, Restarts already +1  -> Slurm requeues the job itself
+    preempted, GraceTime>0      RUNNING, PreemptTime set         -> ends as FAILED unless we requeue it
+    scontrol requeue (admin)    COMPLETING, Restarts already +1  -> Slurm requeues the job itself
+    time limit                  COMPLETING or TIMEOUT, Reason=TimeLimit
+    scancel                     COMPLETING or CANCELLED, nothing of the above -> cancelled: never requeued
+    the program's own crash     RUNNING, nothing of the above    -> failed: never requeued
+
+Without Slurm's answer (no scontrol), a SIGTERM the batch shell trapped stands for "signalled from
+outside" (HPC_DDP_SHELL_SIGNAL), so a preemption still runs again.
 """
 
 from __future__ import annotations
@@ -18,16 +33,18 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from .events import JsonLines, read_jsonl
 from .exitcodes import REQUEUE_EXIT_CODE
 
-__all__ = ["Attempt", "Limits", "attempts_from_events", "decide_begin", "decide_end", "latest_checkpoint_step"]
+__all__ = ["Attempt", "Limits", "attempts_from_events", "decide_begin", "decide_end", "latest_checkpoint_step",
+           "outside_cause", "parse_show_job"]
 
 NOT_ADMITTED_EXIT_CODE = 3
 # An attempt of a user's own script (no trainer events) counts as having trained once it ran this long.
@@ -123,10 +140,12 @@ def decide_begin(previous: Sequence[Attempt], start_step: int | None, limits: Li
         return False, "the job already completed; requeued by mistake?"
     if last.ended_cause == "failed":
         return False, f"the previous attempt failed (exit code {last.exit_code}); not running again"
-    # An attempt killed from outside (node failure, hard preemption, admin requeue) is not the job's
-    # fault: it only counts against max_preemptions. The guards below judge attempts that ended by
-    # themselves.
-    if last.exit_code is not None and last.trainer and start_step == last.start_step:
+    if last.ended_cause == "cancelled":
+        return False, "the job was cancelled; not running again"
+    # An attempt killed or signalled from outside (node failure, preemption, admin requeue) is not the
+    # job's fault: it only counts against max_preemptions. The no-progress guard judges attempts that
+    # asked to be requeued themselves (exit 75) without having moved the checkpoint on.
+    if last.exit_code == REQUEUE_EXIT_CODE and last.trainer and start_step == last.start_step:
         return False, f"no progress: the previous attempt started and ended at checkpoint step {start_step}"
     preempted = _count(previous, "preempted", "killed")
     if preempted > limits.max_preemptions:
@@ -138,12 +157,19 @@ def decide_begin(previous: Sequence[Attempt], start_step: int | None, limits: Li
 
 
 def decide_end(attempts: Sequence[Attempt], exit_code: int, limits: Limits) -> tuple[bool, str]:
-    """Should the job be requeued after this attempt (the last of `attempts`)? (requeue, reason)."""
-    if exit_code != REQUEUE_EXIT_CODE:
-        return False, "completed" if exit_code == 0 else f"failed with exit code {exit_code}"
-    if not attempts[-1].trained:
+    """Should the job be requeued after this attempt (the last of `attempts`)? (requeue, reason).
+    An exit code other than 0 and 75 is requeued only when the attempt's cause says it came from
+    outside (preempted, time_limit: see `outside_cause`)."""
+    cause = attempts[-1].cause
+    if exit_code == 0:
+        return False, "completed"
+    if cause == "cancelled":
+        return False, "cancelled"
+    if exit_code != REQUEUE_EXIT_CODE and cause not in ("preempted", "time_limit"):
+        return False, f"failed with exit code {exit_code}"
+    if exit_code == REQUEUE_EXIT_CODE and not attempts[-1].trained:
         return False, "it asked to be requeued before training started (crash loop guard)"
-    cause = attempts[-1].cause or "preempted"
+    cause = cause or "preempted"
     if cause == "time_limit":
         used, cap, name = _count(attempts, "time_limit"), limits.max_requeues, "max_requeues"
     else:
@@ -151,6 +177,57 @@ def decide_end(attempts: Sequence[Attempt], exit_code: int, limits: Limits) -> t
     if used > cap:
         return False, f"{cause}: {used} requeues would exceed {name}={cap}"
     return True, f"{cause}: requeue {used} of at most {cap}"
+
+
+def parse_show_job(text: str) -> dict[str, str]:
+    """`scontrol show job -o ID` -> {field: value}. Values hold no spaces except in a few fields we do not
+    read (Command=, WorkDir=...), whose tail words are dropped."""
+    fields: dict[str, str] = {}
+    for word in text.split():
+        key, eq, value = word.partition("=")
+        if eq and key and key[0].isupper():
+            fields.setdefault(key, value)
+    return fields
+
+
+_NONE = ("", "None", "Unknown", "N/A", "(null)")
+
+
+def outside_cause(job: Mapping[str, str] | None, attempt: int, shell_signal: str | None) -> tuple[str, bool]:
+    """Why an attempt whose program exited with an error ended: (cause, Slurm requeues it itself).
+
+    `job` is Slurm's view from the batch shell (`parse_show_job`), None where it could not be asked;
+    `attempt` the attempt's number (SLURM_RESTART_COUNT); `shell_signal` a signal the batch shell trapped.
+    The table in the module docstring is what this reads."""
+    if not job:
+        return ("preempted" if shell_signal else "failed"), False
+    if _int(job.get("Restarts")) > attempt:
+        return "preempted", True
+    if job.get("PreemptTime", "None") not in _NONE:
+        return "preempted", False
+    if job.get("Reason") == "TimeLimit" or job.get("JobState") == "TIMEOUT":
+        return "time_limit", False
+    if job.get("JobState") in ("CANCELLED", "COMPLETING") and (shell_signal or job.get("JobState") == "CANCELLED"):
+        return "cancelled", False
+    return "failed", False
+
+
+def _int(text: str | None) -> int:
+    try:
+        return int(text or 0)
+    except ValueError:
+        return 0
+
+
+def slurm_job(job_id: str | None, run=subprocess.run) -> dict[str, str] | None:
+    """Slurm's record of `job_id` (`scontrol show job -o`), or None when it cannot be had."""
+    if not job_id:
+        return None
+    try:
+        done = run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return parse_show_job(done.stdout) or None if done.returncode == 0 else None
 
 
 # ---- the edge: what the batch script and the local executor call ----
@@ -181,7 +258,27 @@ def begin(run_dir: Path, attempt: int, env: dict[str, str] | None = None) -> tup
     return ok, reason
 
 
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    requeue: bool           # run the job again
+    reason: str
+    by_slurm: bool = False  # Slurm has requeued it already (preemption with GraceTime=0, admin requeue)
+
+    @property
+    def word(self) -> str:
+        """What the batch script reads: requeue (it must run `scontrol requeue`), requeued, or stop."""
+        return ("requeued" if self.by_slurm else "requeue") if self.requeue else "stop"
+
+
 def end(run_dir: Path, attempt: int, exit_code: int, env: dict[str, str] | None = None) -> tuple[bool, str]:
+    outcome = finish(run_dir, attempt, exit_code, env)
+    return outcome.requeue, outcome.reason
+
+
+def finish(run_dir: Path, attempt: int, exit_code: int, env: Mapping[str, str] | None = None,
+           ask_slurm=slurm_job) -> Outcome:
+    """Record how attempt `attempt` ended and decide whether the job runs again.
+    `env` may carry HPC_DDP_SHELL_SIGNAL: a signal the batch shell (or local executor) received."""
     env = dict(os.environ if env is None else env)
     events = JsonLines(run_dir / "events.jsonl")
     job_id = env.get("SLURM_JOB_ID") or env.get("HPC_DDP_JOB_ID")
@@ -190,19 +287,34 @@ def end(run_dir: Path, attempt: int, exit_code: int, env: dict[str, str] | None 
         attempts = [Attempt(attempt, None)]
     last = attempts[-1]
     if last.checkpointed and exit_code != 0:
-        # The trainer's record wins over srun's exit code: with --kill-on-bad-exit, the ranks that were
+        # The program's record wins over srun's exit code: with --kill-on-bad-exit, the ranks that were
         # still exiting after the checkpoint (code 75 counts as "bad") are killed, and srun reports 143.
         exit_code = REQUEUE_EXIT_CODE
-    last.exit_code, last.ended_at = exit_code, time.time()
+    slurm = ask_slurm(env.get("SLURM_JOB_ID")) if exit_code != 0 and env.get("SLURM_JOB_ID") else None
+    by_slurm = False
     if exit_code == REQUEUE_EXIT_CODE:
         last.cause = last.cause or _cause_from_deadline(env)
+        by_slurm = bool(slurm) and _int(slurm.get("Restarts")) > attempt
+    elif exit_code == 0:
+        last.cause = "completed"
     else:
-        last.cause = "completed" if exit_code == 0 else "failed"
+        last.cause, by_slurm = outside_cause(slurm, attempt, env.get("HPC_DDP_SHELL_SIGNAL") or None)
+    last.exit_code, last.ended_at = exit_code, time.time()
     requeue, reason = decide_end(attempts, exit_code, _limits(run_dir))
-    events.write({"event": "attempt_end", "attempt": attempt, "exit_code": exit_code, "cause": last.cause})
-    if exit_code == REQUEUE_EXIT_CODE:
-        events.write({"event": "requeue" if requeue else "gave_up", "attempt": attempt, "reason": reason})
-    return requeue, reason
+    record = {"event": "attempt_end", "attempt": attempt, "exit_code": exit_code, "cause": last.cause}
+    if exit_code not in (0, REQUEUE_EXIT_CODE) and last.cause != "failed":
+        record["note"] = f"signalled from outside ({_outside_note(slurm, env)}), not the program's failure"
+    events.write(record)
+    if exit_code == REQUEUE_EXIT_CODE or last.cause in ("preempted", "time_limit"):
+        events.write({"event": "requeue" if requeue else "gave_up", "attempt": attempt, "reason": reason,
+                      **({"by": "slurm"} if requeue and by_slurm else {})})
+    return Outcome(requeue, reason, by_slurm)
+
+
+def _outside_note(slurm: Mapping[str, str] | None, env: Mapping[str, str]) -> str:
+    if not slurm:
+        return f"SIG{env.get('HPC_DDP_SHELL_SIGNAL')} to the batch shell"
+    return ", ".join(f"{k}={slurm[k]}" for k in ("JobState", "Reason", "Restarts", "PreemptTime") if k in slurm)
 
 
 def _cause_from_deadline(env: dict[str, str]) -> str:
@@ -221,9 +333,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"hpc-ddp: attempt {args[2]}: {reason}", flush=True)
             return 0 if ok else NOT_ADMITTED_EXIT_CODE
         if args[:1] == ["end"] and len(args) == 4:
-            requeue, reason = end(Path(args[1]), int(args[2]), int(args[3]))
-            print("requeue" if requeue else "stop", flush=True)
-            print(f"hpc-ddp: attempt {args[2]} ended: {reason}", file=sys.stderr, flush=True)
+            outcome = finish(Path(args[1]), int(args[2]), int(args[3]))
+            print(outcome.word, flush=True)
+            print(f"hpc-ddp: attempt {args[2]} ended: {outcome.reason}", file=sys.stderr, flush=True)
             return 0
     except (OSError, ValueError) as exc:
         print(f"hpc-ddp attempts: error: {exc}", file=sys.stderr)

@@ -98,3 +98,98 @@ def test_a_checkpointed_attempt_is_requeued_whatever_srun_reports(tmp_path):
         for event in ({"event": "start"}, {"event": "signal", "cause": "time_limit"}, {"event": "requeue_requested"}):
             fh.write(json.dumps(event) + "\n")
     assert attempts.end(tmp_path, 0, 143, env=env) == (True, "time_limit: requeue 1 of at most 10")
+
+
+# ---- a program signalled from outside is not a failed program (what Slurm shows; see attempts' docstring) ----
+
+SHOW_JOB = {  # `scontrol show job -o` as the batch shell sees it at the attempt's end, measured on Slurm 22.05
+    "preempt_no_grace": "JobId=3 JobName=job.sh JobState=COMPLETING Reason=None Requeue=1 Restarts=1 "
+                        "PreemptTime=None Command=/x/job.sh WorkDir=/x",
+    "preempt_grace": "JobId=5 JobState=RUNNING Reason=None Requeue=1 Restarts=0 PreemptTime=2026-11-23T12:47:59",
+    "admin_requeue": "JobId=8 JobState=COMPLETING Reason=None Requeue=1 Restarts=1 PreemptTime=None",
+    "time_limit": "JobId=9 JobState=COMPLETING Reason=TimeLimit Requeue=1 Restarts=0 PreemptTime=None",
+    "scancel": "JobId=7 JobState=COMPLETING Reason=None Requeue=1 Restarts=0 PreemptTime=None",
+    "own_crash": "JobId=4 JobState=RUNNING Reason=None Requeue=1 Restarts=0 PreemptTime=None",
+}
+
+
+@pytest.mark.parametrize("case,shell_signal,cause,by_slurm", [
+    ("preempt_no_grace", "TERM", "preempted", True),
+    ("preempt_grace", None, "preempted", False),     # the step got SIGTERM, the batch shell did not
+    ("admin_requeue", "TERM", "preempted", True),
+    ("time_limit", None, "time_limit", False),
+    ("scancel", "TERM", "cancelled", False),
+    ("own_crash", None, "failed", False),
+])
+def test_outside_cause_from_slurm(case, shell_signal, cause, by_slurm):
+    job = attempts.parse_show_job(SHOW_JOB[case])
+    assert attempts.outside_cause(job, 0, shell_signal) == (cause, by_slurm)
+
+
+def test_outside_cause_without_slurm_trusts_the_shell_signal():
+    assert attempts.outside_cause(None, 0, "TERM") == ("preempted", False)
+    assert attempts.outside_cause(None, 0, None) == ("failed", False)
+    # A later attempt: Restarts counts every requeue, so only a count past this attempt's number means "again".
+    assert attempts.outside_cause(attempts.parse_show_job("JobState=RUNNING Restarts=2"), 2, None) == ("failed", False)
+
+
+@pytest.mark.parametrize("history,rc,requeue,reason", [
+    ([ended(0, "preempted", trained=False, rc=143)], 143, True, "preempted: requeue 1 of at most 3"),
+    ([ended(i, "preempted", rc=143) for i in range(4)], 143, False, "4 requeues would exceed max_preemptions=3"),
+    ([ended(0, "time_limit", rc=143)], 143, True, "time_limit: requeue 1 of at most 2"),
+    ([ended(0, "cancelled", rc=143)], 143, False, "cancelled"),
+    ([ended(0, "failed", rc=143)], 143, False, "failed with exit code 143"),
+])
+def test_decide_end_outside(history, rc, requeue, reason):
+    got, why = decide_end(history, rc, LIMITS)
+    assert got == requeue and reason in why
+
+
+@pytest.mark.parametrize("previous,ok,reason", [
+    ([ended(0, "preempted", 5, rc=143)], True, "restart 1 after preempted"),  # no checkpoint moved: not its fault
+    ([ended(0, "cancelled", rc=143)], False, "cancelled"),
+    ([ended(0, "failed", rc=143)], False, "failed (exit code 143)"),
+])
+def test_decide_begin_after_outside_end(previous, ok, reason):
+    got_ok, got_reason = decide_begin(previous, 5, LIMITS)
+    assert got_ok == ok and reason in got_reason
+
+
+def _spec_dir(tmp_path, **keys):
+    from hpc_ddp.spec import Layer, Target, build_spec
+
+    spec = build_spec([Layer("c", keys)], target=Target("script", "/t.py"), workdir="/", python="p")
+    (tmp_path / "spec.json").write_text(json.dumps(spec.to_dict()))
+    return tmp_path
+
+
+@pytest.mark.parametrize("case,shell_signal,word,cause", [
+    ("preempt_no_grace", "TERM", "requeued", "preempted"),
+    ("preempt_grace", "", "requeue", "preempted"),
+    ("scancel", "TERM", "stop", "cancelled"),
+    ("own_crash", "", "stop", "failed"),
+])
+def test_finish_asks_slurm_and_records_the_cause(tmp_path, case, shell_signal, word, cause):
+    run_dir = _spec_dir(tmp_path)
+    env = {"SLURM_JOB_ID": "3", "HPC_DDP_SHELL_SIGNAL": shell_signal}
+    assert attempts.begin(run_dir, 0, env=env)[0]
+    asked = []
+    outcome = attempts.finish(run_dir, 0, 143, env, ask_slurm=lambda job: asked.append(job) or
+                              attempts.parse_show_job(SHOW_JOB[case]))
+    assert asked == ["3"] and outcome.word == word
+    records = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    end = next(r for r in records if r["event"] == "attempt_end")
+    assert end["cause"] == cause and end["exit_code"] == 143
+    # The next attempt of the same job is admitted after a preemption, refused after a cancel or crash.
+    assert attempts.begin(run_dir, 1, env=env)[0] == (cause == "preempted")
+
+
+def test_a_user_script_preempted_over_and_over_stops_at_the_cap(tmp_path):
+    run_dir = _spec_dir(tmp_path, max_preemptions=2)
+    env = {"SLURM_JOB_ID": "11"}
+    for n in range(3):
+        assert attempts.begin(run_dir, n, env=env)[0]
+        show = SHOW_JOB["preempt_grace"].replace("Restarts=0", f"Restarts={n}")
+        outcome = attempts.finish(run_dir, n, 143, env, ask_slurm=lambda _job, s=show: attempts.parse_show_job(s))
+        assert outcome.requeue == (n < 2), outcome
+    assert "more than max_preemptions=2" in outcome.reason or "exceed max_preemptions=2" in outcome.reason

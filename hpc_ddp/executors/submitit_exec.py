@@ -54,6 +54,8 @@ class RankTask:
     `checkpoint()`, which waits for the child to finish saving and then lets submitit requeue the same
     task. A child that stops on its own (exit 75, e.g. before its time limit) is requeued by rank 0 with
     scontrol, as the batch script would; the shared requeue policy (`attempts`) decides either way.
+    A child killed by Slurm's SIGTERM (preemption) is not a failed program: rank 0 notes the SIGTERM it
+    got too, and the policy asks Slurm what happened, as the batch script's does.
     """
 
     def __init__(self, spec_path: str):
@@ -62,6 +64,7 @@ class RankTask:
         self._handled_by_submitit = False
         self._attempt: tuple[Path, int] | None = None
         self._env: dict[str, str] = {}
+        self._signalled = ""
 
     def __getstate__(self) -> dict:
         return {"spec_path": self.spec_path}  # a running child cannot (and must not) be pickled
@@ -86,19 +89,31 @@ class RankTask:
         log_dir.mkdir(parents=True, exist_ok=True)
         log_path = log_dir / f"rank-{rank}.log"
         print(f"hpc-ddp: rank {rank} output goes to {log_path}", flush=True)
+        self._note_sigterm()
         with open(log_path, "ab") as log:
             self._child = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=os.getcwd())
-            rc = self._child.wait()
+            rc = _shell_code(self._child.wait())
         if rank == 0 and not self._handled_by_submitit:
-            requeue, reason = attempts.end(run_dir, attempt, rc, env)
-            print(f"hpc-ddp: attempt {attempt} ended: {reason}", flush=True)
-            if requeue:
-                job = env.get("SLURM_JOB_ID", "")
-                subprocess.run(["scontrol", "requeue", job], check=False)
+            outcome = attempts.finish(run_dir, attempt, rc, {**env, "HPC_DDP_SHELL_SIGNAL": self._signalled})
+            print(f"hpc-ddp: attempt {attempt} ended: {outcome.reason}", flush=True)
+            if outcome.requeue:
+                if not outcome.by_slurm:
+                    subprocess.run(["scontrol", "requeue", env.get("SLURM_JOB_ID", "")], check=False)
                 time.sleep(600)  # the requeue ends this task; returning now would mark the job done
-        if rc not in (0, REQUEUE_EXIT_CODE):
+        if rc not in (0, REQUEUE_EXIT_CODE) and not self._signalled:
             raise RuntimeError(f"rank {rank} exited with code {rc}; see {log_path}")
         return rc
+
+    def _note_sigterm(self) -> None:
+        """Remember a SIGTERM (Slurm's preemption signal) and pass it on to whoever handled it before
+        (submitit logs it and carries on)."""
+        previous = signal.getsignal(signal.SIGTERM)
+
+        def noted(signum, frame):
+            self._signalled = "TERM"
+            if callable(previous):
+                previous(signum, frame)
+        signal.signal(signal.SIGTERM, noted)
 
     def checkpoint(self, *args, **kwargs):
         """Called by submitit's signal handler (rank 0 only): wait for our child's checkpoint, then let
@@ -127,6 +142,11 @@ class RankTask:
                 print(f"hpc-ddp: not requeueing: {reason}", flush=True)
                 return None  # submitit: no requeue
         return submitit.helpers.DelayedSubmission(RankTask(self.spec_path))
+
+
+def _shell_code(returncode: int) -> int:
+    """Popen's -N for "killed by signal N" as a shell reports it (128 + N), the form the policy reads."""
+    return 128 - returncode if returncode < 0 else returncode
 
 
 class SubmititExecutor:

@@ -65,8 +65,14 @@ write_config() {
             printf 'NodeName=%s NodeAddr=%s Port=%d CPUs=%d RealMemory=4000 Gres=gpu:%d State=UNKNOWN\n' \
                 "${NODES[$i]}" "${ADDRS[$i]}" $((6830 + i)) "$CPUS_PER_NODE" "$GPUS_PER_NODE"
         done
-        printf 'PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP\n'
-        printf 'PartitionName=short Nodes=ALL MaxTime=00:10:00 State=UP\n'
+        # Real preemption (PreemptType=partition_prio in slurm.conf.in): a job in `urgent` (higher
+        # PriorityTier) preempts jobs in the others. debug and short: SIGTERM, then SIGKILL after KillWait
+        # and Slurm requeues the job itself. grace: SIGTERM, then GraceTime seconds before the kill; a job
+        # that ends before that is not requeued by Slurm (hpc-ddp must requeue it).
+        printf 'PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP PriorityTier=1\n'
+        printf 'PartitionName=short Nodes=ALL MaxTime=00:10:00 State=UP PriorityTier=1\n'
+        printf 'PartitionName=grace Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=1 GraceTime=15\n'
+        printf 'PartitionName=urgent Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=100\n'
     } | sed "s|@ROOT@|$ROOT|g" > "$ROOT/slurm.conf"
     : > "$ROOT/gres.conf"
     for n in "${NODES[@]}"; do
