@@ -16,7 +16,7 @@ from typing import Any
 
 from .errors import SpecError
 from .slurmtime import parse_time
-from .trainconfig import TrainConfig, parse_train
+from .trainconfig import MAX_BATCH, MAX_EPOCHS, TrainConfig, parse_train
 from .values import choice, count, flag, number
 
 __all__ = ["JobSpec", "Target", "Layer", "build_spec", "SPEC_KEYS", "PROFILE_KEYS", "directive_safe"]
@@ -144,6 +144,20 @@ def _name(raw: Any) -> str:
     return value
 
 
+# The job name also names the run dir (runs/NAME-YYYYmmdd-HHMMSS[-N]): one path component, short enough
+# that the timestamp still fits in the 255 bytes a file name may have.
+MAX_JOB_NAME = 200
+
+
+def _job_name(raw: Any) -> str:
+    value = _name(raw)
+    if "/" in value:
+        raise ValueError(f"{value!r} contains '/': the job name names the run dir under runs/, one directory")
+    if len(value.encode()) > MAX_JOB_NAME:
+        raise ValueError(f"is {len(value.encode())} bytes long; at most {MAX_JOB_NAME} (it names the run dir)")
+    return value
+
+
 def _token(raw: Any) -> str:
     value = _name(raw)
     if any(c.isspace() for c in value):
@@ -158,8 +172,15 @@ def _mem(raw: Any) -> str:
     return value.upper()
 
 
+MAX_TIME = 365 * 86400  # longer than any site allows; beyond it, UNLIMITED says what is meant
+
+
 def _time(raw: Any) -> int | None:
-    return parse_time(raw)
+    seconds = parse_time(raw)
+    if seconds is not None and seconds > MAX_TIME:
+        raise SpecError(f"time {str(raw).strip()[:40]!r} is more than 365 days",
+                        hint="give a shorter limit, or UNLIMITED for none")
+    return seconds
 
 
 def _signal(raw: Any) -> str:
@@ -178,6 +199,27 @@ def _lines(raw: Any) -> tuple[str, ...]:
     if any("\0" in x for x in items):
         raise ValueError("contains a NUL character")
     return tuple(items)
+
+
+def _setup(raw: Any) -> tuple[str, ...]:
+    """Setup lines sit before the job's first command, where sbatch still reads `#SBATCH` lines: one of
+    them would add a directive that no check saw (`--array`, `--uid`). Refused, on every line of every
+    item (an item may hold several lines), whatever the spaces before it."""
+    items = _lines(raw)
+    for item in items:
+        for line in re.split(r"[\n\r\v\f\x1c-\x1e\x85\u2028\u2029]", item):
+            if re.match(r"\s*#SBATCH", line, re.IGNORECASE):
+                raise ValueError(f"{line.strip()[:60]!r} would add an #SBATCH directive; setup lines only run "
+                                 "commands (give sbatch options as sbatch_args)")
+    return items
+
+
+def _template(raw: Any) -> str:
+    """A jinja2 template of the job script (rendered in a sandbox; its content is checked by `render`)."""
+    value = _string(raw)
+    if not value.endswith(".j2"):
+        raise ValueError(f"{value!r} is not a jinja2 template: a template's name ends in .j2")
+    return value
 
 
 def _string(raw: Any) -> str:
@@ -249,10 +291,31 @@ def _datasets(raw: Any) -> tuple[tuple[str, str], ...]:
         if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_]*", name):
             raise ValueError(f"dataset name {name!r} must be a letter then letters, digits or _ (it names "
                              f"HPC_DDP_DATA_{name.upper()})")
-        out.append((name, _string(path)))
+        out.append((name, _stageable(_string(path))))
     if len({n for n, _ in out}) != len(out):
         raise ValueError("two datasets share a name")
     return tuple(out)
+
+
+def _stageable(path: str) -> str:
+    """Refuse, --no-preflight or not, what this machine can tell for sure (a missing path whose filesystem
+    is visible here, a single file); a path only compute nodes may mount is left to the preflight."""
+    from .staging import source_problem
+
+    problem = source_problem(path)
+    if problem:
+        raise SpecError(*problem)
+    return path
+
+
+def _train(raw: Any) -> TrainConfig:
+    from .staging import missing_here
+
+    config = parse_train(raw)
+    missing = missing_here(config.data_dir) if config.data_dir else None
+    if missing:
+        raise SpecError(f"data_dir {missing}", hint="make one with `hpc-ddp make-dataset` or fix data_dir")
+    return config
 
 
 def _port(raw: Any) -> int:
@@ -266,18 +329,27 @@ def _sbatch_args(raw: Any) -> tuple[str, ...]:
     return tuple(_sbatch_arg(x) for x in _lines(raw))
 
 
+# Ceilings: far above any real job, low enough that a slip of the keyboard (an extra few digits) is an
+# error here and not a job that can never start, or an overflow inside a rank.
+MAX_NODES = 100_000
+MAX_PER_NODE = 4096           # GPUs, tasks or CPUs of one node
+MAX_REQUEUES = 10_000
+WEEK = 7 * 86400              # the longest wait for staging, the rendezvous, or one collective
+
 PARSERS: dict[str, Callable[[Any], Any]] = {
-    "nodes": count(1), "gpus": count(0), "tasks_per_node": count(1), "cpus_per_task": count(1),
+    "nodes": count(1, MAX_NODES), "gpus": count(0, MAX_PER_NODE), "tasks_per_node": count(1, MAX_PER_NODE),
+    "cpus_per_task": count(1, MAX_PER_NODE),
     "mem": _mem, "time": _time, "partition": _token, "account": _token, "qos": _token,
-    "constraint": _token, "job_name": _name, "executor": choice(EXECUTORS), "run_dir": _string,
+    "constraint": _token, "job_name": _job_name, "executor": choice(EXECUTORS), "run_dir": _string,
     "sbatch_args": _sbatch_args, "gpu_request": choice(GPU_REQUESTS), "gpu_bind": choice(GPU_BINDS),
-    "setup": _lines, "scratch": _string, "template": _string, "signal": _signal,
-    "signal_lead": count(10), "max_requeues": count(0), "max_preemptions": count(0), "pass_local_rank": flag,
-    "epochs": count(1), "lr": number(0.0, strict=True), "batch_size": count(1), "python": _string,
-    "profile": _token, "script": _string, "module": _string, "args": _args, "train": parse_train,
-    "datasets": _datasets, "stage_fallback": choice(("shared", "fail")), "stage_checksums": flag,
-    "stage_timeout": count(10), "master_port": _port, "rendezvous_timeout": count(5),
-    "collective_timeout": count(10),
+    "setup": _setup, "scratch": _string, "template": _template, "signal": _signal,
+    "signal_lead": count(10, 65535),  # Slurm's --signal=SIG@TIME takes at most 65535 s
+    "max_requeues": count(0, MAX_REQUEUES), "max_preemptions": count(0, MAX_REQUEUES), "pass_local_rank": flag,
+    "epochs": count(1, MAX_EPOCHS), "lr": number(0.0, strict=True), "batch_size": count(1, MAX_BATCH),
+    "python": _string, "profile": _token, "script": _string, "module": _string, "args": _args,
+    "train": _train, "datasets": _datasets, "stage_fallback": choice(("shared", "fail")),
+    "stage_checksums": flag, "stage_timeout": count(10, WEEK), "master_port": _port,
+    "rendezvous_timeout": count(5, WEEK), "collective_timeout": count(10, WEEK),
 }
 SPEC_KEYS = frozenset(PARSERS)
 PROFILE_KEYS = SPEC_KEYS - {"script", "module", "args", "profile", "job_name", "run_dir", "pass_local_rank", "train",

@@ -81,16 +81,25 @@ def _path(value: Any) -> str:
     return value
 
 
+# Ceilings, so a slip of the keyboard is refused here and not by an overflow (numpy seeds stop at 2**32,
+# and each rank seeds with seed + rank) or an allocation that can never succeed on a node.
+MAX_EPOCHS = 1_000_000
+MAX_STEPS = 10**12
+MAX_BATCH = 1_000_000
+MAX_SEED = 2**31 - 1
+DAY_MINUTES = 24 * 60.0
+
 _PARSERS = {
-    "dataset": _choice(DATASETS), "data_dir": _path, "model": _model, "num_classes": _int(2),
-    "image_size": _int(8), "epochs": _int(1), "max_steps": _int(0), "batch_size": _int(1),
-    "grad_accum": _int(1), "optimizer": _choice(OPTIMIZERS), "lr": number(0.0, strict=True),
-    "momentum": number(0.0), "weight_decay": number(0.0), "warmup_steps": _int(0),
-    "schedule": _choice(("cosine", "constant")), "precision": _choice(PRECISIONS), "sync_bn": _bool,
-    "clip_grad": number(0.0), "num_workers": _int(0), "seed": _int(0), "augment": _bool,
-    "eval_every_epoch": _bool, "checkpoint_every_steps": _int(0), "checkpoint_every_minutes": number(0.0),
-    "keep_checkpoints": _int(2), "log_every": _int(1), "fake_size": _int(1),
-    "stop_lead_seconds": number(0.0),
+    "dataset": _choice(DATASETS), "data_dir": _path, "model": _model, "num_classes": _int(2, 1_000_000),
+    "image_size": _int(8, 4096), "epochs": _int(1, MAX_EPOCHS), "max_steps": _int(0, MAX_STEPS),
+    "batch_size": _int(1, MAX_BATCH), "grad_accum": _int(1, 65536), "optimizer": _choice(OPTIMIZERS),
+    "lr": number(0.0, strict=True), "momentum": number(0.0, maximum=1.0), "weight_decay": number(0.0),
+    "warmup_steps": _int(0, MAX_STEPS), "schedule": _choice(("cosine", "constant")),
+    "precision": _choice(PRECISIONS), "sync_bn": _bool, "clip_grad": number(0.0),
+    "num_workers": _int(0, 1024), "seed": _int(0, MAX_SEED), "augment": _bool, "eval_every_epoch": _bool,
+    "checkpoint_every_steps": _int(0, MAX_STEPS), "checkpoint_every_minutes": number(0.0, maximum=DAY_MINUTES * 365),
+    "keep_checkpoints": _int(2, 10_000), "log_every": _int(1, MAX_STEPS), "fake_size": _int(1, 10**9),
+    "stop_lead_seconds": number(0.0, maximum=86400.0 * 365),
 }
 assert set(_PARSERS) == {f.name for f in dataclasses.fields(TrainConfig)}
 
