@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from hpc_ddp.errors import SpecError
-from hpc_ddp.render import directives, render_sbatch
+from hpc_ddp.render import check_custom_script, directives, render_sbatch
 from hpc_ddp.spec import PROFILE_KEYS, JobSpec, Layer, Target, build_spec
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -119,11 +119,106 @@ def test_sbatch_directive_block_is_unbroken():
         {"nodes": 2, "gpus": 2, "sbatch_args": ["--exclusive"]})))
 
 
+SITE = ("#!/bin/bash\n{% for d in directives %}#SBATCH {{ d }}\n{% endfor %}module load site\n"
+        "{{ spec.python | q }} -m hpc_ddp.attempts begin \"$RUN_DIR\" 0 || exit $?\n"
+        "srun {{ runner | qjoin }}\n"
+        "{{ spec.python | q }} -m hpc_ddp.attempts end \"$RUN_DIR\" 0 $?\n")
+
+
 def test_site_template(tmp_path):
     tpl = tmp_path / "site.j2"
-    tpl.write_text("#!/bin/bash\n{% for d in directives %}#SBATCH {{ d }}\n{% endfor %}srun {{ runner | qjoin }}\n")
+    tpl.write_text(SITE)
     text = render(spec_of({"template": str(tpl), "nodes": 3}))
-    assert "#SBATCH --nodes=3" in text and "hpc_ddp.runner" in text
+    assert "#SBATCH --nodes=3" in text and "hpc_ddp.runner" in text and "module load site" in text
+
+
+def test_our_template_passes_the_check_for_custom_ones():
+    spec = spec_of({"nodes": 2, "gpus": 4, "sbatch_args": ["--exclusive"]}, profile={"setup": ["module load x"]})
+    check_custom_script(render(spec), spec, "/scratch/ada/runs/train-1")
+
+
+# A custom template that renders, but is not an hpc-ddp job script (or tries to be more than one).
+_RUNNER = "srun {{ runner | qjoin }}\n"
+_BEGIN = "{{ spec.python | q }} -m hpc_ddp.attempts begin x 0\n"
+_END = "{{ spec.python | q }} -m hpc_ddp.attempts end x 0 0\n"
+_HEAD = "#!/bin/bash\n{% for d in directives %}#SBATCH {{ d }}\n{% endfor %}"
+
+
+@pytest.mark.parametrize("body,message", [
+    (_HEAD + _RUNNER + _END, "does not run the requeue policy's `-m hpc_ddp.attempts begin`"),
+    (_HEAD + _BEGIN + _END, "does not run the per-rank runner"),
+    (_HEAD + _BEGIN + _RUNNER, "does not run the requeue policy's `-m hpc_ddp.attempts end`"),
+    (_HEAD + _BEGIN + "# " + _RUNNER + _END, "does not run the per-rank runner"),  # only in a comment
+    (_HEAD + _END + _RUNNER + _BEGIN, "does not run the per-rank runner `{{ runner | qjoin }}` after"),
+    (_HEAD + _BEGIN + "srun python -m hpc_ddp.runner /elsewhere/spec.json\n" + _END, "does not run the per-rank"),
+    ("#!/bin/bash\n#SBATCH --array=0-3\n" + _HEAD[12:] + _BEGIN + _RUNNER + _END, "'#SBATCH --array=0-3', which"),
+    (_HEAD + "  #sbatch --uid=0\n" + _BEGIN + _RUNNER + _END, "'#sbatch --uid=0', which hpc-ddp did not ask for"),
+    ("#!/bin/bash\n{% for d in directives[:-1] %}#SBATCH {{ d }}\n{% endfor %}" + _BEGIN + _RUNNER + _END,
+     "misses '#SBATCH --signal=USR2@120'"),
+    (_HEAD + "#SBATCH --requeue\n" + _BEGIN + _RUNNER + _END, "repeats a directive"),
+    ("#!/bin/bash\necho hi\n{% for d in directives %}#SBATCH {{ d }}\n{% endfor %}" + _BEGIN + _RUNNER + _END,
+     "after the first command"),
+    ("/etc/shadow contents\n", "misses '#SBATCH --job-name=train'"),
+    ('{% include "other.j2" %}', "includes 'other.j2': a custom template is one file"),
+    ('{% extends "sbatch.sh.j2" %}', "includes 'sbatch.sh.j2'"),
+    ("{{ cycler.__init__.__globals__.os.system('touch PWNED') }}", "stopped by the sandbox"),
+    ("{{ lipsum.__globals__['os'].system('touch PWNED') }}", "stopped by the sandbox"),
+    ("{{ spec.__class__.__mro__ }}", "stopped by the sandbox"),
+    ("{{ directives.append('--array=0-3') }}", "stopped by the sandbox"),
+    ("{{ ''.__class__.__mro__[1].__subclasses__() }}", "stopped by the sandbox"),
+    ("{{ range(10**9) | list }}", "Range too big"),
+    ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "recurses without end"),
+    ("{{ x", "failed to render"),
+    ("{{ no_such_thing }}", "failed to render"),
+])
+def test_custom_templates_that_are_not_job_scripts_are_refused(tmp_path, monkeypatch, body, message):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "other.j2").write_text("#!/bin/bash\n")
+    tpl = tmp_path / "site.j2"
+    tpl.write_text(body)
+    with pytest.raises(SpecError) as info:
+        render(spec_of({"template": str(tpl)}))
+    assert message in str(info.value) and "\n" not in str(info.value)
+    assert not (tmp_path / "PWNED").exists()
+
+
+@pytest.mark.parametrize("make,message", [
+    (lambda p: os.mkfifo(p), "is not a regular file"),  # opened without blocking: no hang
+    (lambda p: p.mkdir(), "is not a regular file"),
+    (lambda p: p.write_bytes(b"\xff\xfe"), "is not UTF-8 text"),
+    (lambda p: p.write_text("x" * (2 << 20)), "larger than 1 MiB"),
+    (lambda p: None, "not found"),
+])
+def test_unreadable_templates_are_one_line(tmp_path, make, message):
+    tpl = tmp_path / "site.j2"
+    make(tpl)
+    with pytest.raises(SpecError, match=message):
+        render(spec_of({"template": str(tpl)}))
+
+
+@pytest.mark.parametrize("value", ["/etc/shadow", "/etc/passwd", "site.sh", "x.j2.bak", "", "a\x00.j2"])
+def test_a_template_is_a_j2_file(value):
+    with pytest.raises(SpecError, match="template"):
+        spec_of({"template": value})
+
+
+@pytest.mark.parametrize("line", [
+    "#SBATCH --array=0-3", "  #SBATCH --array=0-3", "\t#SBATCH --uid=0", "#sbatch --array=0-3",
+    "echo hi\n#SBATCH --array=0-3", "true\r\n  #SBATCH --array=0-3", "# ok\n\x0b#SBATCH --array=1",
+])
+def test_setup_lines_cannot_add_directives(line):
+    """Setup runs before the first command, where sbatch still reads #SBATCH lines: the --array refusal
+    (and every other) must not be bypassed through a profile or a job file."""
+    for layer in ({"setup": [line]}, {"setup": line}):
+        with pytest.raises(SpecError, match="would add an #SBATCH directive"):
+            spec_of({}, profile=layer)
+        with pytest.raises(SpecError, match="would add an #SBATCH directive"):
+            spec_of(layer)
+
+
+def test_setup_comments_and_commands_still_work():
+    text = render(spec_of({}, profile={"setup": ["# sbatch would not read this", "module load SBATCH-tools"]}))
+    assert "module load SBATCH-tools" in text
 
 
 def test_site_template_with_unknown_variable_fails_clearly(tmp_path):
