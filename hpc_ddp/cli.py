@@ -172,13 +172,67 @@ def _register(spec: JobSpec, run_dir: str, job_id: str, executor: str) -> None:
 
 def _run_dir(spec: JobSpec, now: _dt.datetime) -> str:
     if spec.run_dir:
-        return str(Path(spec.run_dir).expanduser().resolve())
+        return _usable_run_dir(Path(spec.run_dir).expanduser())
     base = Path(spec.workdir) / "runs" / f"{spec.job_name}-{now:%Y%m%d-%H%M%S}"
     candidate, n = base, 1
     while candidate.exists():  # two submissions in one second (a sweep loop) must not share a run dir
         n += 1
         candidate = base.with_name(f"{base.name}-{n}")
-    return str(candidate)
+    return _usable_run_dir(candidate)
+
+
+_VIRTUAL_FS = ("/proc", "/sys", "/dev")
+
+
+def _usable_run_dir(path: Path) -> str:
+    """The absolute run dir, if it is (or can be made as) a directory of ours: checked before anything is
+    written or rendered, so a dry run says what the submission would, and a bad path is one line, exit 2."""
+    try:
+        path = path.resolve()
+    except (OSError, RuntimeError) as exc:  # a symlink loop
+        why = getattr(exc, "strerror", None) or exc
+        raise UserError(f"run dir {str(path)!r} cannot be resolved: {why}") from None
+    shown = str(path) if len(str(path)) <= 100 else str(path)[:97] + "..."
+    if any(len(part.encode()) > 255 for part in path.parts) or len(str(path).encode()) >= 4096:
+        raise UserError(f"run dir {shown!r} has a name longer than the filesystem allows (255 bytes a name)",
+                        hint="use a shorter --job-name or --run-dir")
+    if _on_kernel_fs(path):
+        raise UserError(f"run dir {shown!r} is on a kernel filesystem, not a place for files",
+                        hint="give a --run-dir in your home, project or scratch space")
+    existing = path
+    while not os.path.lexists(existing) and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        what = "is a file" if existing.is_file() else "exists and is not a directory"
+        where = "" if existing == path else f", so the run dir {shown!r} cannot be made under it"
+        raise UserError(f"{str(existing)!r} {what}{where}", hint="give --run-dir a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"run dir {shown!r} cannot be written: {str(existing)!r} is not writable by you",
+                        hint="give a --run-dir where you can write")
+    return str(path)
+
+
+def _on_kernel_fs(path: Path) -> bool:
+    """Under /proc, /sys or /dev (but /dev/shm): writing there fails or does something else than a file."""
+    def under(top: str) -> bool:
+        return path == Path(top) or Path(top) in path.parents
+    return any(under(top) for top in _VIRTUAL_FS) and not under("/dev/shm")
+
+
+def _existing_run_dir(run_dir: Path, ref: str) -> Path:
+    """A run dir hpc-ddp made: a directory with its spec.json. Anything else is named, exit 2."""
+    try:
+        is_dir = run_dir.is_dir()
+        has_spec = is_dir and (run_dir / "spec.json").is_file()
+    except OSError as exc:
+        raise UserError(f"cannot read run dir {str(run_dir)!r}: {exc.strerror or exc}") from None
+    if not is_dir:
+        raise UserError(f"the run dir of {ref!r}, {str(run_dir)!r}, no longer exists",
+                        hint="`hpc-ddp list` shows the recorded runs; scancel still takes a Slurm job id")
+    if not has_spec:
+        raise UserError(f"{str(run_dir)!r} is not a run dir (it has no spec.json)",
+                        hint="give a run dir hpc-ddp made (runs/NAME-TIME), or a job id from `hpc-ddp list`")
+    return run_dir
 
 
 def _executor_for(spec: JobSpec, quiet: bool):
@@ -333,7 +387,8 @@ def train(job_file: str, **flags) -> None:
     if spec.target.kind != "trainer":
         raise SpecError(f"{job_file} runs {spec.target.describe()}, not the built-in trainer",
                         hint="use `hpc-ddp submit` for your own scripts")
-    run_dir = Path(flags["run_dir"] or spec.run_dir or Path(spec.workdir) / "runs" / spec.job_name).resolve()
+    run_dir = Path(_usable_run_dir(Path(flags["run_dir"] or spec.run_dir or Path(spec.workdir) / "runs" /
+                                        spec.job_name).expanduser()))
     dist_env = from_environ(os.environ, pid=os.getpid())
     if dist_env.rank == 0:
         _write_spec(spec, run_dir)
@@ -353,9 +408,19 @@ def _write_spec(spec: JobSpec, run_dir: Path) -> None:
 @click.option("--json", "as_json", is_flag=True)
 def inspect(checkpoint: str, as_json: bool) -> None:
     """Verify a checkpoint (a step-N dir, a checkpoints dir or a run dir) and show step, epoch, model hash."""
-    from .checkpoint import inspect_checkpoint
+    from .checkpoint import LATEST, MANIFEST, PREFIX, CheckpointError, inspect_checkpoint
 
-    info = inspect_checkpoint(Path(checkpoint))
+    path = Path(checkpoint)
+    try:
+        info = inspect_checkpoint(path)
+    except CheckpointError:
+        # A damaged checkpoint stays exit 1; a path that never held one (/etc, a file) is the user's slip.
+        ours = path.is_dir() and ((path / MANIFEST).exists() or (path / LATEST).exists() or
+                                  (path / "checkpoints").is_dir() or any(path.glob(f"{PREFIX}*")))
+        if ours:
+            raise
+        raise UserError(f"{checkpoint!r} is not a checkpoint, a checkpoints dir or a run dir",
+                        hint="give a run dir, its checkpoints/ dir or one step-N dir in it") from None
     if as_json:
         click.echo(json.dumps(info, indent=2))
         return
@@ -368,9 +433,11 @@ def inspect(checkpoint: str, as_json: bool) -> None:
 @cli.command("make-dataset")
 @click.argument("kind", type=click.Choice(["mnist", "imagefolder", "cifar10"]))
 @click.argument("root", type=click.Path(file_okay=False))
-@click.option("--train", "n_train", type=int, help="Training samples (imagefolder: per class).")
-@click.option("--test", "n_test", type=int, help="Test/validation samples (imagefolder: per class).")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--train", "n_train", type=click.IntRange(1, 10_000_000),
+              help="Training samples (imagefolder: per class).")
+@click.option("--test", "n_test", type=click.IntRange(1, 10_000_000),
+              help="Test/validation samples (imagefolder: per class).")
+@click.option("--seed", type=click.IntRange(0, 2**31 - 1), default=0, show_default=True)
 def make_dataset(kind: str, root: str, n_train: int | None, n_test: int | None, seed: int) -> None:
     """Write a small learnable dataset in a real format (MNIST IDX, ImageFolder PNGs, CIFAR-10 batches)."""
     from .datagen import GENERATORS
@@ -388,7 +455,12 @@ def plot(run_dir: str, output: str | None) -> None:
     """Plot loss and accuracy over steps, with every stop and resume marked."""
     from .plot import plot_run
 
-    path = plot_run(Path(run_dir), Path(output) if output else None)
+    out = Path(output).expanduser().resolve() if output else None
+    if out is not None and (out.is_dir() or not out.parent.is_dir() or not os.access(out.parent, os.W_OK)
+                            or _on_kernel_fs(out)):
+        raise UserError(f"-o {output!r}: " + ("is a directory" if out.is_dir() else
+                        f"{str(out.parent)!r} is not a directory you can write to"), hint="give a PNG file path")
+    path = plot_run(Path(run_dir), out)
     click.echo(f"Wrote {path}")
 
 
@@ -535,7 +607,8 @@ def _resolve(job: str | None) -> tuple[Path, str | None, str | None]:
         if not recent:
             raise UserError("no runs recorded yet", hint="give a job id or a run dir")
         job = recent[-1]["run_dir"]
-    return find_run(job)
+    run_dir, job_id, executor = find_run(job)
+    return _existing_run_dir(Path(run_dir), job), job_id, executor
 
 
 def main() -> None:

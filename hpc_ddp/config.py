@@ -38,6 +38,11 @@ def read_toml(path: Path, what: str) -> dict[str, Any]:
                         hint="save it as UTF-8; TOML files must be") from None
     except tomllib.TOMLDecodeError as exc:
         raise SpecError(f"{what} {str(path)!r} is not valid TOML: {exc}") from None
+    except RecursionError:  # tomllib recurses once per nested array or inline table
+        raise SpecError(f"{what} {str(path)!r} nests arrays or tables too deeply to read",
+                        hint="no setting needs more than a few levels") from None
+    except ValueError as exc:  # e.g. an integer of more than 4300 digits
+        raise SpecError(f"{what} {str(path)!r} is not valid TOML: {exc}") from None
 
 
 def profiles_path(env: Mapping[str, str]) -> Path:
@@ -65,12 +70,34 @@ def profile_layer(name: str, path: Path) -> Layer:
 
 def job_file_layer(path: Path) -> Layer:
     data = read_toml(path, "job file")
+    _check_target_types(data, f"job file {str(path)!r}")
     if isinstance(data.get("train"), dict):
         data["train"] = _resolve_paths(data["train"], path.parent, ("data_dir",))
     if isinstance(data.get("datasets"), dict):
         data["datasets"] = _resolve_paths(data["datasets"], path.parent, tuple(data["datasets"]))
     return Layer(f"job file {str(path)!r}", _resolve_paths(data, path.parent, ("script", "template", "run_dir")),
                  allowed=frozenset(SPEC_KEYS))
+
+
+def _check_target_types(data: Mapping[str, Any], origin: str) -> None:
+    """script, module, args and profile are read before the spec is built (they choose the target and the
+    profile), so their types are checked here, with the file's name, rather than failing later."""
+    for key in ("script", "module", "profile"):
+        value = data.get(key)
+        if value is not None and (not isinstance(value, str) or not value.strip() or "\0" in value):
+            raise SpecError(f"{origin}: {key}: {_short(value)} is not a string",
+                            hint=f'write it as {key} = "..."')
+    args = data.get("args")
+    if args is not None and (not isinstance(args, list) or not all(isinstance(a, str) for a in args)):
+        raise SpecError(f"{origin}: args must be a list of strings, not {_short(args)}",
+                        hint='quote each one: args = ["--epochs", "10"]')
+    if args and any("\0" in a for a in args):
+        raise SpecError(f"{origin}: args: an argument contains a NUL character, which no program can receive")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def is_job_file(target: str) -> bool:
@@ -81,6 +108,8 @@ def resolve_target(script: str | None, module: str | None, args: tuple[str, ...]
     """The program every rank runs; a script must exist and be a readable file."""
     if script and module:
         raise SpecError(f"give either a script ({script!r}) or -m {module}, not both")
+    if any("\0" in a for a in args):
+        raise SpecError("an argument of the program contains a NUL character, which no program can receive")
     if module:
         if not all(part.isidentifier() for part in module.split(".")):
             raise SpecError(f"-m {module!r} is not a Python module name")

@@ -1,6 +1,7 @@
 """The CLI through click's runner, with a fake `sbatch` on PATH that records what it was given."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +30,8 @@ def project(tmp_path, monkeypatch):
     sinfo = bin_dir / "sinfo"
     sinfo.write_text("#!/bin/bash\nfor n in hpcn1 hpcn2; do echo \"debug*|up|infinite|$n|idle|4|4000|gpu:2\"; done\n")
     sinfo.chmod(0o755)
+    (tmp_path / "loop").symlink_to("loop2")  # a symlink loop, for --run-dir loop/run
+    (tmp_path / "loop2").symlink_to("loop")
     monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
     monkeypatch.setenv("HPC_DDP_PROFILES", str(tmp_path / "profiles.toml"))
     monkeypatch.delenv("HPC_DDP_PROFILE", raising=False)
@@ -183,6 +186,36 @@ BAD = [
     (["--mem", "8G"], "nothing was submitted"),
     (["--partition", "gpu"], "partition 'gpu' does not exist"),
     (["--cpus-per-task", "3", "--gpus", "2"], "nothing was submitted"),
+    # Nonsense that used to be accepted (issue 11, item 5) and its neighbours.
+    (["--lr", "nan"], "--lr: 'nan' is not a finite number"),
+    (["--lr", "inf"], "--lr: 'inf' is not a finite number"),
+    (["--lr", "-inf"], "is not a finite number"),
+    (["--lr", "1e999"], "is not a finite number"),
+    (["--nodes", "99999999999999999999999"], "--nodes: 99999999999999999999999 is above the maximum of 100000"),
+    (["--gpus", "99999"], "--gpus: 99999 is above the maximum of 4096"),
+    (["--tasks-per-node", "99999"], "--tasks-per-node: 99999 is above the maximum"),
+    (["--cpus-per-task", "99999"], "--cpus-per-task: 99999 is above the maximum"),
+    (["--signal-lead", "99999999999999999999"], "--signal-lead: 99999999999999999999 is above the maximum of 65535"),
+    (["--max-requeues", "99999999999"], "--max-requeues: 99999999999 is above the maximum"),
+    (["--max-preemptions", "99999999999"], "--max-preemptions: 99999999999 is above the maximum"),
+    (["--epochs", "99999999999"], "--epochs: 99999999999 is above the maximum"),
+    (["--batch-size", "99999999999"], "--batch-size: 99999999999 is above the maximum"),
+    (["--rendezvous-timeout", "99999999999999999999999"], "--rendezvous-timeout: 99999999999999999999999 is above"),
+    (["--collective-timeout", "99999999999"], "--collective-timeout: 99999999999 is above the maximum"),
+    (["--master-port", "99999999999999999999"], "not a port we can listen on"),
+    (["--time", "999999999999-0"], "--time: time '999999999999-0' is more than 365 days"),
+    (["--job-name", "a/b"], "--job-name: 'a/b' contains '/'"),
+    (["--job-name", "../../x"], "--job-name: '../../x' contains '/'"),
+    (["--job-name", "a" * 300], "--job-name: is 300 bytes long; at most 200"),
+    # Run dirs that cannot be one (issue 11, item 6): one line, exit 2, before anything is written.
+    (["--run-dir", "train.py"], "train.py' is a file"),
+    (["--run-dir", "train.py/run"], "is a file, so the run dir"),
+    (["--run-dir", "/proc/x"], "run dir '/proc/x' is on a kernel filesystem"),
+    (["--run-dir", "/proc/self"], "is on a kernel filesystem"),
+    (["--run-dir", "/sys/kernel/x"], "is on a kernel filesystem"),
+    (["--run-dir", "/dev/x"], "is on a kernel filesystem"),
+    (["--run-dir", "a" * 300], "has a name longer than the filesystem allows"),
+    (["--run-dir", "loop/run"], "cannot be resolved"),
 ]
 
 
@@ -193,7 +226,18 @@ def test_bad_input_exits_2_with_one_line(project, args, message):
     lines = [ln for ln in result.output.splitlines() if ln.startswith("hpc-ddp: error:")]
     assert len(lines) == 1 and message in lines[0], result.output
     assert "Traceback" not in result.output
-    assert not (project / "sbatch-calls").exists()
+    assert not (project / "sbatch-calls").exists() and not (project / "runs").exists()
+
+
+@pytest.mark.parametrize("command", [["submit", "--dry-run"], ["render"], ["render", "--stdout"]])
+@pytest.mark.parametrize("args,message", [row for row in BAD if row[0][0] in ("--run-dir", "--job-name")])
+def test_run_dir_refusals_hold_for_dry_run_and_render(project, command, args, message):
+    result = invoke(*command, *args, "train.py")
+    assert result.exit_code == 2, result.output
+    lines = [ln for ln in result.output.splitlines() if ln.startswith("hpc-ddp: error:")]
+    assert len(lines) == 1 and message in lines[0], result.output
+    assert "Traceback" not in result.output and not (project / "runs").exists()
+    assert (project / "train.py").is_file()
 
 
 @pytest.mark.parametrize("args,message", [
@@ -207,8 +251,16 @@ def test_bad_input_exits_2_with_one_line(project, args, message):
     (["-m", "not a module"], "not a Python module name"),
     (["dir.toml"], "cannot read job file"),
     (["binary.toml"], "is not UTF-8 text (byte 10)"),
+    (["deep.toml"], "nests arrays or tables too deeply to read"),  # was a RecursionError
+    (["deep_table.toml"], "nests arrays or tables too deeply to read"),
+    (["--profile", "deep", "train.py"], "profiles file"),
+    (["huge_int.toml"], "is not valid TOML: Exceeds the limit"),
 ])
 def test_bad_targets(project, args, message):
+    (project / "deep.toml").write_text('script = "train.py"\nargs = ' + "[" * 5000 + "]" * 5000 + "\n")
+    (project / "deep_table.toml").write_text("[train]\nx = " + "{a=" * 5000 + "1" + "}" * 5000 + "\n")
+    (project / "profiles.toml").write_text("[deep]\nsetup = " + "[" * 5000 + "]" * 5000 + "\n")
+    (project / "huge_int.toml").write_text('script = "train.py"\nnodes = ' + "9" * 5000 + "\n")
     (project / "dir.toml").mkdir()
     (project / "binary.toml").write_bytes(b"nodes = 2\n\xff\xfe\n")
     (project / "bad.toml").write_text("nodes = [\n")
@@ -220,6 +272,7 @@ def test_bad_targets(project, args, message):
         return
     assert result.exit_code == 2, result.output
     assert message in result.output and "Traceback" not in result.output
+    assert len([ln for ln in result.output.splitlines() if ln.startswith("hpc-ddp: error:")]) == 1
 
 
 def test_light_commands_do_not_import_torch(project):
@@ -281,15 +334,178 @@ JOB_FILE_BAD = [
     ('[train]\ndataset = "fake"\nlr = "fast"', "train: lr: 'fast' is not a number"),
     ('args = "--a"', "args must be a list of strings"),
     ('datasets = {"1x" = "/tmp"}', "datasets: dataset name '1x' must be a letter"),
+    # Wrong TOML types for the keys read before the spec (issue 11, item 6): were internal errors.
+    ("script = 5", "script: 5 is not a string"),
+    ('script = ["train.py"]', "script: ['train.py'] is not a string"),
+    ("module = 5", "module: 5 is not a string"),
+    ("module = {a = 1}", "module: {'a': 1} is not a string"),
+    ("args = [1, {a=1}]", "args must be a list of strings"),
+    ('args = [["a"]]', "args must be a list of strings"),
+    ('args = ["ok", "a\\u0000b"]', "args: an argument contains a NUL character"),
+    ('profile = ["a"]', "profile: ['a'] is not a string"),
+    ("profile = 5", "profile: 5 is not a string"),
+    ("template = 5", "template: 5 is not a usable string"),
+    ("run_dir = 5", "run_dir: 5 is not a usable string"),
+    # NaN, infinity and no ceiling (item 5), top level and in [train].
+    ("lr = nan", "lr: nan is not a finite number"),
+    ('lr = "inf"', "lr: 'inf' is not a finite number"),
+    ("nodes = 99999999999999999999", "nodes: 99999999999999999999 is above the maximum of 100000"),
+    ("gpus = 1e400", "gpus: inf is not a whole number"),
+    ("stage_timeout = 99999999999", "stage_timeout: 99999999999 is above the maximum"),
+    ("signal_lead = 70000", "signal_lead: 70000 is above the maximum of 65535"),
+    ('time = "400-0"', "time: time '400-0' is more than 365 days"),
+    ('job_name = "../../x"', "job_name: '../../x' contains '/'"),
+    ('job_name = "a/b"', "job_name: 'a/b' contains '/'"),
+    ("[train]\nlr = nan", "train: lr: nan is not a finite number"),
+    ("[train]\nlr = inf", "train: lr: inf is not a finite number"),
+    ("[train]\nlr = -inf", "train: lr: -inf is not a finite number"),
+    ("[train]\nmomentum = nan", "train: momentum: nan is not a finite number"),
+    ("[train]\nweight_decay = inf", "train: weight_decay: inf is not a finite number"),
+    ("[train]\nclip_grad = nan", "train: clip_grad: nan is not a finite number"),
+    ("[train]\ncheckpoint_every_minutes = nan", "train: checkpoint_every_minutes: nan is not a finite number"),
+    ("[train]\nstop_lead_seconds = inf", "train: stop_lead_seconds: inf is not a finite number"),
+    ("[train]\nlr = 1" + "0" * 400, "train: lr: 100000000000... (401 characters) is too large"),
+    ("[train]\nseed = 99999999999999999999", "train: seed: 99999999999999999999 is above the maximum"),
+    ("[train]\nimage_size = 1000000", "train: image_size: 1000000 is above the maximum of 4096"),
+    # A template that is not a jinja template of ours, setup lines that would add directives (item 2).
+    ('template = "/etc/shadow"', "template: '/etc/shadow' is not a jinja2 template"),
+    ('setup = ["#SBATCH --array=0-3"]', "setup: '#SBATCH --array=0-3' would add an #SBATCH directive"),
+    ('setup = ["echo hi\\n  #SBATCH --array=0-3"]', "would add an #SBATCH directive"),
+    ('setup = "\\t#sbatch --uid=0"', "would add an #SBATCH directive"),
 ]
 
 
 @pytest.mark.parametrize("body,message", JOB_FILE_BAD)
 def test_bad_job_file_values_name_the_file_and_key(project, body, message):
-    text = body if "[train]" in body else 'script = "train.py"\n' + body
+    text = body if "[train]" in body or body.startswith(("script", "module")) else 'script = "train.py"\n' + body
     (project / "job.toml").write_text(text + "\n")
     result = invoke("submit", "job.toml")
     assert result.exit_code == 2, result.output
     lines = [ln for ln in result.output.splitlines() if ln.startswith("hpc-ddp: error:")]
     assert len(lines) == 1 and f"job file '{project / 'job.toml'}': " in lines[0] and message in lines[0], result.output
     assert "Traceback" not in result.output and not (project / "sbatch-calls").exists()
+
+
+# ---- job files and profiles that would run code or add directives (issue 11, item 2) ----
+
+ESCAPE = "{{ cycler.__init__.__globals__.os.system('touch PWNED') }}\n"
+TEMPLATE_CASES = [
+    ("job", 'template = "evil.j2"', "template 'evil.j2' was stopped by the sandbox"),
+    ("profile", 'template = "evil.j2"', "template 'evil.j2' was stopped by the sandbox"),
+    ("job", 'template = "lipsum.j2"', "was stopped by the sandbox"),
+    ("job", 'template = "/etc/shadow"', "template: '/etc/shadow' is not a jinja2 template"),
+    ("profile", 'template = "/etc/passwd"', "template: '/etc/passwd' is not a jinja2 template"),
+    ("job", 'template = "plain.j2"', "template 'plain.j2' misses '#SBATCH --job-name=train'"),
+    ("job", 'template = "norunner.j2"', "does not run the per-rank runner"),
+    ("job", 'template = "array.j2"', "writes '#SBATCH --array=0-3', which hpc-ddp did not ask for"),
+    ("job", 'template = "fifo.j2"', "is not a regular file"),
+    ("job", 'setup = ["#SBATCH --array=0-3"]', "setup: '#SBATCH --array=0-3' would add an #SBATCH directive"),
+    ("profile", 'setup = ["#SBATCH --array=0-3"]', "would add an #SBATCH directive"),
+    ("profile", 'setup = ["  #SBATCH --array=0-3"]', "would add an #SBATCH directive"),
+    ("profile", 'setup = ["module load x\\n#SBATCH --array=0-3"]', "would add an #SBATCH directive"),
+    ("profile", 'setup = ["#SBATCH --uid=0"]', "would add an #SBATCH directive"),
+]
+
+
+@pytest.mark.parametrize("command", [["render", "--stdout"], ["submit", "--dry-run"], ["submit"], ["render"]])
+@pytest.mark.parametrize("where,line,message", TEMPLATE_CASES)
+def test_templates_and_setup_cannot_run_code_or_add_directives(project, command, where, line, message):
+    (project / "evil.j2").write_text(ESCAPE)
+    (project / "lipsum.j2").write_text("{{ lipsum.__globals__['os'].system('touch PWNED') }}\n")
+    (project / "plain.j2").write_text("root:x:0:0:root:/root:/bin/bash\n")
+    (project / "norunner.j2").write_text("#!/bin/bash\n{% for d in directives %}#SBATCH {{ d }}\n{% endfor %}"
+                                         "python -m hpc_ddp.attempts begin x 0\nsrun hostname\n")
+    (project / "array.j2").write_text("#!/bin/bash\n#SBATCH --array=0-3\n{% for d in directives %}#SBATCH {{ d }}\n"
+                                      "{% endfor %}")
+    os.mkfifo(project / "fifo.j2")
+    if where == "job":
+        (project / "job.toml").write_text(f'script = "train.py"\n{line}\n')
+    else:
+        (project / "profiles.toml").write_text(f"[site]\n{line}\n")
+        (project / "job.toml").write_text('script = "train.py"\nprofile = "site"\n')
+    result = invoke(*command, "job.toml")
+    assert result.exit_code == 2, result.output
+    lines = [ln for ln in result.output.splitlines() if ln.startswith("hpc-ddp: error:")]
+    assert len(lines) == 1 and message in lines[0], result.output
+    assert "Traceback" not in result.output and "#!/bin/bash" not in result.output and "root:" not in result.output
+    assert not (project / "PWNED").exists() and not (project / "runs").exists()
+    assert not (project / "sbatch-calls").exists()
+
+
+def test_a_site_template_that_keeps_the_job_works(project):
+    text = (Path(__file__).parent.parent / "templates" / "sbatch.sh.j2").read_text()
+    (project / "site.j2").write_text("{# our site #}\n" + text.replace("set -uo pipefail", "set -uo pipefail\nulimit -c 0"))
+    (project / "profiles.toml").write_text('[site]\ntemplate = "site.j2"\nsetup = ["# sbatch reads no setup"]\n')
+    result = invoke("render", "--stdout", "--profile", "site", "train.py")
+    assert result.exit_code == 0, result.output
+    assert "ulimit -c 0" in result.output and "hpc_ddp.runner" in result.output
+
+
+# ---- commands taking a RUN_DIR (issue 11, items 5 and 6) ----
+
+RUN_DIR_COMMANDS = [["status"], ["logs"], ["cancel"], ["preempt"], ["status", "--json"], ["logs", "-f"]]
+
+
+@pytest.mark.parametrize("command", RUN_DIR_COMMANDS)
+@pytest.mark.parametrize("ref,message", [
+    ("/etc", "'/etc' is not a run dir (it has no spec.json)"),
+    ("/proc/self", "is not a run dir"),
+    ("/", "'/' is not a run dir"),
+    ("empty", "empty' is not a run dir"),
+    ("fake_spec", "fake_spec' is not a run dir"),  # spec.json there, but a directory
+])
+def test_run_dir_commands_refuse_what_is_not_a_run_dir(project, command, ref, message):
+    (project / "empty").mkdir()
+    (project / "fake_spec" / "spec.json").mkdir(parents=True)
+    result = invoke(*command, ref)
+    assert result.exit_code == 2, result.output
+    lines = [ln for ln in result.output.splitlines() if ln.startswith("hpc-ddp: error:")]
+    assert len(lines) == 1 and message in lines[0], result.output
+    assert "Traceback" not in result.output and "UNKNOWN" not in result.output
+    assert sorted(p.name for p in (project / "empty").iterdir()) == []
+
+
+@pytest.mark.parametrize("args,message", [
+    (["status", "train.py"], "no run dir or known job 'train.py'"),
+    (["logs", "424242"], "no run dir or known job '424242'"),
+    (["cancel", "/nonexistent/run"], "no run dir or known job"),
+    (["preempt", "/etc/passwd"], "no run dir or known job"),
+    (["status", "gone"], "the run dir of 'gone'"),
+    (["cancel", "gone"], "no longer exists"),
+    (["plot", "train.py"], "is a file"),
+    (["plot", "/etc"], "/etc/metrics.jsonl has no training records yet"),
+    (["plot", "empty"], "has no training records yet"),
+    (["plot", "-o", "/proc/x.png", "run"], "-o '/proc/x.png': '/proc' is not a directory you can write to"),
+    (["plot", "-o", "train.py/x.png", "run"], "is not a directory you can write to"),
+    (["plot", "-o", "run", "run"], "-o 'run': is a directory"),
+    (["inspect", "/etc"], "'/etc' is not a checkpoint, a checkpoints dir or a run dir"),
+    (["inspect", "/etc/passwd"], "is not a checkpoint"),
+    (["inspect", "/proc/self"], "is not a checkpoint"),
+    (["inspect", "empty"], "is not a checkpoint"),
+    (["inspect", "/nonexistent"], "does not exist"),
+    (["make-dataset", "mnist", "ds", "--seed", "-1"], "Invalid value for '--seed': -1 is not in the range"),
+    (["make-dataset", "mnist", "ds", "--seed", str(2**32)], "Invalid value for '--seed'"),
+    (["make-dataset", "mnist", "ds", "--train", "0"], "Invalid value for '--train'"),
+    (["make-dataset", "cifar10", "ds", "--test", "-5"], "Invalid value for '--test'"),
+    (["make-dataset", "imagefolder", "ds", "--train", "99999999999999"], "Invalid value for '--train'"),
+    (["train", "--run-dir", "/proc/x", "trainer.toml"], "run dir '/proc/x' is on a kernel filesystem"),
+    (["train", "--run-dir", "train.py", "trainer.toml"], "train.py' is a file"),
+    (["train", "--run-dir", "a" * 300, "trainer.toml"], "has a name longer than the filesystem allows"),
+    (["train", "nan.toml"], "train: lr: nan is not a finite number"),
+])
+def test_other_commands_bad_input(project, monkeypatch, args, message):
+    from hpc_ddp.registry import register
+
+    register({"job_id": "gone", "executor": "sbatch", "run_dir": str(project / "gone-run"), "name": "x"})
+    (project / "empty").mkdir()
+    (project / "run").mkdir()
+    (project / "run" / "spec.json").write_text("{}")
+    (project / "trainer.toml").write_text('[train]\ndataset = "fake"\n')
+    (project / "nan.toml").write_text('[train]\ndataset = "fake"\nlr = nan\n')
+    before = sorted(p.name for p in project.iterdir())
+    result = invoke(*args)
+    assert result.exit_code == 2, result.output
+    lines = [ln for ln in result.output.splitlines() if ln.startswith("hpc-ddp: error:")]
+    assert len(lines) == 1 and message in lines[0], result.output
+    assert "Traceback" not in result.output and "internal error" not in result.output
+    assert sorted(p.name for p in project.iterdir()) == before  # nothing created (no ds/, no runs/)
