@@ -161,12 +161,36 @@ def test_archives_are_extracted_and_verified(tmp_path, kind):
     assert digest_tree(result.path / "mnist") == digest_tree(src)
 
 
-def test_not_enough_space_names_both_numbers(tmp_path, monkeypatch):
-    import shutil
+class FakeFs:
+    """os.statvfs of a filesystem with 4 KiB blocks, `free_blocks` of them free."""
 
-    src = make_source(tmp_path, files=4)
-    monkeypatch.setattr(shutil, "disk_usage", lambda _p: shutil._ntuple_diskusage(10**9, 10**9 - 1000, 1000))
-    with pytest.raises(StagingError, match=r"needs 0\.00 GB, 0\.00 GB free.*HINT"):
+    def __init__(self, free_blocks: int, free_inodes: int = 10**6):
+        self.f_frsize = self.f_bsize = 4096
+        self.f_bavail, self.f_files, self.f_favail = free_blocks, 10**6, free_inodes
+
+
+def test_not_enough_space_names_both_numbers(tmp_path, monkeypatch):
+    import os
+
+    src = make_source(tmp_path, files=4)  # 4 x 49,984 B: 13 blocks each, plus 5 directories
+    monkeypatch.setattr(os, "statvfs", lambda _p: FakeFs(free_blocks=50))
+    with pytest.raises(StagingError, match=r"needs 233\.5 kB \(4 files in 4096 B blocks\), 204\.8 kB free.*HINT"):
+        stage(src, tmp_path / "local", log=lambda _m: None)
+    assert [p.name for p in (tmp_path / "local").iterdir()] == [".mnist.lock"]  # nothing copied
+
+
+def test_small_files_are_counted_in_blocks(tmp_path, monkeypatch):
+    import os
+
+    src = tmp_path / "tiny"
+    src.mkdir()
+    for i in range(100):
+        (src / f"{i}.bin").write_bytes(b"x" * 100)  # 10 kB of bytes, 100 blocks
+    monkeypatch.setattr(os, "statvfs", lambda _p: FakeFs(free_blocks=60))
+    with pytest.raises(StagingError, match="not enough space"):
+        stage(src, tmp_path / "local", log=lambda _m: None)
+    monkeypatch.setattr(os, "statvfs", lambda _p: FakeFs(free_blocks=200, free_inodes=50))
+    with pytest.raises(StagingError, match="needs 101, 50 free"):
         stage(src, tmp_path / "local", log=lambda _m: None)
 
 
@@ -213,7 +237,7 @@ def test_waiting_rank_times_out_pointing_at_local_rank_0(tmp_path):
 
 
 @pytest.mark.parametrize("value,message", [
-    (["data/x:1bad"], "must be a letter"), (["a:m", "b:m"], "share a name"), ({"bad-name": "/x"}, "must be a letter"),
+    (["data/x:1bad"], "must be a letter"), (["/tmp:m", "/:m"], "share a name"), ({"bad-name": "/x"}, "must be a letter"),
 ])
 def test_bad_dataset_specs(value, message):
     from hpc_ddp.errors import SpecError
