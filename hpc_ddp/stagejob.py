@@ -18,7 +18,7 @@ from pathlib import Path
 from .distenv import DistEnv
 from .errors import HpcDdpError
 from .spec import JobSpec
-from .staging import StagingError, is_archive, stage, wait_for_stage
+from .staging import ScratchUnusable, StagingError, is_archive, stage, wait_for_stage
 
 __all__ = ["stage_for_job", "scratch_dir", "dataset_env"]
 
@@ -48,13 +48,18 @@ def _one(spec: JobSpec, dist: DistEnv, src: Path, name: str, scratch: Path, log:
                              lock_timeout=spec.stage_timeout).path)
         return str(wait_for_stage(src, scratch, name=name, timeout=spec.stage_timeout,
                                   checksums=spec.stage_checksums))
-    except (StagingError, OSError) as exc:
+    except (StagingError, ScratchUnusable, OSError) as exc:
+        # ScratchUnusable: the node's scratch cannot take it (not a directory, or something hpc-ddp did not
+        # make sits at the target); reading the shared copy is then as good as a failed copy. Refusals about
+        # the dataset itself (a hostile or truncated archive, a bad name) are other UserErrors: never caught.
         if spec.stage_fallback == "fail" or is_archive(src):
             if isinstance(exc, StagingError):
                 raise
-            raise StagingError(f"cannot stage {name} into {scratch}: {exc}",
+            why = exc.message if isinstance(exc, HpcDdpError) else str(exc)
+            raise StagingError(f"cannot stage {name} into {scratch}: {why}",
                                hint="set the profile's scratch to a writable node-local directory") from None
-        log(f"hpc-ddp stage: {name}: node-local staging failed ({exc}); reading the shared copy in place")
+        why = exc.message if isinstance(exc, HpcDdpError) else str(exc)
+        log(f"hpc-ddp stage: {name}: node-local staging failed ({why}); reading the shared copy in place")
         return str(src)
 
 

@@ -307,3 +307,29 @@ def test_unusable_local_disk_reads_the_shared_copy_or_fails(tmp_path, fallback):
         return
     assert stage_for_job(spec, dist, tmp_path / "run", {}, log=logged.append) == {"mnist": str(src)}
     assert "reading the shared copy in place" in logged[-1]
+
+
+@pytest.mark.parametrize("fallback", ["shared", "fail"])
+def test_a_users_directory_in_the_node_scratch_is_never_replaced_by_a_job(tmp_path, fallback):
+    from hpc_ddp.distenv import DistEnv
+    from hpc_ddp.spec import Layer, Target, build_spec
+    from hpc_ddp.stagejob import stage_for_job
+
+    src = make_source(tmp_path, files=2)
+    mine = tmp_path / "local" / "hpc-ddp-datasets" / "mnist"
+    mine.mkdir(parents=True)
+    (mine / "notes.txt").write_text("mine")
+    spec = build_spec([Layer("c", {"datasets": [f"{src}:mnist"], "scratch": str(tmp_path / "local"),
+                                   "stage_fallback": fallback})],
+                      target=Target("script", "/t.py"), workdir="/", python="p")
+    dist = DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, node_rank=0, num_nodes=1,
+                   master_addr="n1", master_port=1, hosts=("n1",), job_id="5", restart_count=0, source="slurm")
+    logged = []
+    if fallback == "fail":
+        with pytest.raises(StagingError, match="was not staged by hpc-ddp.*HINT") as info:
+            stage_for_job(spec, dist, tmp_path / "run", {}, log=logged.append)
+        assert str(info.value).count("HINT") == 1
+    else:
+        assert stage_for_job(spec, dist, tmp_path / "run", {}, log=logged.append) == {"mnist": str(src)}
+        assert "was not staged by hpc-ddp" in logged[-1]
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]
