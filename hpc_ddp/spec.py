@@ -291,10 +291,31 @@ def _datasets(raw: Any) -> tuple[tuple[str, str], ...]:
         if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_]*", name):
             raise ValueError(f"dataset name {name!r} must be a letter then letters, digits or _ (it names "
                              f"HPC_DDP_DATA_{name.upper()})")
-        out.append((name, _string(path)))
+        out.append((name, _stageable(_string(path))))
     if len({n for n, _ in out}) != len(out):
         raise ValueError("two datasets share a name")
     return tuple(out)
+
+
+def _stageable(path: str) -> str:
+    """Refuse, --no-preflight or not, what this machine can tell for sure (a missing path whose filesystem
+    is visible here, a single file); a path only compute nodes may mount is left to the preflight."""
+    from .staging import source_problem
+
+    problem = source_problem(path)
+    if problem:
+        raise SpecError(*problem)
+    return path
+
+
+def _train(raw: Any) -> TrainConfig:
+    from .staging import missing_here
+
+    config = parse_train(raw)
+    missing = missing_here(config.data_dir) if config.data_dir else None
+    if missing:
+        raise SpecError(f"data_dir {missing}", hint="make one with `hpc-ddp make-dataset` or fix data_dir")
+    return config
 
 
 def _port(raw: Any) -> int:
@@ -326,7 +347,7 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "max_requeues": count(0, MAX_REQUEUES), "max_preemptions": count(0, MAX_REQUEUES), "pass_local_rank": flag,
     "epochs": count(1, MAX_EPOCHS), "lr": number(0.0, strict=True), "batch_size": count(1, MAX_BATCH),
     "python": _string, "profile": _token, "script": _string, "module": _string, "args": _args,
-    "train": parse_train, "datasets": _datasets, "stage_fallback": choice(("shared", "fail")),
+    "train": _train, "datasets": _datasets, "stage_fallback": choice(("shared", "fail")),
     "stage_checksums": flag, "stage_timeout": count(10, WEEK), "master_port": _port,
     "rendezvous_timeout": count(5, WEEK), "collective_timeout": count(10, WEEK),
 }
