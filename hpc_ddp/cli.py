@@ -74,7 +74,8 @@ _SPEC_OPTIONS = [
     click.option("--job-name"),
     click.option("--profile", help="A cluster profile from the profiles file (HPC_DDP_PROFILES)."),
     click.option("--executor", type=click.Choice(["sbatch", "submitit", "local"]),
-                 help="[default: sbatch where Slurm's commands exist, else local]"),
+                 help="[default: sbatch where Slurm's commands exist, else local, for what this machine "
+                      "can hold]"),
     click.option("--run-dir", help="Where logs, checkpoints and the script go [default: ./runs/NAME-TIME]."),
     click.option("--sbatch-arg", "sbatch_args", multiple=True, help="Extra sbatch option, e.g. --sbatch-arg=--exclusive."),
     click.option("--gpu-bind", type=click.Choice(["rank", "node"]),
@@ -238,6 +239,8 @@ def _existing_run_dir(run_dir: Path, ref: str) -> Path:
 def _executor_for(spec: JobSpec, quiet: bool):
     commands = SubprocessCommands()
     name, why = choose_executor(spec.executor, commands.which("sbatch") is not None)
+    if name == "local" and not spec.executor:
+        _refuse_unasked_local(spec)
     if not quiet or not spec.executor:
         click.echo(f"hpc-ddp: executor {name} ({why})", err=True)
     now = _dt.datetime.now()
@@ -245,6 +248,16 @@ def _executor_for(spec: JobSpec, quiet: bool):
     executor = get_executor(name, commands=commands, generated_at=now.isoformat(timespec="seconds"),
                             command_line=command_line) if name == "sbatch" else get_executor(name)
     return executor, now
+
+
+def _refuse_unasked_local(spec: JobSpec) -> None:
+    """The implicit fallback (no --executor, no sbatch) runs only what this machine can hold: a user who
+    forgot `module load slurm` must not start 8 training processes on a shared login node."""
+    from . import executors  # looked up at call time, so tests can fake the machine
+
+    refusal = executors.refuse_fallback(spec, executors.probe_machine())
+    if refusal is not None:
+        raise refusal
 
 
 @cli.command(context_settings={"allow_interspersed_args": False})
@@ -319,13 +332,16 @@ def doctor(**params) -> None:
       hpc-ddp doctor --nodes 2 --gpus 4 --time 4:00:00 --partition gpu train.py
     """
     from .cluster import format_cluster
-    from .preflight import NO_TARGET, Host, Report, check, job_paths, run_preflight
+    from .preflight import NO_TARGET, Host, Report, check, check_fallback, job_paths, run_preflight
     from .render import render_sbatch
 
     spec, commands, host = _build(params, default_target=NO_TARGET), SubprocessCommands(), Host.current()
     name, why = choose_executor(spec.executor, commands.which("sbatch") is not None)
-    if name == "local":  # nothing queues: only the shell matters
-        report = Report(None, tuple(check(spec, None, host)))
+    if name == "local":  # nothing queues: only the shell matters, and this machine when not asked for
+        from . import executors
+
+        here = [] if spec.executor else check_fallback(spec, executors.probe_machine())
+        report = Report(None, tuple(here + check(spec, None, host)))
     else:
         run_dir = _run_dir(spec, _dt.datetime.now())
         script = render_sbatch(spec, run_dir, generated_at="", command_line="hpc-ddp doctor")

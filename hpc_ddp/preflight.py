@@ -6,6 +6,9 @@ Owns three things:
   * `check(spec, cluster, host, paths)`, pure: those values -> `Finding`s, each one line with its fix;
   * `run_preflight`, the edge that gathers the values through a `CommandRunner` and calls `check`.
 
+Without Slurm's commands on PATH there is no cluster to check: `check_fallback(spec, machine)` says that a
+job would run on this machine instead, and whether the machine can hold it (as `submit` will judge it).
+
 `hpc-ddp doctor` prints every finding and exits 2 on an error. `hpc-ddp submit` prints warnings and
 refuses on errors (exit 2, nothing queued). Only `doctor` asks `sbatch --test-only` about what sinfo
 cannot show (accounts, QoS, features, site limits): at `submit`, sbatch itself refuses those moments
@@ -28,13 +31,14 @@ from typing import Any
 
 from .cluster import Cluster, Node, Partition, Unavailable, limit_text, mem_mb, one_line, read_cluster
 from .errors import HpcDdpError
+from .executors import LOAD_SLURM, Machine, fallback_problem, site_note
 from .procs import CommandRunner, slurm_unreachable
 from .render import SCRIPT_NAME
 from .slurmtime import format_time
 from .spec import JobSpec, Target
 
-__all__ = ["Host", "Finding", "Report", "NO_TARGET", "parse_mounts", "check", "job_paths", "run_preflight",
-           "sbatch_test_only"]
+__all__ = ["Host", "Finding", "Report", "NO_TARGET", "parse_mounts", "check", "check_fallback", "job_paths",
+           "run_preflight", "sbatch_test_only"]
 
 _LOCAL_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
 _MEMORY_FS = {"tmpfs", "ramfs"}
@@ -119,6 +123,24 @@ def check(spec: JobSpec, cluster: Cluster | None, host: Host,
     if cluster is not None and not _other_cluster(spec):
         findings = check_cluster(spec, cluster, host.environ.get("SBATCH_PARTITION"))
     return findings + check_environment(host.environ) + check_paths(paths, host)
+
+
+def check_fallback(spec: JobSpec, machine: Machine) -> list[Finding]:
+    """No --executor and no sbatch on PATH: jobs would run on this machine. Always a warning (a user who
+    forgot `module load slurm` must hear it), and an error when the machine cannot hold `spec`, since
+    `submit` refuses it then."""
+    gpus = f"{machine.gpus} GPU(s) visible" if machine.gpus else "no GPU visible"
+    found = [_warning(f"no sbatch on PATH: jobs would run here, on this machine ({gpus}, {machine.cpus} CPU "
+                      f"core(s)), not on a Slurm cluster; {site_note(machine)}`submit` runs only what this "
+                      "machine can hold", hint=f"{LOAD_SLURM}; --executor local runs a job here on purpose")]
+    problem = fallback_problem(spec, machine)
+    if problem:
+        found.append(_error(f"this machine cannot hold the job: {problem}; `submit` would refuse it",
+                            hint=f"{LOAD_SLURM}, or pass --executor local to simulate it here anyway"))
+    else:
+        gpus_asked = f", {spec.nodes * spec.gpus} GPU(s)" if spec.gpus else ""
+        found.append(_ok(f"this machine can hold the job ({spec.nodes * spec.tasks_per_node} process(es){gpus_asked})"))
+    return found
 
 
 def _other_cluster(spec: JobSpec) -> bool:
