@@ -13,6 +13,7 @@ Output goes to the same per-rank log files as on Slurm and, prefixed by rank, to
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shlex
 import signal
@@ -77,6 +78,115 @@ def rank_envs(spec: JobSpec, job_id: str, port: int, physical_gpus: int, attempt
     return envs
 
 
+# ---- the --dry-run plan: a bash script (pure) ----
+
+PLAN_FIRST_LINE = "# hpc-ddp local plan, a bash script:"
+
+
+def plan_script(spec: JobSpec, run_dir: str, job_id: str, envs: list[dict[str, str]],
+                scrubber: secrets.Scrubber) -> str:
+    """What `--dry-run` prints for the local executor: a bash script that, run with bash or pasted into a
+    shell, writes the run dir's spec.json and starts the same rank processes, with the same environment,
+    as `submit` would. Every value is one bash word (`bash_word`) and free text in comments goes through
+    `comment_text`, so no value can end a line or start a command. Where a secret would show (the program's
+    arguments are in spec.json), the script is withheld: masked, it would run something else."""
+    head = _plan_head(spec, scrubber)
+    text = "\n".join(head + _plan_body(spec, run_dir, job_id, envs)) + "\n"
+    if scrubber(text) == text:
+        return text
+    withheld = ["(", "echo 'hpc-ddp: this plan withholds a secret (shown as ***), so it starts nothing; "
+                "run hpc-ddp submit --executor local instead' >&2", "exit 2", ")"]
+    return scrubber("\n".join(head + withheld) + "\n")  # comments and fixed text only: masking is safe
+
+
+def _plan_head(spec: JobSpec, scrubber: secrets.Scrubber) -> list[str]:
+    n = spec.world_size
+    return [
+        f"{PLAN_FIRST_LINE} run it with bash (or paste it) to start the {n} rank process(es) that "
+        "`hpc-ddp submit --executor local` would start, with the same environment.",
+        "# Left out: what the executor adds around the ranks (per-rank log files with secrets masked, the "
+        "[rank N] prefix, the --time limit, signal forwarding, requeues); as there, a failed rank stops the others.",
+        f"# {spec.nodes} simulated node(s) x {spec.tasks_per_node} task(s) = {n} process(es) on this machine; "
+        "MASTER_PORT is where attempt 0 starts (submit takes the next free port if it is taken).",
+        f"# Each rank runs: {comment_text(scrubber(spec.target.describe()))}",
+    ]
+
+
+def _plan_body(spec: JobSpec, run_dir: str, job_id: str, envs: list[dict[str, str]]) -> list[str]:
+    """The script's commands, in a function: run as a script, its trap stops the ranks when the script is
+    stopped; pasted (an interactive shell), it runs in a subshell, so its `set`, trap and variables stay
+    there and no `exit` closes the shell it is pasted into."""
+    q = bash_word
+    python, runner = q(spec.python), " ".join(q(a) for a in runner_command(spec, run_dir))
+    attempt_env = f"HPC_DDP_JOB_ID={q(job_id)}"
+    spec_json = json.dumps(spec.to_dict())  # ASCII only: json escapes every control character
+    body = ["set -uo pipefail", f"RUN_DIR={q(run_dir)}", f"cd -- {q(spec.workdir)} || return",
+            "# spec.json: what every rank loads (the runner builds the program's argv from it); yours alone.",
+            f"(umask 077 && mkdir -p -- \"$RUN_DIR/logs\" && printf '%s\\n' {q(spec_json)} > \"$RUN_DIR/spec.json\" "
+            "&& chmod 600 -- \"$RUN_DIR/spec.json\") || return",
+            f"{attempt_env} {python} -m hpc_ddp.attempts begin \"$RUN_DIR\" 0 || return",
+            "mkdir -p -- " + " ".join(q(d) for d in dict.fromkeys(env["TMPDIR"] for env in envs)) + " || return",
+            "pids=()"]
+    for env in envs:
+        body += [" ".join(f"{k}={q(v)}" for k, v in env.items()) + f" {runner} &", 'pids+=("$!")']
+    body += [
+        # Started with &, the ranks ignore Ctrl-C: pass it on as SIGTERM, so none is left running.
+        "trap 'kill -TERM \"${pids[@]}\" 2>/dev/null' INT TERM HUP",
+        # Polled, not `wait -n`: bash drops a rank that exits early from the job table `wait -n` reads.
+        "failed=0 requeue=0",
+        'while [ "${#pids[@]}" -gt 0 ]; do',
+        '    for rank in "${!pids[@]}"; do',
+        '        kill -0 "${pids[rank]}" 2>/dev/null && continue',
+        '        wait "${pids[rank]}"; code=$?',
+        "        unset 'pids[rank]'",
+        f'        if [ "$code" = {REQUEUE_EXIT_CODE} ]; then requeue={REQUEUE_EXIT_CODE}',
+        '        elif [ "$code" != 0 ] && [ "$failed" = 0 ]; then',
+        "            failed=$code",
+        '            echo "hpc-ddp: rank $rank exited with code $code; stopping the other ranks" >&2',
+        '            kill -TERM "${pids[@]}" 2>/dev/null',
+        "        fi",
+        "    done",
+        '    [ "${#pids[@]}" = 0 ] || sleep 0.2',
+        "done",
+        "rc=$((failed ? failed : requeue))",
+        f"{attempt_env} {python} -m hpc_ddp.attempts end \"$RUN_DIR\" 0 \"$rc\" >/dev/null",
+        'return "$rc"',
+    ]
+    return (["hpc_ddp_local_plan() {"] + [f"    {line}" for line in body] + ["}",
+            'if [[ $- == *i* ]]; then (hpc_ddp_local_plan); else hpc_ddp_local_plan; fi'])
+
+
+def bash_word(value: str) -> str:
+    """`value` as one bash word: shlex.quote where every character is printable, else $'...' with each
+    other character escaped (newline, CR, ESC, bidi controls, ...), so the text holds no raw control
+    character: no value can end a line, and what the terminal shows is what bash runs."""
+    if value.isprintable():
+        return shlex.quote(value)
+    return "$'" + "".join(_ansi_c(c) for c in value) + "'"
+
+
+_ANSI_C = {"\\": "\\\\", "'": "\\'", "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _ansi_c(c: str) -> str:
+    if c in _ANSI_C:
+        return _ANSI_C[c]
+    if c.isprintable():
+        return c
+    try:  # the bytes the value stands for (surrogateescape: bytes that were not UTF-8 in argv)
+        raw = c.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        raw = c.encode("utf-8", "surrogatepass")
+    return "".join(f"\\x{b:02x}" for b in raw)
+
+
+def comment_text(text: str) -> str:
+    """Free text safe after `# `: every character that is not printable is shown escaped (\\n, \\x1b,
+    \\u202e), never as itself, so it can neither end the comment line nor disguise it on a terminal."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape", "backslashreplace").decode("ascii")
+                   for c in text)
+
+
 class LocalExecutor:
     name = "local"
 
@@ -85,17 +195,11 @@ class LocalExecutor:
         self.job_id = job_id or f"local-{os.getpid()}-{int(time.time())}"
 
     def plan(self, spec: JobSpec, run_dir: str) -> Plan:
-        cmd = shlex.join(runner_command(spec, run_dir))
-        lines = [f"# local executor: {spec.nodes} simulated node(s) x {spec.tasks_per_node} task(s) "
-                 f"= {spec.world_size} process(es) on this machine",
-                 f"# run dir: {run_dir}", f"# each rank runs: {spec.target.describe()}"]
         # The port attempt 0 starts from (submit moves on to the next free one if it is taken).
         port = spec.master_port or port_for_job(f"{self.job_id}-0")
-        for env in rank_envs(spec, self.job_id, port, _physical_gpus(), run_dir=run_dir):
-            shown = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items() if k not in ("HPC_DDP_HOSTS",))
-            lines.append(f"{shown} {cmd}")
-        # The program's arguments may hold a token: --dry-run shows them masked (spec.json keeps them).
-        return Plan("local", spec, run_dir, None, summary=secrets.current()("\n".join(lines) + "\n"))
+        envs = rank_envs(spec, self.job_id, port, _physical_gpus(), run_dir=run_dir)
+        return Plan("local", spec, run_dir, None,
+                    summary=plan_script(spec, run_dir, self.job_id, envs, secrets.current()))
 
     def submit(self, plan: Plan) -> Submission:
         run_dir = write_run_dir(plan)
