@@ -1,17 +1,23 @@
 """Small durable-write helpers shared by checkpoints and staging: data that a marker or pointer vouches
-for must be on disk before the marker or pointer is."""
+for must be on disk before the marker or pointer is. And one careful reader, `read_regular`, for files
+in a directory someone else may have tampered with: it never follows a symlink in the last component,
+never blocks on a FIFO or device, never opens anything but a regular file, and reads at most `limit`
+bytes. It imports nothing heavy, so light modules (attempts.py) can use it too."""
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import uuid
 from pathlib import Path
 
-__all__ = ["fsync_dir", "write_durable", "replace_durable"]
+__all__ = ["fsync_dir", "write_durable", "replace_durable", "read_regular", "NotRegularFile", "TooLarge",
+           "file_kind"]
 
 
 def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         os.fsync(fd)
     finally:
@@ -19,16 +25,82 @@ def fsync_dir(path: Path) -> None:
 
 
 def write_durable(path: Path, data: bytes) -> None:
-    with open(path, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
+    """Write `data` to `path` and fsync it. One OSError on failure (ENOSPC included): the file is closed
+    without a second, buffered flush that would fail again and chain a second traceback."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def replace_durable(path: Path, data: bytes) -> None:
     """Atomically replace `path` with `data`: temp file beside it, fsync, rename, fsync the directory.
-    Never "remove old, then write new": a reader sees the old content or the new, nothing between."""
+    Never "remove old, then write new": a reader sees the old content or the new, nothing between.
+    On failure the temp file is removed and `path` is as it was."""
     tmp = path.with_name(f".tmp-{path.name}-{uuid.uuid4().hex[:8]}")
-    write_durable(tmp, data)
-    os.replace(tmp, path)
+    try:
+        write_durable(tmp, data)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
     fsync_dir(path.parent)
+
+
+class NotRegularFile(OSError):
+    """The path is a symlink, FIFO, directory, socket or device: refused without opening it."""
+
+
+class TooLarge(OSError):
+    """The file is larger than the caller's limit: refused without reading it."""
+
+
+def file_kind(mode: int) -> str:
+    """'a FIFO', 'a symbolic link', ... for an st_mode."""
+    for test, name in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a directory"),
+                       (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISREG, "a regular file")):
+        if test(mode):
+            return name
+    return "an unknown kind of file"
+
+
+def _check(path: str | os.PathLike, st: os.stat_result, limit: int | None) -> None:
+    if not stat.S_ISREG(st.st_mode):
+        kind = file_kind(st.st_mode)
+        how = "not followed" if stat.S_ISLNK(st.st_mode) else "not opened"
+        raise NotRegularFile(errno.EINVAL, f"is {kind}, not a regular file ({how})", os.fspath(path))
+    if limit is not None and st.st_size > limit:
+        raise TooLarge(errno.EFBIG, f"is {st.st_size:,} bytes, more than the {limit:,} it can be (not read)",
+                       os.fspath(path))
+
+
+def read_regular(path: str | os.PathLike, *, limit: int | None = None, dir_fd: int | None = None) -> bytes:
+    """The bytes of the regular file at `path` (relative to `dir_fd` if given).
+
+    Raises NotRegularFile for anything else (a symlink in the last component included: it is never
+    followed), TooLarge when the file has more than `limit` bytes, and OSError when it cannot be read.
+    The type is checked before opening (so no FIFO or device is ever opened) and again on the open file
+    descriptor (so a swap in between is caught); O_NONBLOCK keeps even that race from blocking."""
+    _check(path, os.stat(path, dir_fd=dir_fd, follow_symlinks=False), limit)
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # swapped for a symlink since the stat above
+            raise NotRegularFile(errno.ELOOP, "is a symbolic link, not a regular file (not followed)",
+                                 os.fspath(path)) from None
+        raise
+    with open(fd, "rb", closefd=True) as fh:
+        _check(path, os.fstat(fd), limit)
+        data = fh.read() if limit is None else fh.read(limit + 1)
+    if limit is not None and len(data) > limit:  # grew while we read it
+        raise TooLarge(errno.EFBIG, f"is more than the {limit:,} bytes it can be (not read)", os.fspath(path))
+    return data
