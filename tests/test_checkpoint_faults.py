@@ -332,15 +332,8 @@ def test_disk_full_on_a_real_filesystem(tiny_fs: Path) -> None:
     assert_previous_kept(root, 3)
 
 
-def test_durable_write_on_a_full_disk_raises_one_error(tiny_fs: Path) -> None:
-    with pytest.raises(OSError) as info:
-        durable.write_durable(tiny_fs / "f", b"x" * (3 << 20))
-    assert info.value.errno == errno.ENOSPC
-    assert info.value.__context__ is None  # not "during handling of the above exception, another..."
-
-
-def test_disk_full_replacing_latest_leaves_no_temp(tiny_fs: Path) -> None:
-    fd = os.open(tiny_fs / "filler", os.O_WRONLY | os.O_CREAT)
+def fill(fs: Path) -> None:
+    fd = os.open(fs / "filler", os.O_WRONLY | os.O_CREAT)
     try:  # fill the filesystem to the last page
         while os.write(fd, b"x" * 65536):
             pass
@@ -348,6 +341,19 @@ def test_disk_full_replacing_latest_leaves_no_temp(tiny_fs: Path) -> None:
         assert exc.errno == errno.ENOSPC
     finally:
         os.close(fd)
+
+
+@pytest.mark.parametrize("size", [16, 3 << 20])  # a small write fails at flush, then again at close
+def test_durable_write_on_a_full_disk_raises_one_error(tiny_fs: Path, size: int) -> None:
+    fill(tiny_fs)
+    with pytest.raises(OSError) as info:
+        durable.write_durable(tiny_fs / "f", b"x" * size)
+    assert info.value.errno == errno.ENOSPC
+    assert info.value.__context__ is None  # not "during handling of the above exception, another..."
+
+
+def test_disk_full_replacing_latest_leaves_no_temp(tiny_fs: Path) -> None:
+    fill(tiny_fs)
     with pytest.raises(OSError):
         durable.replace_durable(tiny_fs / "pointer", b"y" * 8192)
     assert sorted(p.name for p in tiny_fs.iterdir()) == ["filler"]
