@@ -41,6 +41,7 @@ spec_path, out, mode = sys.argv[1], sys.argv[2], sys.argv[3]
 argv, env = prepare(spec_path)
 os.environ.update(env)
 marks.append(("runner's prepare()", time.time()))
+from hpc_ddp import session as sess
 from hpc_ddp import train
 marks.append(("import hpc_ddp.train (torch)", time.time()))
 rank = int(os.environ["RANK"])
@@ -49,9 +50,9 @@ if mode == "startup":  # when each start-up phase ends, on rank 0
         def wrapper(*a, **k):
             r = fn(*a, **k); marks.append((name, time.time())); return r
         return wrapper
-    train._setup = mark("_setup (rendezvous, process group, health check)", train._setup)
+    sess.Session.setup = mark("Session.setup (rendezvous, process group, health check)", sess.Session.setup)
     train.Trainer.__init__ = mark("Trainer.__init__ (data, model, DDP, ...)", train.Trainer.__init__)
-    train.Trainer.resume = mark("resume() (look for a checkpoint)", train.Trainer.resume)
+    sess.Session.resume = mark("resume() (look for a checkpoint)", sess.Session.resume)
     first = train.Trainer._step
     def _step(self, batches):
         r = first(self, batches)
@@ -75,8 +76,8 @@ if rank == 0 and mode == "phases":
         r = orig_step(self, Timed()); phases["step_total"].append(time.perf_counter() - t)
         return r
     T._step = _step
-    T._agree = timed("agree", T._agree)
-    T._record = timed("record", T._record)
+    sess.Session.step = timed("agree", sess.Session.step)   # agree + record + periodic save
+    sess.Session._record = timed("record", sess.Session._record)
 spec = load_spec(spec_path)
 if rank == 0 and mode == "cprofile":
     prof = cProfile.Profile(); prof.enable()

@@ -40,6 +40,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from .durable import read_regular
 from .events import JsonLines, read_jsonl
 from .exitcodes import REQUEUE_EXIT_CODE
 
@@ -86,8 +87,8 @@ class Attempt:
 
 def latest_checkpoint_step(run_dir: Path) -> int | None:
     """The step `checkpoints/latest` names, without importing torch (the trainer verifies it on load)."""
-    try:
-        name = (run_dir / "checkpoints" / "latest").read_text().strip()
+    try:  # a FIFO or a link to /dev/zero in place of `latest` must not hang or flood this
+        name = read_regular(run_dir / "checkpoints" / "latest", limit=64).decode().strip()
     except (OSError, ValueError):
         return None
     m = re.match(r"^step-(\d+)(?:-r\d+)?$", name)

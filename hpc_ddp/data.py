@@ -79,20 +79,28 @@ def _seed_all(seed: int) -> None:
 
 
 class ResumableSampler(Sampler):
-    """This rank's share of DistributedSampler's shuffled order for an epoch, from position `start`."""
+    """This rank's share of DistributedSampler's shuffled order for an epoch, from position `start`.
+    It yields (epoch, index) keys for `SeededSamples`, or plain indices with keys=False."""
 
-    def __init__(self, size: int, *, rank: int, world_size: int, seed: int, shuffle: bool = True):
+    def __init__(self, size: int, *, rank: int, world_size: int, seed: int, shuffle: bool = True,
+                 keys: bool = True):
         self.inner = DistributedSampler(range(size), num_replicas=world_size, rank=rank, shuffle=shuffle,
                                         seed=seed, drop_last=True)
-        self.epoch, self.start = 0, 0
+        self.epoch, self.start, self.keys = 0, 0, keys
 
     def set_position(self, epoch: int, start: int) -> None:
         self.epoch, self.start = epoch, start
         self.inner.set_epoch(epoch)
 
-    def __iter__(self) -> Iterator[tuple[int, int]]:
-        indices = list(self.inner)
-        return iter([(self.epoch, i) for i in indices[self.start:]])
+    def set_epoch(self, epoch: int) -> None:
+        """DistributedSampler's call, so loops written for it run unchanged: the epoch the sampler was
+        positioned in (a resumed one) keeps its start; any other epoch starts at its beginning."""
+        if epoch != self.epoch:
+            self.set_position(epoch, 0)
+
+    def __iter__(self) -> Iterator[tuple[int, int]] | Iterator[int]:
+        indices = list(self.inner)[self.start:]
+        return iter([(self.epoch, i) for i in indices] if self.keys else indices)
 
     def __len__(self) -> int:
         return max(len(self.inner) - self.start, 0)
@@ -186,7 +194,7 @@ def _opened(make, cfg: TrainConfig):
                         hint="make one with `hpc-ddp make-dataset` or fix data_dir") from None
 
 
-def _ignore_stop_signals(_worker_id: int) -> None:
+def ignore_stop_signals(_worker_id: int) -> None:
     """Slurm signals every process of a step, loader workers included. A worker killed by SIGTERM or
     SIGUSR2 makes the main process raise instead of checkpointing; the main process decides when
     workers end, so they ignore these."""
@@ -207,7 +215,7 @@ def build_data(cfg: TrainConfig, *, rank: int, world_size: int, pin_memory: bool
     (train_set, eval_set), classes, channels, size = _datasets(cfg)
     sampler = ResumableSampler(len(train_set), rank=rank, world_size=world_size, seed=cfg.seed)
     workers = dict(num_workers=cfg.num_workers, persistent_workers=cfg.num_workers > 0, pin_memory=pin_memory,
-                   worker_init_fn=_ignore_stop_signals if cfg.num_workers else None)
+                   worker_init_fn=ignore_stop_signals if cfg.num_workers else None)
     # A fixed generator: creating the iterator must not draw from the training RNG streams.
     train = DataLoader(SeededSamples(train_set, cfg.seed), batch_size=cfg.batch_size, sampler=sampler,
                        drop_last=True, generator=torch.Generator().manual_seed(cfg.seed), **workers)
