@@ -545,18 +545,48 @@ def _still_running(run_dir: Path, job_id: str | None, executor: str | None) -> b
 @cli.command()
 @click.argument("job")
 def cancel(job: str) -> None:
-    """Cancel JOB (a job id or a run dir): scancel on Slurm, or stop the local executor."""
+    """Cancel JOB (a job id or a run dir): scancel on Slurm, or stop the local executor (its ranks
+    checkpoint first; it is not restarted)."""
     import signal as _signal
 
     from .events import JsonLines
 
     run_dir, job_id, executor = _resolve(job)
     if executor == "local":
-        _signal_local(run_dir, _signal.SIGINT)
+        if _local_cancel_pending(run_dir, job_id):
+            # Again: a second SIGINT would kill ranks that are still saving. Ctrl-C twice does that.
+            who = _local_executor(run_dir)
+            click.echo(f"hpc-ddp: job {job_id} is already being cancelled; waiting for it", err=True)
+        else:
+            who = _signal_local(run_dir, _signal.SIGINT)
+            JsonLines(run_dir / "events.jsonl").write({"event": "cancelled", "job_id": job_id, "by": "hpc-ddp cancel"})
+        if not _wait_gone(who, 60):
+            click.echo(f"Asked job {job_id} to stop ({run_dir}); its ranks are still checkpointing")
+            return
     else:
         _scancel([job_id or job])
-    JsonLines(run_dir / "events.jsonl").write({"event": "cancelled", "job_id": job_id, "by": "hpc-ddp cancel"})
+        JsonLines(run_dir / "events.jsonl").write({"event": "cancelled", "job_id": job_id, "by": "hpc-ddp cancel"})
     click.echo(f"Cancelled job {job_id} ({run_dir})")
+
+
+def _local_cancel_pending(run_dir: Path, job_id: str | None) -> bool:
+    """`hpc-ddp cancel` already signalled this run of the job (since its latest first attempt)."""
+    from .events import read_jsonl
+    from .status import _current_job
+
+    return any(e.get("event") == "cancelled" and e.get("job_id") == job_id
+               for e in _current_job(read_jsonl(run_dir / "events.jsonl")))
+
+
+def _wait_gone(who, timeout: float) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while who.alive():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
 
 
 @cli.command()
@@ -582,14 +612,25 @@ def preempt(job: str, sig: str | None) -> None:
     click.echo(f"Sent SIG{name} to every rank of job {job_id}")
 
 
-def _signal_local(run_dir: Path, signum: int) -> None:
+def _local_executor(run_dir: Path):
+    """The executor process that local.pid names, checked to be that very process (its start time and
+    command line), never a process that took its pid later."""
     from .executors.local import PID_FILE
+    from .procs import read_pid_file
 
-    try:
-        pid = int((run_dir / PID_FILE).read_text().split()[0])
-        os.kill(pid, signum)
-    except (OSError, ValueError, IndexError):
-        raise UserError(f"no local job is running for {run_dir} ({PID_FILE} missing or stale)") from None
+    who, _, why = read_pid_file(run_dir / PID_FILE)
+    if who is None:
+        raise UserError(f"no local job is running for {run_dir} ({why})")
+    return who
+
+
+def _signal_local(run_dir: Path, signum: int):
+    from .procs import signal_process
+
+    who = _local_executor(run_dir)
+    if not signal_process(who, signum):
+        raise UserError(f"no local job is running for {run_dir} (process {who.pid} has just ended)")
+    return who
 
 
 def _scancel(args: list[str]) -> None:

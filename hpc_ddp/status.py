@@ -10,7 +10,6 @@ program printed is on disk as printed; status details quote those logs, and `log
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -50,12 +49,23 @@ def scheduler_state(job_id: str, commands: CommandRunner) -> dict[str, Any]:
 
 
 def _local_state(run_dir: Path) -> dict[str, Any]:
-    try:
-        pid = int((run_dir / "local.pid").read_text().split()[0])
-        os.kill(pid, 0)
-        return {"state": "RUNNING", "source": "local", "pid": pid}
-    except (OSError, ValueError, IndexError):
-        return {}
+    """RUNNING while the executor that wrote local.pid runs: that very process (start time, command
+    line), not whichever took its pid after it was killed."""
+    from .procs import read_pid_file
+
+    who, _, _ = read_pid_file(run_dir / "local.pid")
+    return {"state": "RUNNING", "source": "local", "pid": who.pid} if who else {}
+
+
+def _current_job(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The records of the newest job in the run dir (from its first attempt): a job submitted again to
+    resume is judged on its own, not on why the one before it stopped."""
+    starts = [e for e in events if e.get("event") == "attempt_start"]
+    if not starts:
+        return events
+    job = starts[-1].get("job_id")
+    first = next(i for i, e in enumerate(events) if e.get("event") == "attempt_start" and e.get("job_id") == job)
+    return events[first:]
 
 
 def log_files(run_dir: Path, rank: int | None = None) -> list[tuple[int, int, Path]]:
@@ -106,8 +116,9 @@ def run_status(run_dir: Path, job_id: str | None, executor: str | None, commands
         scheduler_state(job_id, commands) if job_id and commands.which("squeue") else {})
     total = next((e.get("total_steps") for e in events if e.get("event") == "start"), None)
     step = metrics[-1]["step"] if metrics else None
-    gave_up = next((e["reason"] for e in reversed(events) if e.get("event") == "gave_up"), None)
-    state = _overall_state(sched, events, gave_up)
+    current = _current_job(events)
+    gave_up = next((e["reason"] for e in reversed(current) if e.get("event") == "gave_up"), None)
+    state = _overall_state(sched, current, gave_up)
     status = {
         "run_dir": str(run_dir), "job_id": job_id, "executor": executor, "state": state,
         "scheduler": sched or None, "restarts": max(len(attempts) - 1, 0),
@@ -131,6 +142,8 @@ def _overall_state(sched: dict[str, Any], events: list[dict[str, Any]], gave_up:
     if live and live not in _ENDED:
         return live
     kinds = [e.get("event") for e in events]
+    if any(e.get("event") == "gave_up" and e.get("cause") == "cancelled" for e in events):
+        return "CANCELLED"
     if "finish" in kinds and kinds[-1] in ("finish", "attempt_end") and not gave_up:
         return "COMPLETED"
     if gave_up:

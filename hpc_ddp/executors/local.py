@@ -5,7 +5,10 @@ Each rank gets torchrun-style variables and runs the same per-rank runner as on 
 the batch script: the first rank that fails stops the others (srun --kill-on-bad-exit); signals sent to
 the executor (SIGUSR2, SIGTERM, ...) are forwarded to every rank (as Slurm signals every task); and when
 the ranks exit with the "checkpointed, requeue me" code, the same requeue policy as the batch script's
-(`attempts`) decides whether to start it again. With --time, each attempt gets the warning signal
+(`attempts`) decides whether to start it again. SIGINT (Ctrl-C, or `hpc-ddp cancel`) cancels: every rank is
+asked to checkpoint and stop (SIGTERM), no attempt starts after it, and the run ends CANCELLED; a second
+SIGINT, or KILL_WAIT_S without an exit, kills the ranks. The ranks die with the executor (PDEATHSIG), and
+`local.pid` records the executor's start time and command line, so a recycled pid is never signalled. With --time, each attempt gets the warning signal
 `signal_lead` seconds before its limit, SIGTERM at the limit and SIGKILL 30 s later, as on Slurm.
 Output goes to the same per-rank log files as on Slurm and, prefixed by rank, to the terminal.
 """
@@ -25,8 +28,10 @@ from pathlib import Path
 
 from .. import attempts, secrets
 from ..distenv import port_for_job
+from ..events import JsonLines
 from ..exitcodes import REQUEUE_EXIT_CODE
 from ..ports import first_free_port
+from ..procs import die_with_parent_preexec, write_pid_file
 from ..render import runner_command
 from ..spec import JobSpec
 from .base import Plan, Submission, record_submission, write_run_dir
@@ -34,6 +39,7 @@ from .base import Plan, Submission, record_submission, write_run_dir
 _GRACE_S = 10
 KILL_WAIT_S = 30  # Slurm's default KillWait: SIGTERM at the limit, SIGKILL this much later
 PID_FILE = "local.pid"
+CANCELLED_EXIT_CODE = 130  # as a shell reports a job stopped by Ctrl-C
 _FORWARDED = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGHUP)
 
 
@@ -193,6 +199,7 @@ class LocalExecutor:
     def __init__(self, *, echo: bool = True, job_id: str | None = None, **_ignored):
         self.echo = echo
         self.job_id = job_id or f"local-{os.getpid()}-{int(time.time())}"
+        self.cancel = _Cancel()
 
     def plan(self, spec: JobSpec, run_dir: str) -> Plan:
         # The port attempt 0 starts from (submit moves on to the next free one if it is taken).
@@ -205,13 +212,20 @@ class LocalExecutor:
         run_dir = write_run_dir(plan)
         spec = plan.spec
         pid_file = run_dir / PID_FILE
-        pid_file.write_text(f"{os.getpid()} {self.job_id}\n")
-        record_submission(Submission("local", self.job_id, str(run_dir), None, state="RUNNING"))
+        # Before the pid file names us: `hpc-ddp cancel` may signal as soon as it exists.
+        previous = self.cancel.install()
         try:
-            rc = self._attempts(spec, run_dir)
+            write_pid_file(pid_file, self.job_id)
+            record_submission(Submission("local", self.job_id, str(run_dir), None, state="RUNNING"))
+            try:
+                rc = self._attempts(spec, run_dir)
+            finally:
+                pid_file.unlink(missing_ok=True)
         finally:
-            pid_file.unlink(missing_ok=True)
-        state = "COMPLETED" if rc == 0 else "CHECKPOINTED" if rc == REQUEUE_EXIT_CODE else "FAILED"
+            if previous is not None:
+                signal.signal(signal.SIGINT, previous)
+        state = "COMPLETED" if rc == 0 else "CANCELLED" if self.cancel.requested else \
+            "CHECKPOINTED" if rc == REQUEUE_EXIT_CODE else "FAILED"
         sub = Submission("local", self.job_id, str(run_dir), None, state=state, returncode=rc)
         record_submission(sub)
         return sub
@@ -220,10 +234,14 @@ class LocalExecutor:
         argv = runner_command(spec, str(run_dir))
         attempt = 0
         while True:
+            if self.cancel.requested:  # during the gap between two attempts: start no other
+                return self._cancelled(run_dir, attempt, None)
             ok, reason = attempts.begin(run_dir, attempt, env={"HPC_DDP_JOB_ID": self.job_id})
             if not ok:
                 _say(f"not starting attempt {attempt}: {reason}")
                 return attempts.NOT_ADMITTED_EXIT_CODE
+            if self.cancel.requested:
+                return self._cancelled(run_dir, attempt, CANCELLED_EXIT_CODE, began=True)
             log_dir = run_dir / "logs" / f"job-{self.job_id}" / f"attempt-{attempt}"
             log_dir.mkdir(parents=True, exist_ok=True)
             # A port the user chose is used as given, so a taken one fails fast as it would on Slurm.
@@ -233,7 +251,9 @@ class LocalExecutor:
             for env in envs:
                 Path(env["TMPDIR"]).mkdir(parents=True, exist_ok=True)
             rc = _run_ranks(argv, envs, log_dir, echo=self.echo, cwd=spec.workdir,
-                            timeline=_timeline(spec, deadline))
+                            timeline=_timeline(spec, deadline), cancel=self.cancel)
+            if self.cancel.requested and rc != 0:  # a run that completed all the same completed
+                return self._cancelled(run_dir, attempt, rc, began=True)
             requeue, reason = attempts.end(run_dir, attempt, rc, env={"HPC_DDP_JOB_ID": self.job_id})
             if not requeue:
                 if rc == REQUEUE_EXIT_CODE:
@@ -241,6 +261,41 @@ class LocalExecutor:
                 return rc
             attempt += 1
             _say(f"checkpointed at a stop request; restarting ({reason})")
+
+    def _cancelled(self, run_dir: Path, attempt: int, rc: int | None, began: bool = False) -> int:
+        """Record the cancel as the end of the job (`status` says CANCELLED); the requeue policy is not
+        asked: a cancelled job is never restarted, however it stopped."""
+        events = JsonLines(run_dir / "events.jsonl")
+        if began:
+            events.write({"event": "attempt_end", "attempt": attempt, "exit_code": rc, "cause": "cancelled"})
+        events.write({"event": "gave_up", "attempt": attempt, "reason": "cancelled by the user", "cause": "cancelled"})
+        saved = " after the ranks checkpointed: submit again with the same --run-dir to resume" \
+            if rc == REQUEUE_EXIT_CODE else ""
+        _say(f"cancelled{saved}")
+        return CANCELLED_EXIT_CODE
+
+
+class _Cancel:
+    """SIGINT (Ctrl-C, `hpc-ddp cancel`) counted by a handler that only counts: the wait loop acts on it
+    (a handler that signals or prints could interrupt the main thread in the middle of the same work)."""
+
+    def __init__(self):
+        self.count = 0
+        self.at: float | None = None
+
+    @property
+    def requested(self) -> bool:
+        return self.count > 0
+
+    def __call__(self, _signum=None, _frame=None) -> None:
+        self.count += 1
+        self.at = self.at or time.monotonic()
+
+    def install(self):
+        """The previous SIGINT handler, or None where handlers cannot be set (not the main thread)."""
+        if threading.current_thread() is not threading.main_thread():
+            return None
+        return signal.signal(signal.SIGINT, self)
 
 
 def _timeline(spec: JobSpec, deadline: float | None) -> list[tuple[float, int]]:
@@ -261,20 +316,23 @@ def _physical_gpus() -> int:
 
 
 def _run_ranks(argv: list[str], envs: list[dict[str, str]], log_dir: Path, *, echo: bool, cwd: str,
-               timeline: list[tuple[float, int]] | None = None) -> int:
-    procs, pumps = [], []
+               timeline: list[tuple[float, int]] | None = None, cancel: _Cancel | None = None) -> int:
+    procs = []
     scrubber = secrets.current()  # built once: the pumps call it for every line
-    for rank, extra in enumerate(envs):
-        proc = subprocess.Popen(argv, env={**os.environ, **extra}, cwd=cwd, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-        pump = threading.Thread(target=_pump, daemon=True,
-                                args=(proc, log_dir / f"rank-{rank}.log", f"[rank {rank}] ", echo, scrubber))
+    # Each rank dies with the executor, even a SIGKILLed one: in their own sessions, nothing else would
+    # stop them. Every rank is started before any pump thread, so no thread runs while we fork.
+    die_with_us = die_with_parent_preexec()
+    for extra in envs:
+        procs.append(subprocess.Popen(argv, env={**os.environ, **extra}, cwd=cwd, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_us))
+    pumps = [threading.Thread(target=_pump, daemon=True,
+                              args=(proc, log_dir / f"rank-{rank}.log", f"[rank {rank}] ", echo, scrubber))
+             for rank, proc in enumerate(procs)]
+    for pump in pumps:
         pump.start()
-        procs.append(proc)
-        pumps.append(pump)
     previous = _forward_signals(procs)
     try:
-        rc = _wait_all(procs, list(timeline or []))
+        rc = _wait_all(procs, list(timeline or []), cancel or _Cancel())
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
@@ -309,13 +367,24 @@ def _pump(proc: subprocess.Popen, log_path: Path, prefix: str, echo: bool, scrub
                 sys.stdout.flush()
 
 
-def _wait_all(procs: list[subprocess.Popen], timeline: list[tuple[float, int]]) -> int:
+def _wait_all(procs: list[subprocess.Popen], timeline: list[tuple[float, int]], cancel: _Cancel | None = None) -> int:
     """Wait for every rank; when one fails, stop the rest (SIGTERM, then SIGKILL after a grace period).
     Ranks that exit with the requeue code are not failures: the others reach the same decision.
-    `timeline` signals are sent to every rank when their time comes (the --time emulation)."""
-    first_failure = 0
+    `timeline` signals are sent to every rank when their time comes (the --time emulation); a cancel
+    sends SIGTERM (checkpoint and stop), and SIGKILL at a second one or KILL_WAIT_S later."""
+    cancel = cancel or _Cancel()
+    first_failure, acted, killed = 0, 0, False
     try:
         while True:
+            if cancel.count != acted:
+                acted = cancel.count
+                _say("cancelling: asking every rank to checkpoint and stop (Ctrl-C again to stop them at once)"
+                     if acted == 1 else "cancelling: killing every rank now")
+                _signal_live(procs, signal.SIGTERM if acted == 1 else signal.SIGKILL)
+            if cancel.at is not None and not killed and time.monotonic() > cancel.at + KILL_WAIT_S:
+                killed = True
+                _say(f"cancelling: ranks still running {KILL_WAIT_S} s after the cancel; killing them")
+                _signal_live(procs, signal.SIGKILL)
             while timeline and time.time() >= timeline[0][0]:
                 _, signum = timeline.pop(0)
                 _say(f"time limit: sending {signal.Signals(signum).name} to every rank")
@@ -329,23 +398,30 @@ def _wait_all(procs: list[subprocess.Popen], timeline: list[tuple[float, int]]) 
             if failed and not first_failure:
                 rank, first_failure = failed[0]
                 _say(f"rank {rank} exited with code {first_failure}; stopping the other ranks")
-                _stop(procs)
+                _stop(procs, cancel)
             time.sleep(0.05)
-    except KeyboardInterrupt:
-        _stop(procs)
-        return 130
+    except KeyboardInterrupt:  # no handler of ours (not the main thread): stop as before, counted as a cancel
+        cancel()
+        _stop(procs, cancel)
+        return CANCELLED_EXIT_CODE
     if first_failure:
         return first_failure
     return next((c for c in codes if c not in (0, REQUEUE_EXIT_CODE)), None) or \
         (REQUEUE_EXIT_CODE if REQUEUE_EXIT_CODE in codes else 0)
 
 
-def _stop(procs: list[subprocess.Popen]) -> None:
+def _signal_live(procs: list[subprocess.Popen], sig: int) -> None:
     for p in procs:
         if p.poll() is None:
-            _signal_group(p, signal.SIGTERM)
-    deadline = time.monotonic() + _GRACE_S
-    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+            _signal_group(p, sig)
+
+
+def _stop(procs: list[subprocess.Popen], cancel: _Cancel | None = None) -> None:
+    _signal_live(procs, signal.SIGTERM)
+    deadline, asked = time.monotonic() + _GRACE_S, cancel.count if cancel else 0
+    # A second cancel during the grace period ends it: the user asked for the ranks to stop at once.
+    while time.monotonic() < deadline and any(p.poll() is None for p in procs) and \
+            (cancel is None or cancel.count <= max(asked, 1)):
         time.sleep(0.05)
     for p in procs:
         if p.poll() is None:
