@@ -8,6 +8,8 @@ it); every rank registers under its rank number and host, and all wait for the o
 The process group is then built on that store, and one small all-reduce (the health check) must
 complete on every rank before training starts. During training each rank bumps a heartbeat counter in
 the store, so when a collective fails, the survivors can say which rank stopped responding.
+A SIGTERM (or `stop()`) while the ranks are meeting ends the wait at once: nothing is trained yet, so
+there is nothing to save, and waiting out the rendezvous timeout would only delay the job's end.
 `Expected hosts` follow Slurm's block distribution: rank r runs on node r // tasks_per_node.
 """
 
@@ -15,11 +17,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 
 import torch
@@ -29,7 +32,7 @@ from .distenv import DistEnv
 from .errors import HpcDdpError
 from .ports import PORT_HINT, taken_port_message
 
-__all__ = ["RendezvousError", "PeerLost", "expected_host", "describe_ranks", "join", "health_check",
+__all__ = ["RendezvousError", "RendezvousStopped", "PeerLost", "expected_host", "describe_ranks", "join", "health_check",
            "Heartbeat", "mark_left", "unresponsive", "explain_failure", "leave"]
 
 HEARTBEAT_S = 2.0
@@ -38,6 +41,13 @@ LEFT_AFTER_OTHERS = "left after another rank's failure"  # a `left/<rank>` reaso
 
 class RendezvousError(HpcDdpError):
     """The ranks could not all meet (exit 1: not the user's input, but nothing to requeue either)."""
+
+
+class RendezvousStopped(RendezvousError):
+    """A stop signal came while the ranks were meeting. Exit 128 + SIGTERM, as if the signal had ended
+    the process: not a requeue (no step was trained, nothing was saved)."""
+
+    exit_code = 128 + signal.SIGTERM
 
 
 class PeerLost(HpcDdpError):
@@ -56,9 +66,10 @@ def describe_ranks(env: DistEnv, ranks: list[int], limit: int = 8) -> str:
     return f"rank{'s' if len(ranks) > 1 else ''} {shown}{more}"
 
 
-def _wait_for_server(addr: str, port: int, deadline: float) -> None:
+def _wait_for_server(addr: str, port: int, deadline: float, check: Callable[[], None] = lambda: None) -> None:
     # Our own probe, so the timeout is the one configured (TCPStore's client retries for ~2.5x it).
     while True:
+        check()
         try:
             socket.create_connection((addr, port), timeout=2).close()
             return
@@ -73,7 +84,7 @@ def _scoped(store: dist.Store, env: DistEnv) -> dist.PrefixStore:
     return dist.PrefixStore(f"hpc-ddp/{env.job_id}/{env.restart_count}", store)
 
 
-def _store(env: DistEnv, timeout_s: float, host: str) -> dist.TCPStore:
+def _store(env: DistEnv, timeout_s: float, host: str, check: Callable[[], None] = lambda: None) -> dist.TCPStore:
     """Rank 0 listens; the others connect (waiting at most `timeout_s` for rank 0 to come up)."""
     timeout = timedelta(seconds=timeout_s)
     # Under torchrun its agent already serves a store on MASTER_PORT: every rank is a client of it.
@@ -87,7 +98,7 @@ def _store(env: DistEnv, timeout_s: float, host: str) -> dist.TCPStore:
             raise RendezvousError(f"rank 0 on {host} cannot listen on MASTER_PORT {env.master_port}: {exc}",
                                   hint=PORT_HINT) from None
     try:
-        _wait_for_server(env.master_addr, env.master_port, time.monotonic() + timeout_s)
+        _wait_for_server(env.master_addr, env.master_port, time.monotonic() + timeout_s, check)
         return dist.TCPStore(env.master_addr, env.master_port, env.world_size, False, timeout)
     except (OSError, dist.DistError) as exc:
         raise RendezvousError(
@@ -101,10 +112,12 @@ def _missing(store: dist.Store, env: DistEnv, prefix: str) -> list[int]:
     return [r for r in range(env.world_size) if not store.check([f"{prefix}/{r}"])]
 
 
-def _wait_all(store: dist.Store, env: DistEnv, prefix: str, deadline: float) -> list[int]:
+def _wait_all(store: dist.Store, env: DistEnv, prefix: str, deadline: float,
+              check: Callable[[], None] = lambda: None) -> list[int]:
     """Wait until every rank has set `prefix/<rank>`; the ranks still missing at the deadline."""
     try:
         while time.monotonic() < deadline:
+            check()
             if int(store.add(f"{prefix}/count", 0)) >= env.world_size:
                 return []
             time.sleep(0.05)
@@ -119,15 +132,18 @@ def _store_gone(env: DistEnv) -> str:
             f"{env.master_port} stopped answering")
 
 
-def join(env: DistEnv, *, timeout_s: float, host: str | None = None) -> dist.Store:
-    """Meet every other rank within `timeout_s`, or raise naming the ranks that did not come.
-    Rank 0's store server lives as long as the returned store: keep it."""
+def join(env: DistEnv, *, timeout_s: float, host: str | None = None,
+         stop: Callable[[], bool] | None = None) -> dist.Store:
+    """Meet every other rank within `timeout_s`, or raise naming the ranks that did not come; raise
+    RendezvousStopped at once on SIGTERM or when `stop()` says so. Rank 0's store server lives as long
+    as the returned store: keep it."""
     host = host or socket.gethostname()
     started = time.monotonic()
-    store = _scoped(_store(env, timeout_s, host), env)
-    store.set(f"joined/{env.rank}", host)
-    store.add("joined/count", 1)
-    missing = _wait_all(store, env, "joined", started + timeout_s)
+    with _stoppable(env, host, stop) as check:
+        store = _scoped(_store(env, timeout_s, host, check), env)
+        store.set(f"joined/{env.rank}", host)
+        store.add("joined/count", 1)
+        missing = _wait_all(store, env, "joined", started + timeout_s, check)
     if missing:
         raise RendezvousError(
             f"{describe_ranks(env, missing)} did not join the rendezvous within {timeout_s:g} s "
@@ -135,6 +151,32 @@ def join(env: DistEnv, *, timeout_s: float, host: str | None = None) -> dist.Sto
             hint="see those ranks' logs (hpc-ddp logs JOB --rank N): they did not start, crashed or hung "
                  "before training; raise rendezvous_timeout if staging or start-up is slow")
     return store
+
+
+@contextlib.contextmanager
+def _stoppable(env: DistEnv, host: str, stop: Callable[[], bool] | None) -> Iterator[Callable[[], None]]:
+    """A `check()` for the wait loops that raises RendezvousStopped once SIGTERM arrived (or `stop()`).
+    The handler already installed (the trainer's stop flag) still gets the signal; with none of
+    Python's (the default action), the signal ends the process by itself and nothing is wrapped."""
+    got: list[int] = []
+    previous = signal.getsignal(signal.SIGTERM)
+    wrap = callable(previous) and threading.current_thread() is threading.main_thread()
+    if wrap:
+        def on_term(signum, frame):
+            got.append(signum)
+            previous(signum, frame)
+        signal.signal(signal.SIGTERM, on_term)
+
+    def check() -> None:
+        if got or (stop is not None and stop()):
+            why = "SIGTERM" if got else "a stop request"
+            raise RendezvousStopped(f"rank {env.rank} on {host}: stopped by {why} while the ranks were meeting; "
+                                    "no step was trained, so there is nothing to save")
+    try:
+        yield check
+    finally:
+        if wrap and signal.getsignal(signal.SIGTERM) is on_term:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def health_check(store: dist.Store, env: DistEnv, device: torch.device, timeout_s: float,

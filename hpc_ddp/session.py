@@ -551,8 +551,10 @@ def _setting(spec: Any, key: str, variable: str, default: float) -> float:
 
 
 def _fault_before_join(env: DistEnv) -> None:
-    """HPC_DDP_FAULT_NO_JOIN=R: rank R hangs before the rendezvous (a rank that never starts)."""
+    """HPC_DDP_FAULT_NO_JOIN=R: rank R hangs before the rendezvous (a rank that never starts: no stop
+    flag of ours yet, so a SIGTERM ends it as it would a process still starting up)."""
     if os.environ.get("HPC_DDP_FAULT_NO_JOIN") == str(env.rank):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         time.sleep(10**6)
 
 
