@@ -33,7 +33,7 @@ from .errors import HpcDdpError
 from .ports import PORT_HINT, taken_port_message
 
 __all__ = ["RendezvousError", "RendezvousStopped", "PeerLost", "expected_host", "describe_ranks", "join", "health_check",
-           "Heartbeat", "mark_left", "unresponsive", "explain_failure", "leave"]
+           "Heartbeat", "wait_for_all", "mark_left", "unresponsive", "explain_failure", "leave"]
 
 HEARTBEAT_S = 2.0
 LEFT_AFTER_OTHERS = "left after another rank's failure"  # a `left/<rank>` reason that blames nobody
@@ -301,3 +301,12 @@ def leave(timeout_s: float = 10.0) -> None:
     worker = threading.Thread(target=dist.destroy_process_group, daemon=True)
     worker.start()
     worker.join(timeout_s)
+
+
+def wait_for_all(store: dist.Store, env: DistEnv, name: str, timeout_s: float) -> list[int]:
+    """Mark this rank as arrived at `name` and wait until every rank has; the ranks still missing after
+    `timeout_s` (empty when all came). For calls that must be collective (a checkpoint save), so a rank
+    that never comes is named instead of hanging a collective until its timeout."""
+    store.set(f"{name}/{env.rank}", "1")
+    store.add(f"{name}/count", 1)
+    return _wait_all(store, env, name, time.monotonic() + timeout_s)
