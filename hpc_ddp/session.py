@@ -367,15 +367,20 @@ class Session:
         self._samplers.append((sampler, batch_size, generator))
         return sampler
 
-    def epochs(self, total: int) -> Iterator[int]:
-        """The epochs still to run (from the resumed one); each starts the samplers at the right batch."""
+    def epochs(self, total: int, *, batches_per_epoch: int | None = None) -> Iterator[int]:
+        """The epochs still to run, from the resumed one; each starts the samplers at the right batch.
+        The resumed epoch is yielded even when a stop came after its last batch, so the code after the
+        inner loop (evaluation, say) runs once, as it did in an uninterrupted run; its loader then yields
+        nothing. A loop with no sampler passes `batches_per_epoch` (1: one step per epoch), and an epoch
+        whose batches were all done is then not run again."""
         self.epochs_total = total
         while self.progress.epoch < total:
-            for sampler, batch_size, generator in self._samplers:
-                sampler.set_position(self.progress.epoch, self.progress.batch_in_epoch * batch_size)
-                if generator is not None:  # the same worker seeds in this epoch, resumed or not
-                    generator[0].manual_seed(generator[1] * 1_000_003 + self.progress.epoch)
-            yield self.progress.epoch
+            if batches_per_epoch is None or self.progress.batch_in_epoch < batches_per_epoch:
+                for sampler, batch_size, generator in self._samplers:
+                    sampler.set_position(self.progress.epoch, self.progress.batch_in_epoch * batch_size)
+                    if generator is not None:  # the same worker seeds in this epoch, resumed or not
+                        generator[0].manual_seed(generator[1] * 1_000_003 + self.progress.epoch)
+                yield self.progress.epoch
             self.progress.epoch += 1
             self.progress.batch_in_epoch = 0
 
