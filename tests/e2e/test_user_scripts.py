@@ -112,7 +112,7 @@ def test_the_examples_differ_little_from_the_seeds():
     """The README shows these diffs: adopting the API is a few lines, not a rewrite."""
     if not SEEDS.is_dir():
         pytest.skip("../shared/seeds is not beside this checkout")
-    for name, most in (("managed_platform_mnist.py", 24), ("linear_regression.py", 24), ("spawn_mnist.py", 50)):
+    for name, most in (("managed_platform_mnist.py", 24), ("linear_regression.py", 28), ("spawn_mnist.py", 50)):
         diff = subprocess.run(["diff", str(SEEDS / name), str(EXAMPLES / name)], capture_output=True, text=True)
         changed = [line for line in diff.stdout.splitlines() if line[:2] in ("< ", "> ")]
         assert 0 < len(changed) <= most, (name, len(changed))
