@@ -202,6 +202,24 @@ def ignore_stop_signals(_worker_id: int) -> None:
         signal.signal(signum, signal.SIG_IGN)
 
 
+def _stop_proof_worker_loop(*args, **kwargs):
+    """torch's DataLoader worker loop, started with the stop signals ignored (see `shield_loader_workers`)."""
+    ignore_stop_signals(0)
+    return _TORCH_WORKER_LOOP(*args, **kwargs)
+
+
+_TORCH_WORKER_LOOP = torch.utils.data._utils.worker._worker_loop
+
+
+def shield_loader_workers() -> None:
+    """Make every DataLoader worker started from now on ignore Slurm's stop signals, loaders the user
+    built included: Slurm signals every process of a step, and a worker killed by SIGTERM makes its
+    loader raise in the main process instead of letting it checkpoint. DataLoader looks its worker
+    function up on torch's module each time it starts workers, so replacing it there reaches them all;
+    the replacement is a module-level function, so spawned workers can unpickle it too."""
+    torch.utils.data._utils.worker._worker_loop = _stop_proof_worker_loop
+
+
 def shutdown_workers(loader: DataLoader | None) -> None:
     """Stop a loader's (persistent) workers now. They ignore SIGTERM, so the terminate() that
     multiprocessing would send at interpreter exit cannot end them: the trainer ends them here."""

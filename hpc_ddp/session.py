@@ -55,7 +55,7 @@ from . import rendezvous
 from .checkpoint import CheckpointManager, Loaded, state_sha256
 from torch.utils.data import DataLoader
 
-from .data import ResumableSampler, SeededSamples, ignore_stop_signals
+from .data import ResumableSampler, SeededSamples, ignore_stop_signals, shield_loader_workers
 from .deadline import job_deadline, stop_lead
 from .distenv import DistEnv, from_environ
 from .errors import HpcDdpError, UserError
@@ -179,6 +179,7 @@ class Session:
         """Install the stop signals, pick the device, meet the other ranks (bounded, naming the missing
         ones), build the process group and check it with one all-reduce. Called by `start()`."""
         self.stop.install()
+        shield_loader_workers()
         backend = self._pick_device()
         if self.distributed:
             _fault_before_join(self.env)
@@ -451,7 +452,8 @@ class Session:
             epochs = f"/{self.epochs_total}" if self.epochs_total else ""
             parts = [f"step {p.step}{of}", f"epoch {p.epoch + 1}{epochs}"]
             parts += [f"loss {loss:.4f}"] if loss is not None else []
-            parts += [f"{k} {v:.4g}" for k, v in metrics.items()] + [f"{rate:,.0f} samples/s"]
+            parts += [f"{k} {v:.4g}" for k, v in metrics.items()]
+            parts += [f"{rate:,.0f} samples/s"] if p.samples else []
             tty = sys.stdout.isatty()
             print(("\r" if tty else "") + "  ".join(parts), end="" if tty else "\n", flush=True)
             self._bar_open = tty

@@ -184,3 +184,23 @@ def test_an_uncaught_misuse_in_a_script_is_one_line(tmp_path):
     assert done.stderr.strip().splitlines() == [
         "hpc-ddp: error: track(): model=object has no state_dict()/load_state_dict() "
         "HINT: track modules, optimizers, schedulers, or a dict of tensors and numbers"]
+
+
+def test_loader_workers_the_user_built_survive_slurms_sigterm(tmp_path):
+    """Slurm signals every process of a step: a DataLoader worker killed by it would crash the loop
+    instead of letting it checkpoint. start() makes every worker ignore the stop signals."""
+    script = tmp_path / "workers.py"
+    script.write_text(
+        "import os, signal, time, torch, hpc_ddp\n"
+        "run = hpc_ddp.start()\n"
+        "class D(torch.utils.data.Dataset):\n"
+        "    def __len__(self): return 64\n"
+        "    def __getitem__(self, i): time.sleep(0.02); return os.getpid()\n"
+        "it = iter(torch.utils.data.DataLoader(D(), batch_size=2, num_workers=2))\n"
+        "for pid in set(next(it).tolist()): os.kill(pid, signal.SIGTERM)\n"
+        "time.sleep(0.3)\n"
+        "print(len([b for b in it]))\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          env={"HPC_DDP_RUN_DIR": str(tmp_path / "run"), "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "31"
