@@ -202,22 +202,23 @@ def ignore_stop_signals(_worker_id: int) -> None:
         signal.signal(signum, signal.SIG_IGN)
 
 
-def _stop_proof_worker_loop(*args, **kwargs):
-    """torch's DataLoader worker loop, started with the stop signals ignored (see `shield_loader_workers`)."""
+def _worker_signal_handlers_ignoring_stops(*args, **kwargs):
+    """torch's own worker signal set-up (it puts a C handler on SIGTERM), then the stop signals ignored."""
+    _TORCH_WORKER_HANDLERS(*args, **kwargs)
     ignore_stop_signals(0)
-    return _TORCH_WORKER_LOOP(*args, **kwargs)
 
 
-_TORCH_WORKER_LOOP = torch.utils.data._utils.worker._worker_loop
+_TORCH_WORKER_HANDLERS = torch.utils.data._utils.signal_handling._set_worker_signal_handlers
 
 
 def shield_loader_workers() -> None:
     """Make every DataLoader worker started from now on ignore Slurm's stop signals, loaders the user
     built included: Slurm signals every process of a step, and a worker killed by SIGTERM makes its
-    loader raise in the main process instead of letting it checkpoint. DataLoader looks its worker
-    function up on torch's module each time it starts workers, so replacing it there reaches them all;
-    the replacement is a module-level function, so spawned workers can unpickle it too."""
-    torch.utils.data._utils.worker._worker_loop = _stop_proof_worker_loop
+    loader raise in the main process instead of letting it checkpoint. Each worker calls torch's
+    `_set_worker_signal_handlers` (looked up on its module) as it starts, after forking and before
+    loading; ours runs it and then ignores the stop signals. (A `spawn` worker imports torch afresh
+    and keeps torch's handlers: pass such a loader `worker_init_fn=ignore_stop_signals`.)"""
+    torch.utils.data._utils.signal_handling._set_worker_signal_handlers = _worker_signal_handlers_ignoring_stops
 
 
 def shutdown_workers(loader: DataLoader | None) -> None:
