@@ -309,6 +309,8 @@ def finish(run_dir: Path, attempt: int, exit_code: int, env: Mapping[str, str] |
     if exit_code == REQUEUE_EXIT_CODE or last.cause in ("preempted", "time_limit"):
         events.write({"event": "requeue" if requeue else "gave_up", "attempt": attempt, "reason": reason,
                       **({"by": "slurm"} if requeue and by_slurm else {})})
+    elif last.cause == "cancelled":  # as the local executor records a cancel: status says CANCELLED
+        events.write({"event": "gave_up", "attempt": attempt, "reason": "cancelled (scancel)", "cause": "cancelled"})
     return Outcome(requeue, reason, by_slurm)
 
 

@@ -142,7 +142,8 @@ def _overall_state(sched: dict[str, Any], events: list[dict[str, Any]], gave_up:
     if live and live not in _ENDED:
         return live
     kinds = [e.get("event") for e in events]
-    if any(e.get("event") == "gave_up" and e.get("cause") == "cancelled" for e in events):
+    if any(e.get("event") == "gave_up" and e.get("cause") == "cancelled" for e in events) or (
+            live == "CANCELLED" and "finish" not in kinds):  # the batch shell may be killed before it says so
         return "CANCELLED"
     if "finish" in kinds and kinds[-1] in ("finish", "attempt_end") and not gave_up:
         return "COMPLETED"
