@@ -250,11 +250,16 @@ class LocalExecutor:
             envs = rank_envs(spec, self.job_id, port, _physical_gpus(), attempt, deadline, str(run_dir))
             for env in envs:
                 Path(env["TMPDIR"]).mkdir(parents=True, exist_ok=True)
+            received: list[str] = []
             rc = _run_ranks(argv, envs, log_dir, echo=self.echo, cwd=spec.workdir,
-                            timeline=_timeline(spec, deadline), cancel=self.cancel)
+                            timeline=_timeline(spec, deadline), cancel=self.cancel, received=received)
             if self.cancel.requested and rc != 0:  # a run that completed all the same completed
                 return self._cancelled(run_dir, attempt, rc, began=True)
-            requeue, reason = attempts.end(run_dir, attempt, rc, env={"HPC_DDP_JOB_ID": self.job_id})
+            # A SIGTERM from outside (what Slurm sends at preemption) is not the program's failure, as the
+            # batch shell's trap tells the policy on Slurm.
+            outside = "TERM" if "SIGTERM" in received else ""
+            requeue, reason = attempts.end(run_dir, attempt, rc,
+                                           env={"HPC_DDP_JOB_ID": self.job_id, "HPC_DDP_SHELL_SIGNAL": outside})
             if not requeue:
                 if rc == REQUEUE_EXIT_CODE:
                     _say(f"checkpointed, not restarting: {reason}")
@@ -316,7 +321,8 @@ def _physical_gpus() -> int:
 
 
 def _run_ranks(argv: list[str], envs: list[dict[str, str]], log_dir: Path, *, echo: bool, cwd: str,
-               timeline: list[tuple[float, int]] | None = None, cancel: _Cancel | None = None) -> int:
+               timeline: list[tuple[float, int]] | None = None, cancel: _Cancel | None = None,
+               received: list[str] | None = None) -> int:
     procs = []
     scrubber = secrets.current()  # built once: the pumps call it for every line
     # Each rank dies with the executor, even a SIGKILLed one: in their own sessions, nothing else would
@@ -330,7 +336,7 @@ def _run_ranks(argv: list[str], envs: list[dict[str, str]], log_dir: Path, *, ec
              for rank, proc in enumerate(procs)]
     for pump in pumps:
         pump.start()
-    previous = _forward_signals(procs)
+    previous = _forward_signals(procs, received if received is not None else [])
     try:
         rc = _wait_all(procs, list(timeline or []), cancel or _Cancel())
     finally:
@@ -341,12 +347,13 @@ def _run_ranks(argv: list[str], envs: list[dict[str, str]], log_dir: Path, *, ec
     return rc
 
 
-def _forward_signals(procs: list[subprocess.Popen]) -> dict:
-    """Pass stop signals on to every rank, as Slurm signals every task of the step."""
+def _forward_signals(procs: list[subprocess.Popen], received: list[str]) -> dict:
+    """Pass stop signals on to every rank, as Slurm signals every task of the step; note their names."""
     if threading.current_thread() is not threading.main_thread():
         return {}
 
     def forward(signum, _frame):
+        received.append(signal.Signals(signum).name)
         for p in procs:
             if p.poll() is None:
                 _signal_group(p, signum)

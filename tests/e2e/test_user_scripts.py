@@ -216,3 +216,20 @@ def test_a_cancelled_plain_script_is_not_requeued(slurm_conf, workspace):
     assert [e["cause"] for e in ends] in ([], ["cancelled"])  # the batch shell may be killed before it says so
     if sys.platform:  # status reads Slurm's word for it
         assert "CANCELLED" in hpc_ddp("status", job, cwd=workspace).stdout
+
+
+def test_plain_script_sigtermed_under_the_local_executor_runs_again(workspace):
+    """The local executor's rehearsal of a preemption: SIGTERM to the executor reaches every rank; a
+    script with no handler dies of it, and that attempt is preempted, not failed."""
+    (workspace / "plain.py").write_text(PLAIN)
+    progress = workspace / "local-progress.json"
+    proc = subprocess.Popen([sys.executable, "-m", "hpc_ddp", "submit", "--executor", "local", "--nodes", "2",
+                             "--tasks-per-node", "1", "--run-dir", "plain-local", "plain.py", str(progress)],
+                            cwd=workspace, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_until(lambda: progress.exists() and json.loads(progress.read_text())["step"] >= 5, 120, "step 5")
+    proc.send_signal(subprocess.signal.SIGTERM)
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 0, out[-2000:] + err[-2000:]
+    assert json.loads(progress.read_text())["step"] == 40
+    ends = [e for e in read_jsonl(workspace / "plain-local" / "events.jsonl") if e["event"] == "attempt_end"]
+    assert [e["cause"] for e in ends] == ["preempted", "completed"], ends
