@@ -1,6 +1,6 @@
 """`hpc-ddp doctor` and submit's preflight against the real test Slurm (tests/slurm/slurm-up.sh):
-partitions debug (default, no limit) and short (10 minutes), nodes hpcn1 and hpcn2 with 4 CPUs, 4000 MB
-and gpu:2 each."""
+partitions debug (default, no limit), short (10 minutes), grace and urgent (for real preemption), nodes
+hpcn1 and hpcn2 with 4 CPUs, 4000 MB and gpu:2 each."""
 
 import json
 
@@ -14,9 +14,11 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slurm]
 def test_doctor_reports_the_real_cluster(slurm_conf, tmp_path):
     done = hpc_ddp("doctor", cwd=tmp_path, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
-    rows = {line.split()[0]: line.split() for line in done.stdout.splitlines()[2:4]}
+    rows = {line.split()[0]: line.split() for line in done.stdout.splitlines()[2:6]}
     assert rows["debug*"] == ["debug*", "up", "2", "4", "4000M", "2", "infinite", "hpcn[1-2]"]
     assert rows["short"] == ["short", "up", "2", "4", "4000M", "2", "0-00:10:00", "hpcn[1-2]"]
+    assert rows["grace"] == ["grace", "up", "2", "4", "4000M", "2", "infinite", "hpcn[1-2]"]
+    assert set(rows) == {"debug*", "short", "grace", "urgent"}
     assert "ok: sbatch --test-only accepts the job" in done.stdout
 
     out = json.loads(hpc_ddp("doctor", "--json", cwd=tmp_path, timeout=60).stdout)
