@@ -1,5 +1,6 @@
 """`hpc-ddp plot RUN_DIR`: training loss and eval accuracy over steps from metrics.jsonl, with the
-stops and resumes from events.jsonl marked, as one PNG."""
+stops and resumes from events.jsonl marked, as one PNG. (Where the wall-clock time went is
+`hpc_ddp.timeline`.)"""
 
 from __future__ import annotations
 
@@ -8,10 +9,23 @@ from pathlib import Path
 from .errors import UserError
 from .events import read_jsonl
 
-__all__ = ["plot_run"]
+__all__ = ["plot_run", "figure"]
 
 
 def plot_run(run_dir: Path, output: Path | None = None) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig = figure(run_dir)
+    path = output or run_dir / "training.png"
+    try:
+        fig.savefig(path)
+    finally:
+        plt.close(fig)
+    return path
+
+
+def figure(run_dir: Path):
+    """The matplotlib Figure `plot_run` saves."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display on compute or login nodes
@@ -40,20 +54,25 @@ def plot_run(run_dir: Path, output: Path | None = None) -> Path:
     handles = [h for ax in fig.axes for h in ax.get_legend_handles_labels()[0]]
     ax_loss.legend(handles=handles, loc="upper right", fontsize=8)
     fig.tight_layout()
-    path = output or run_dir / "training.png"
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return fig
 
 
 def _mark_events(ax, events: list[dict]) -> None:
-    styles = {"signal": ("tab:red", "--", "stop"), "resume": ("tab:purple", ":", "resume")}
+    """A stop and the resume after it are usually at the same step (the stop checkpoint is where the next
+    attempt resumes), so stops take the upper half of the axes and resumes the lower, each with its step
+    written next to it: neither hides the other."""
+    # (color, line style, y range in axes fractions, y of the text)
+    styles = {"signal": ("tab:red", "--", (0.5, 1.0), 0.97, "stop"),
+              "resume": ("tab:purple", ":", (0.0, 0.5), 0.03, "resume")}
     labelled = set()
     for event in events:
         style = styles.get(event.get("event"))
-        if style is None:
+        step = event.get("step")
+        if style is None or not isinstance(step, (int, float)):
             continue
-        color, line, label = style
-        ax.axvline(event.get("step", 0), color=color, ls=line, lw=1,
+        color, line, (low, high), text_y, label = style
+        ax.axvline(step, low, high, color=color, ls=line, lw=1.2, gid=label,
                    label=None if label in labelled else label)
+        ax.text(step, text_y, f" {label} {step}", transform=ax.get_xaxis_transform(), color=color, fontsize=7,
+                rotation=90, ha="left", va="top" if label == "stop" else "bottom")
         labelled.add(label)
