@@ -24,6 +24,10 @@ What it promises, on every rank of every attempt:
   batch script's requeue policy turns into the next attempt;
 - checkpoints are crash-safe (`checkpoint.CheckpointManager`): a kill at any moment leaves the old or the
   new one; loading verifies every file and falls back to the previous one;
+- periodic checkpoints do not stall the loop (`async_checkpoint=True`, the default): rank 0 copies the
+  state to host memory and a background thread writes it, as crash-safely (`asyncsave`). One write at a
+  time; a stop and `finish()` wait until it is durable before they save, exit 75 or return; a failed
+  write raises on the next `step()`. Explicit `save()` calls still return only once durable;
 - a resumed run continues from the same sample with the same random streams on every rank
   (`rngstate`, `data.ResumableSampler`), so it ends as an uninterrupted one would;
 - records in the run dir (`events.jsonl`, `metrics.jsonl`), so `hpc-ddp status`, `plot` and `inspect`
@@ -52,6 +56,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import rendezvous
+from .asyncsave import BackgroundWriter, Snapshot, Snapshotter
 from .checkpoint import CheckpointManager, Loaded, state_sha256
 from torch.utils.data import DataLoader
 
@@ -102,7 +107,8 @@ class Session:
     def __init__(self, run_dir: str | os.PathLike | None = None, *, checkpoint_every_steps: int = 0,
                  checkpoint_every_minutes: float = 30.0, keep: int = 3, log_every: int = 10,
                  fingerprint: Mapping[str, Any] | None = None, stop_lead_seconds: float = 0.0,
-                 stop_on_nonfinite: bool = True, exit_on_stop: bool = True, env: DistEnv | None = None):
+                 stop_on_nonfinite: bool = True, exit_on_stop: bool = True, env: DistEnv | None = None,
+                 async_checkpoint: bool = True):
         self.run_dir = _run_dir(run_dir)
         spec = _spec_in(self.run_dir)
         self.env = env or from_environ(os.environ, pid=os.getpid())
@@ -119,6 +125,11 @@ class Session:
         self.total_steps: int | None = None
         self.epochs_total: int | None = None
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", keep=keep, log=self.log)
+        # Periodic saves snapshot to host memory and write in the background (asyncsave.py); rank 0 only.
+        self.async_checkpoint = async_checkpoint
+        self._writer = BackgroundWriter(log=self.log) if async_checkpoint else None
+        self._snapshots = Snapshotter()
+        self._in_flight: Snapshot | None = None
         self.events = JsonLines(self.run_dir / "events.jsonl", enabled=self.is_main)
         self.metrics = JsonLines(self.run_dir / "metrics.jsonl", enabled=self.is_main)
         self.device = torch.device("cpu")
@@ -212,12 +223,21 @@ class Session:
         if self._closed:
             return
         self._closed = True
+        self._drain_writer()
         rendezvous.mark_left(self.store, self.env, why)  # before the heartbeat stops: see mark_left
         if self.heartbeat is not None:
             self.heartbeat.stop()
         if self.distributed and dist.is_initialized():
             rendezvous.leave()
         self.stop.uninstall()
+
+    def _drain_writer(self) -> None:
+        """Leaving with a background write in flight (an error, or no finish()): let it become durable,
+        so the checkpoint it holds is not lost; a failure is said, not raised over the one in progress."""
+        try:
+            self.wait_for_checkpoint()
+        except HpcDdpError as exc:
+            self.log(f"hpc-ddp: error: {exc}")
 
     def __enter__(self) -> "Session":
         return self
@@ -250,34 +270,88 @@ class Session:
                                  hint="track modules, optimizers, schedulers, or a dict of tensors and numbers")
             self._tracked[name] = obj
 
-    def save(self, reason: str = "periodic") -> Path | None:
+    def save(self, reason: str = "periodic", *, wait: bool = True) -> Path | None:
         """Write a checkpoint of the tracked states, progress and every rank's RNG. Collective: every rank
-        calls it at the same point (rank 0 writes); it returns once the checkpoint is durable."""
+        calls it at the same point (rank 0 writes). By default it returns once the checkpoint is durable
+        (its path on rank 0, None elsewhere). With `wait=False` and async checkpoints on (the default;
+        what `step()` does for periodic saves), rank 0 snapshots the state to host memory, a background
+        thread writes it (just as crash-safe), and every rank returns None at once; the next save, a stop
+        and `finish()` wait for it, and a failed write raises on the next `step()` or `save()`."""
         started = time.monotonic()
+        self._check_writer()
         self._all_arrive("save")
         rng = [capture_rng()]
         if self.distributed:
             rng = [None] * self.world_size
             dist.all_gather_object(rng, capture_rng())
+        background = not wait and self._writer is not None
         path = None
         if self.is_main:
             payloads = {f"{name}.pt": _state_of(obj) for name, obj in self._tracked.items()}
             payloads[SESSION_FILE] = {"progress": dataclasses.asdict(self.progress), "rng": rng}
             for fname, payload in payloads.items():
                 _check_plain(payload, fname.removesuffix(".pt"))
-            path = self.checkpoints.save(self.progress.step, payloads, self._meta(payloads, reason))
-            self.save_seconds = time.monotonic() - started
-            self.events.write({"event": "checkpoint", "step": self.progress.step, "epoch": self.progress.epoch,
-                               "reason": reason, "path": str(path), "seconds": round(self.save_seconds, 3)})
-        if self.distributed:
+            if background:
+                self._save_in_background(payloads, reason, started)
+            else:
+                path = self._save_now(payloads, reason, started)
+        if self.distributed and not background:
             dist.barrier()  # nobody exits or goes on before the checkpoint is durable
         self.last_save = time.monotonic()
         return path
 
-    def _meta(self, payloads: Mapping[str, Any], reason: str) -> dict[str, Any]:
+    def _save_now(self, payloads: dict[str, Any], reason: str, started: float) -> Path:
+        """Rank 0: wait for the write in flight (at most one at a time), then write this one and return
+        once it is durable."""
+        self.wait_for_checkpoint()
+        path = self.checkpoints.save(self.progress.step, payloads, self._meta(payloads, reason))
+        self._saved(path, reason, self.progress.step, self.progress.epoch, time.monotonic() - started)
+        return path
+
+    def _save_in_background(self, payloads: dict[str, Any], reason: str, started: float) -> None:
+        """Rank 0: snapshot to host memory, hand the write to the background thread, return."""
+        self.wait_for_checkpoint()  # at most one in flight; raises if it failed
+        if self._in_flight is not None:  # written: its host buffers serve this snapshot
+            self._snapshots.recycle(self._in_flight)
+        snapshot = self._in_flight = self._snapshots.take(payloads)
+        step, epoch = self.progress.step, self.progress.epoch
+        meta = self._meta(snapshot.payloads, reason, model_hash=False)
+        blocked = time.monotonic() - started
+
+        def write() -> Path:
+            state = snapshot.ready()
+            if "model.pt" in state:  # hashed here, off the loop
+                meta["model_sha256"] = state_sha256(state["model.pt"])
+            return self.checkpoints.save(step, state, meta)
+
+        self._writer.start(write, done=lambda path, seconds: self._saved(
+            path, reason, step, epoch, blocked + seconds, blocked=blocked))
+
+    def _saved(self, path: Path, reason: str, step: int, epoch: int, seconds: float,
+               blocked: float | None = None) -> None:
+        """The "checkpoint" record, once a checkpoint is durable (on the writer thread for background
+        saves). `seconds` is snapshot to durable: what a stop's save costs, so the stop lead uses it."""
+        self.save_seconds = seconds
+        record = {"event": "checkpoint", "step": step, "epoch": epoch, "reason": reason, "path": str(path),
+                  "seconds": round(seconds, 3)}
+        if blocked is not None:
+            record.update({"background": True, "blocked_s": round(blocked, 3)})
+        self.events.write(record)
+
+    def wait_for_checkpoint(self) -> Path | None:
+        """Block until the background checkpoint write in flight (if any) is durable and return its path
+        (rank 0; None elsewhere or when none was in flight). Raises CheckpointError if it failed."""
+        return self._writer.wait() if self._writer is not None else None
+
+    def _check_writer(self) -> None:
+        """A background write that failed raises here, on the loop's thread: never silently."""
+        if self._writer is not None:
+            self._writer.check()
+
+    def _meta(self, payloads: Mapping[str, Any], reason: str, model_hash: bool = True) -> dict[str, Any]:
         meta = {"epoch": self.progress.epoch, "batch_in_epoch": self.progress.batch_in_epoch, "reason": reason,
                 "fingerprint": self.fingerprint}
-        if "model.pt" in payloads:
+        if model_hash and "model.pt" in payloads:
             meta["model_sha256"] = state_sha256(payloads["model.pt"])
         return meta
 
@@ -407,6 +481,7 @@ class Session:
         `log_every` steps, save when a checkpoint is due, and when any rank was asked to stop, save and
         exit 75 (or return True with exit_on_stop=False). `batches`: loader batches it consumed (gradient
         accumulation); `samples`: samples it consumed on all ranks together, for samples/s."""
+        self._check_writer()  # a failed background checkpoint write stops the run here, not silently
         sent = self._sent if self._sent is not None else self.flags(loss)
         self._sent = None
         if summed is None:
@@ -433,7 +508,7 @@ class Session:
         if stop > 0:
             return self._stop_here()
         if due > 0:
-            self.save("periodic")
+            self.save("periodic", wait=False)  # in the background when async checkpoints are on
         return False
 
     def _record(self, loss: float | None, metrics: Mapping[str, float]) -> None:

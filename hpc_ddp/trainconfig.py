@@ -50,6 +50,7 @@ class TrainConfig:
     checkpoint_every_steps: int = 0    # 0: only at stops and at the end
     checkpoint_every_minutes: float = 30.0  # a node failure loses at most this much
     keep_checkpoints: int = 3
+    async_checkpoint: bool = True      # periodic saves: snapshot to host memory, write in the background
     log_every: int = 10
     stop_lead_seconds: float = 0.0     # stop this long before the job's end time; 0: from measured times
     fake_size: int = 1024              # samples in the `fake` dataset's training split
@@ -99,7 +100,7 @@ _PARSERS = {
     "num_workers": _int(0, 1024), "seed": _int(0, MAX_SEED), "augment": _bool, "eval_every_epoch": _bool,
     "checkpoint_every_steps": _int(0, MAX_STEPS), "checkpoint_every_minutes": number(0.0, maximum=DAY_MINUTES * 365),
     "keep_checkpoints": _int(2, 10_000), "log_every": _int(1, MAX_STEPS), "fake_size": _int(1, 10**9),
-    "stop_lead_seconds": number(0.0, maximum=86400.0 * 365),
+    "stop_lead_seconds": number(0.0, maximum=86400.0 * 365), "async_checkpoint": _bool,
 }
 assert set(_PARSERS) == {f.name for f in dataclasses.fields(TrainConfig)}
 
