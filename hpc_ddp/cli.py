@@ -471,13 +471,47 @@ def plot(run_dir: str, output: str | None) -> None:
     """Plot loss and accuracy over steps, with every stop and resume marked."""
     from .plot import plot_run
 
+    path = plot_run(Path(run_dir), _png_output(output))
+    click.echo(f"Wrote {path}")
+
+
+@cli.command()
+@click.argument("job", required=False)
+@click.option("-o", "--output", help="PNG to write [default: RUN_DIR/timeline.png].")
+def timeline(job: str | None, output: str | None) -> None:
+    """Draw where JOB's wall-clock time went (a job id or a run dir; without JOB, the most recent run):
+    queue waits, each attempt on its nodes, checkpoints, stops, requeues, resumes, steps redone, samples/s."""
+    from .events import read_jsonl
+    from .status import _submitted
+    from .timeline import build_timeline, draw, save_png, summarize, summary_line
+
+    run_dir, job_id, _ = _resolve(job)
+    out = _png_output(output) or run_dir / "timeline.png"
+    if out.parent == run_dir and not os.access(run_dir, os.W_OK):
+        raise UserError(f"cannot write {str(out)!r}: the run dir is not writable", hint="give -o PNG")
+    events = [e for e in read_jsonl(run_dir / "events.jsonl") if isinstance(e, dict)]
+    metrics = [m for m in read_jsonl(run_dir / "metrics.jsonl") if isinstance(m, dict)]
+    tl = build_timeline(events, metrics, _submitted(run_dir))
+    if not tl.spans:
+        raise UserError(f"{run_dir} has no attempt or training records yet (events.jsonl)",
+                        hint="give the run dir of a job that has started")
+    line = summary_line(summarize(tl))
+    try:
+        save_png(draw(tl, f"{run_dir.name} (job {job_id or '-'}): {line}"), out)
+    except OSError as exc:
+        raise UserError(f"cannot write {str(out)!r}: {exc.strerror or exc}") from None
+    click.echo(line)
+    click.echo(f"Wrote {out}")
+
+
+def _png_output(output: str | None) -> Path | None:
+    """The -o path of plot and timeline, refused at once where it cannot be written."""
     out = Path(output).expanduser().resolve() if output else None
     if out is not None and (out.is_dir() or not out.parent.is_dir() or not os.access(out.parent, os.W_OK)
                             or _on_kernel_fs(out)):
         raise UserError(f"-o {output!r}: " + ("is a directory" if out.is_dir() else
                         f"{str(out.parent)!r} is not a directory you can write to"), hint="give a PNG file path")
-    path = plot_run(Path(run_dir), out)
-    click.echo(f"Wrote {path}")
+    return out
 
 
 @cli.command("stage")
@@ -500,13 +534,27 @@ def stage_cmd(src: str, dest: str | None, name: str | None, checksums: bool) -> 
 @cli.command()
 @click.argument("job", required=False)
 @click.option("--json", "as_json", is_flag=True)
-def status(job: str | None, as_json: bool) -> None:
-    """State, restarts, last checkpoint, progress and last event of JOB (a job id or a run dir);
-    without JOB, the most recent run."""
-    from .status import format_status, run_status
+@click.option("-w", "--watch", is_flag=True, help="Print step, samples/s and ETA every --interval seconds until "
+                                                  "the job ends (Ctrl-C stops watching, not the job).")
+@click.option("--interval", type=click.FloatRange(0.2, 3600), default=5.0, show_default=True,
+              help="Seconds between --watch lines.")
+def status(job: str | None, as_json: bool, watch: bool, interval: float) -> None:
+    """State, restarts, last checkpoint, progress, ETA, where the time went and last event of JOB (a job
+    id or a run dir); without JOB, the most recent run."""
+    import time
+
+    from .status import LIVE, format_status, progress_line, run_status
 
     run_dir, job_id, executor = _resolve(job)
     info = run_status(run_dir, job_id, executor, SubprocessCommands())
+    try:
+        while watch and info["state"] in LIVE:
+            click.echo(progress_line(info, time.time()))
+            time.sleep(interval)
+            info = run_status(run_dir, job_id, executor, SubprocessCommands())
+    except KeyboardInterrupt:  # stop watching; the job goes on
+        click.echo("")
+        return
     if as_json:
         click.echo(json.dumps(info, indent=2, default=str))
         return

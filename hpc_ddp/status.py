@@ -2,7 +2,9 @@
 recorded (attempts, why each ended, checkpoints, progress, the failure's likely cause).
 
 Slurm's view comes from squeue, then sacct where accounting exists, then `scontrol show job`, each
-falling back cleanly to the next; the run dir's events.jsonl fills in the rest.
+falling back cleanly to the next; the run dir's events.jsonl fills in the rest. Where the time went (one
+line) comes from `timeline`; the ETA (`estimate_eta`, pure) from metrics.jsonl, the time limit and the
+requeues still allowed.
 
 What these print is masked (`secrets`): under sbatch, Slurm writes the rank logs itself, so a token a
 program printed is on disk as printed; status details quote those logs, and `logs` prints them.
@@ -10,7 +12,10 @@ program printed is on disk as printed; status details quote those logs, and `log
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,10 +26,14 @@ from .classify import classify_failure
 from .events import read_jsonl
 from .procs import CommandRunner
 
-__all__ = ["run_status", "scheduler_state", "log_files", "new_log_lines", "format_status"]
+__all__ = ["run_status", "scheduler_state", "log_files", "new_log_lines", "format_status", "Eta", "estimate_eta",
+           "recent_step_seconds", "progress_line", "LIVE"]
 
 _ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "PREEMPTED", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
           "DEADLINE")
+# A job in one of these may still train: `status --watch` and `logs --follow` keep going.
+LIVE = ("RUNNING", "PENDING", "CONFIGURING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING",
+        "SUSPENDED", "STOPPED_BY_SLURM")
 
 
 def scheduler_state(job_id: str, commands: CommandRunner) -> dict[str, Any]:
@@ -109,8 +118,11 @@ def _failure(run_dir: Path) -> dict[str, str] | None:
 
 
 def run_status(run_dir: Path, job_id: str | None, executor: str | None, commands: CommandRunner) -> dict[str, Any]:
-    events = read_jsonl(run_dir / "events.jsonl")
-    metrics = [m for m in read_jsonl(run_dir / "metrics.jsonl") if "loss" in m]
+    # A damaged line (a kill mid-write) is skipped by read_jsonl; one that parses to something other
+    # than a record is skipped here.
+    events = [e for e in read_jsonl(run_dir / "events.jsonl") if isinstance(e, dict)]
+    every_metric = [m for m in read_jsonl(run_dir / "metrics.jsonl") if isinstance(m, dict)]
+    metrics = [m for m in every_metric if "loss" in m and isinstance(m.get("step"), int)]
     attempts = attempts_from_events(events)
     sched = _local_state(run_dir) if executor == "local" else (
         scheduler_state(job_id, commands) if job_id and commands.which("squeue") else {})
@@ -119,6 +131,7 @@ def run_status(run_dir: Path, job_id: str | None, executor: str | None, commands
     current = _current_job(events)
     gave_up = next((e["reason"] for e in reversed(current) if e.get("event") == "gave_up"), None)
     state = _overall_state(sched, current, gave_up)
+    line, eta = _time_accounting(run_dir, events, every_metric, job_id, step, total)
     status = {
         "run_dir": str(run_dir), "job_id": job_id, "executor": executor, "state": state,
         "scheduler": sched or None, "restarts": max(len(attempts) - 1, 0),
@@ -129,12 +142,141 @@ def run_status(run_dir: Path, job_id: str | None, executor: str | None, commands
         "progress": round(step / total, 4) if step and total else None,
         "samples_per_s": metrics[-1].get("samples_per_s") if metrics else None,
         "last_event": events[-1] if events else None, "gave_up": gave_up,
-        "resumes": [{"step": e["step"], "epoch": e.get("epoch"), "from": Path(e["path"]).name}
+        "resumes": [{"step": e.get("step"), "epoch": e.get("epoch"), "from": Path(str(e.get("path") or "?")).name}
                     for e in events if e.get("event") == "resume"],
         "failure": _failure(run_dir) if state in ("FAILED", "STOPPED") else None,
+        "time_used": line, "eta": dataclasses.asdict(eta) if eta and state in LIVE else None,
     }
     # events.jsonl is masked as written; this also covers records written before masking existed.
     return secrets.current().deep(status)
+
+
+def _time_accounting(run_dir: Path, events: list[dict[str, Any]], metrics: list[dict[str, Any]],
+                     job_id: str | None, step: int | None, total: int | None) -> tuple[str | None, "Eta | None"]:
+    """The timeline's one-line summary and the ETA of the job's current attempt."""
+    from .timeline import build_timeline, summarize, summary_line
+
+    timeline = build_timeline(events, metrics, _submitted(run_dir))
+    summary = summarize(timeline)
+    spec = _spec(run_dir)
+    current = timeline.spans[-1] if timeline.spans else None
+    job_spans = [s for s in timeline.spans if s.job_id == job_id] if job_id else timeline.spans
+    used = sum(1 for s in job_spans if s.cause == "time_limit")
+    restarts = [s.train_start - s.start for s in timeline.spans[1:] if s.train_start is not None]
+    eta = estimate_eta(
+        step=step, total_steps=total, step_seconds=recent_step_seconds([m for m in metrics if current and _after(m, current.start)])
+        or timeline.step_seconds,
+        now=time.time(), attempt_started=current.start if current else None,
+        time_limit_s=getattr(spec, "time", None), signal_lead_s=getattr(spec, "signal_lead", 0),
+        restart_s=sum(restarts) / len(restarts) if restarts else 60.0,
+        queue_s=sum(b - a for a, b in timeline.waits[1:]) / len(timeline.waits[1:]) if timeline.waits[1:] else 0.0,
+        requeues_left=max(spec.max_requeues - used, 0) if spec is not None else None)
+    return summary_line(summary), eta
+
+
+def _after(record: dict[str, Any], t: float) -> bool:
+    return isinstance(record.get("time"), (int, float)) and record["time"] >= t
+
+
+def _submitted(run_dir: Path) -> dict[str, float]:
+    """job id -> when it was submitted: submissions.jsonl, else this user's registry of runs."""
+    from .registry import runs
+
+    here = str(run_dir.resolve())
+    found = {str(r.get("job_id")): r["time"] for r in runs() if isinstance(r, dict)
+             and str(Path(str(r.get("run_dir"))).resolve()) == here and isinstance(r.get("time"), (int, float))}
+    for sub in read_jsonl(run_dir / "submissions.jsonl"):
+        if isinstance(sub, dict) and isinstance(sub.get("time"), (int, float)):
+            found.setdefault(str(sub.get("job_id")), sub["time"])
+    return found
+
+
+def _spec(run_dir: Path):
+    from .errors import HpcDdpError
+    from .runner import load_spec
+
+    try:
+        return load_spec(run_dir / "spec.json")
+    except HpcDdpError:  # a script run without hpc-ddp has none: no time limit to plan for
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Eta:
+    seconds: float | None        # from now to the last step; None: it cannot finish within the limits
+    more_attempts: int           # requeues after a time limit it still needs
+    requeues_left: int | None    # requeues after a time limit still allowed (None: no limit known)
+    queue_known: bool = True     # the queue waits of those requeues are counted (from this run's own)
+
+    @property
+    def fits(self) -> bool:
+        return self.seconds is not None and (self.requeues_left is None or self.more_attempts <= self.requeues_left)
+
+
+def estimate_eta(*, step: int | None, total_steps: int | None, step_seconds: float | None, now: float,
+                 attempt_started: float | None, time_limit_s: float | None, signal_lead_s: float = 0.0,
+                 restart_s: float = 60.0, queue_s: float = 0.0, requeues_left: int | None = None) -> Eta | None:
+    """When the last step will be done. Without a time limit: the steps left x step time. With one, the
+    attempt trains until `signal_lead_s` before its limit; each later attempt waits `queue_s` in the
+    queue, spends `restart_s` starting and resuming, and trains for the limit less the lead and restart.
+    None when there is nothing to estimate from (no step, total or step time yet)."""
+    if step is None or not total_steps or not step_seconds or step_seconds <= 0:
+        return None
+    work = max(total_steps - step, 0) * step_seconds
+    if not time_limit_s or attempt_started is None:
+        return Eta(work, 0, requeues_left)
+    elapsed = max(now - attempt_started, 0.0)
+    left_now = max(time_limit_s - signal_lead_s - elapsed, 0.0)
+    if work <= left_now:
+        return Eta(work, 0, requeues_left)
+    per_attempt = time_limit_s - signal_lead_s - restart_s
+    if per_attempt <= 0:
+        return Eta(None, 0, requeues_left)  # a restart alone eats the time limit: it never gets further
+    more = math.ceil((work - left_now) / per_attempt)
+    last = work - left_now - (more - 1) * per_attempt
+    seconds = max(time_limit_s - elapsed, 0.0) + (more - 1) * (time_limit_s + queue_s) + queue_s + restart_s + last
+    return Eta(seconds, more, requeues_left, queue_known=queue_s > 0)
+
+
+def recent_step_seconds(metrics: list[dict[str, Any]]) -> float | None:
+    """Seconds per step between the last two training records (the current speed, not the run's)."""
+    timed = [m for m in metrics if isinstance(m.get("time"), (int, float)) and isinstance(m.get("step"), int)
+             and ("loss" in m or "samples_per_s" in m)]  # an eval record's time includes the evaluation
+    if len(timed) < 2:
+        return None
+    a, b = timed[-2], timed[-1]
+    return (b["time"] - a["time"]) / (b["step"] - a["step"]) if b["step"] > a["step"] else None
+
+
+def eta_text(eta: dict[str, Any] | None, now: float) -> str | None:
+    if not eta:
+        return None
+    from .timeline import duration
+
+    more, left = eta["more_attempts"], eta["requeues_left"]
+    if eta["seconds"] is None:
+        return "will not finish: restarting takes longer than the time limit leaves"
+    if left is not None and more > left:
+        return f"will not finish: needs {more} more requeue(s) after time limits, max_requeues leaves {left}"
+    at = time.strftime("%H:%M", time.gmtime(now + eta["seconds"]))
+    text = f"{at} UTC (in {duration(eta['seconds'])})"
+    if more:
+        text += f", after {more} more requeue(s) at the time limit ({left} allowed)"
+        text += "" if eta["queue_known"] else ", queue waits not counted"
+    return text
+
+
+def progress_line(s: dict[str, Any], now: float) -> str:
+    """One line for `status --watch`: state, step, samples/s, ETA."""
+    parts = [time.strftime("%H:%M:%S", time.gmtime(now)), s["state"]]
+    if s["step"] is not None:
+        parts.append(f"step {s['step']}" + (f"/{s['total_steps']} ({s['progress']:.0%})" if s["total_steps"] else ""))
+    if s["samples_per_s"] is not None:
+        parts.append(f"{s['samples_per_s']:,.0f} samples/s")
+    eta = eta_text(s.get("eta"), now)
+    if eta:
+        parts.append(f"ETA {eta}")
+    return "  ".join(parts)
 
 
 def _overall_state(sched: dict[str, Any], events: list[dict[str, Any]], gave_up: str | None) -> str:
@@ -165,6 +307,11 @@ def format_status(s: dict[str, Any]) -> Iterator[str]:
     if s["step"] is not None:
         of = f"/{s['total_steps']} ({s['progress']:.0%})" if s["total_steps"] else ""
         yield f"progress         step {s['step']}{of}, {s['samples_per_s']} samples/s"
+    eta = eta_text(s.get("eta"), time.time())
+    if eta:
+        yield f"eta              {eta}"
+    if s.get("time_used"):
+        yield f"time used        {s['time_used']}"
     yield f"last checkpoint  step {s['last_checkpoint_step']}" if s["last_checkpoint_step"] is not None \
         else "last checkpoint  none"
     yield f"restarts         {s['restarts']}"

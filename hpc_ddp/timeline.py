@@ -323,6 +323,8 @@ def draw(timeline: Timeline, title: str):
     fig, (ax, ax_rate) = plt.subplots(2, 1, figsize=(11, 5.5), dpi=110, sharex=True,
                                       gridspec_kw={"height_ratios": [1.1, 1]})
     for a, b in timeline.waits:
+        if b - a < 1:
+            continue  # a local run's "wait" is the executor starting: nothing to see
         ax.barh(0, days(b - a), left=when(a), height=0.5, color="lightgray", hatch="..", edgecolor="gray",
                 label="queued" if "queued" not in _labels(ax) else None)
         ax.text(when(a) + days(b - a) / 2, -0.4, f"queued {duration(b - a)}", ha="center", va="top", fontsize=7)
