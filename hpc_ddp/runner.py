@@ -7,8 +7,10 @@ signals from Slurm go straight to it. Everything but `main` is pure.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import signal
 import socket
 import sys
@@ -20,7 +22,7 @@ from .errors import EnvError, HpcDdpError
 from .ports import PORT_HINT, port_in_use, taken_port_message
 from .spec import JobSpec
 
-__all__ = ["select_gpus", "rank_environment", "program_argv", "load_spec", "main"]
+__all__ = ["select_gpus", "rank_environment", "run_id_for", "program_argv", "load_spec", "main"]
 
 _NO_GPU = ("", "-1", "NoDevFiles", "none")
 
@@ -52,6 +54,14 @@ def gpu_visible(cuda_visible: str | None, nvidia_driver: bool) -> bool:
     return nvidia_driver and (cuda_visible is None or cuda_visible.strip() not in _NO_GPU)
 
 
+def run_id_for(run_dir: str) -> str:
+    """A stable id for the run dir: its name (W&B's id alphabet) and a hash of its absolute path, so
+    two runs named alike in different places differ. The same on every rank and every requeue."""
+    path = os.path.abspath(run_dir)
+    name = re.sub(r"[^A-Za-z0-9_-]+", "-", os.path.basename(path.rstrip("/")))[:40].strip("-") or "run"
+    return f"{name}-{hashlib.sha256(path.encode()).hexdigest()[:12]}"
+
+
 def rank_environment(spec: JobSpec, dist: DistEnv, env: Mapping[str, str], run_dir: str, *,
                      nvidia_driver: bool) -> dict[str, str]:
     """Variables to set for the user's program (added to its inherited environment)."""
@@ -77,6 +87,12 @@ def rank_environment(spec: JobSpec, dist: DistEnv, env: Mapping[str, str], run_d
     }
     if dist.job_id:
         out["HPC_DDP_JOB_ID"] = dist.job_id
+    # One run id for every attempt of the run dir, so a requeued job continues the same W&B run (and any
+    # logger keyed on it); W&B offline unless the user says otherwise: compute nodes often have no internet.
+    # A value the user set is theirs: it is inherited, not overwritten.
+    run_id = env.get("HPC_DDP_RUN_ID") or run_id_for(run_dir)
+    defaults = {"HPC_DDP_RUN_ID": run_id, "WANDB_RUN_ID": run_id, "WANDB_RESUME": "allow", "WANDB_MODE": "offline"}
+    out.update({k: v for k, v in defaults.items() if k not in env})
     if cuda is not None:
         out["CUDA_VISIBLE_DEVICES"] = cuda
     if "OMP_NUM_THREADS" not in env:

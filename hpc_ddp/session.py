@@ -65,6 +65,7 @@ from .deadline import job_deadline, stop_lead
 from .distenv import DistEnv, from_environ
 from .errors import HpcDdpError, UserError
 from .events import JsonLines
+from .loggers import Loggers
 from .exitcodes import REQUEUE_EXIT_CODE
 from .rngstate import capture_rng, restore_rng
 from .stopping import StopFlag
@@ -108,7 +109,7 @@ class Session:
                  checkpoint_every_minutes: float = 30.0, keep: int = 3, log_every: int = 10,
                  fingerprint: Mapping[str, Any] | None = None, stop_lead_seconds: float = 0.0,
                  stop_on_nonfinite: bool = True, exit_on_stop: bool = True, env: DistEnv | None = None,
-                 async_checkpoint: bool = True):
+                 async_checkpoint: bool = True, loggers: tuple[str, ...] | list[str] = ()):
         self.run_dir = _run_dir(run_dir)
         spec = _spec_in(self.run_dir)
         self.env = env or from_environ(os.environ, pid=os.getpid())
@@ -132,6 +133,8 @@ class Session:
         self._in_flight: Snapshot | None = None
         self.events = JsonLines(self.run_dir / "events.jsonl", enabled=self.is_main)
         self.metrics = JsonLines(self.run_dir / "metrics.jsonl", enabled=self.is_main)
+        # TensorBoard / W&B (loggers.py): fed what metrics.jsonl gets, by rank 0.
+        self.loggers = Loggers(loggers if self.is_main else (), self.run_dir, log=self.log)
         self.device = torch.device("cpu")
         self.store: Any = None
         self.heartbeat: rendezvous.Heartbeat | None = None
@@ -224,6 +227,7 @@ class Session:
             return
         self._closed = True
         self._drain_writer()
+        self.loggers.close()
         rendezvous.mark_left(self.store, self.env, why)  # before the heartbeat stops: see mark_left
         if self.heartbeat is not None:
             self.heartbeat.stop()
@@ -521,6 +525,7 @@ class Session:
         record = {"step": p.step, "epoch": p.epoch, **({"loss": loss} if loss is not None else {}),
                   **metrics, "samples_per_s": round(rate, 2), "restarts": p.restarts}
         self.metrics.write(record)
+        self.loggers.write(record)
         self._window = (now, p.step, p.samples)
         if self.is_main:
             of = f"/{self.total_steps}" if self.total_steps else ""
@@ -535,7 +540,9 @@ class Session:
 
     def log_metrics(self, **metrics: float) -> None:
         """One record in metrics.jsonl at the current step (evaluation results, say). Rank 0 writes."""
-        self.metrics.write({"step": self.progress.step, "epoch": self.progress.epoch, **metrics})
+        record = {"step": self.progress.step, "epoch": self.progress.epoch, **metrics}
+        self.metrics.write(record)
+        self.loggers.write(record)
 
     # ---- stopping ----
 

@@ -226,7 +226,7 @@ def run(spec: JobSpec, run_dir: Path, env=None) -> int:
     session = Session(run_dir, checkpoint_every_steps=cfg.checkpoint_every_steps,
                       checkpoint_every_minutes=cfg.checkpoint_every_minutes, keep=cfg.keep_checkpoints,
                       log_every=cfg.log_every, fingerprint=fingerprint(cfg), stop_lead_seconds=cfg.stop_lead_seconds,
-                      exit_on_stop=False, env=env, async_checkpoint=cfg.async_checkpoint)
+                      exit_on_stop=False, env=env, async_checkpoint=cfg.async_checkpoint, loggers=cfg.loggers)
     with session.setup():
         trainer = Trainer(cfg, session)
         try:

@@ -54,6 +54,7 @@ class TrainConfig:
     log_every: int = 10
     stop_lead_seconds: float = 0.0     # stop this long before the job's end time; 0: from measured times
     fake_size: int = 1024              # samples in the `fake` dataset's training split
+    loggers: tuple[str, ...] = ()      # also log to "tensorboard" (RUN_DIR/tensorboard) and/or "wandb"
 
 
 # Changing any of these between attempts would make a resumed run differ from an uninterrupted one.
@@ -74,6 +75,13 @@ def _model(value: Any) -> str:
     if not isinstance(value, str) or not _MODEL_RE.match(value):
         raise ValueError(f"{value!r} is not a model name (resnet18, cnn, mlp, ...) or package.module:factory")
     return value
+
+
+def _loggers(value: Any) -> tuple[str, ...]:
+    known = ("tensorboard", "wandb")
+    if not isinstance(value, list) or not all(isinstance(v, str) and v in known for v in value):
+        raise ValueError(f"{value!r} is not a list of loggers, e.g. [\"tensorboard\"] (known: {', '.join(known)})")
+    return tuple(dict.fromkeys(value))
 
 
 def _path(value: Any) -> str:
@@ -101,6 +109,7 @@ _PARSERS = {
     "checkpoint_every_steps": _int(0, MAX_STEPS), "checkpoint_every_minutes": number(0.0, maximum=DAY_MINUTES * 365),
     "keep_checkpoints": _int(2, 10_000), "log_every": _int(1, MAX_STEPS), "fake_size": _int(1, 10**9),
     "stop_lead_seconds": number(0.0, maximum=86400.0 * 365), "async_checkpoint": _bool,
+    "loggers": _loggers,
 }
 assert set(_PARSERS) == {f.name for f in dataclasses.fields(TrainConfig)}
 
