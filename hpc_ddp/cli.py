@@ -693,15 +693,26 @@ def _scancel(args: list[str]) -> None:
 def list_runs(as_json: bool, limit: int) -> None:
     """This user's recent runs, from any directory (newest last)."""
     from .registry import runs
+    from .status import accounting
 
-    records = runs()[-limit:]
+    records = [r for r in runs() if isinstance(r, dict)][-limit:]
+    # Slurm jobs' state, elapsed time and exit code from accounting, in one sacct call (none without it).
+    slurm_ids = [str(r["job_id"]) for r in records if r.get("executor") in ("sbatch", "submitit")
+                 and str(r.get("job_id", "")).isdigit()]
+    acct = accounting(slurm_ids, SubprocessCommands())
+    for r in records:
+        last = (acct.get(str(r.get("job_id"))) or [None])[-1]
+        if last:
+            r["slurm"] = {"state": last["state"], "elapsed": last["elapsed"], "exit_code": last["exitcode"]}
     if as_json:
         click.echo(json.dumps(records, indent=2))
         return
     if not records:
         click.echo("no runs yet")
     for r in records:
-        click.echo(f"{str(r.get('job_id')):28} {r.get('executor', '?'):8} {r.get('name', ''):20} {r.get('run_dir')}")
+        slurm = r.get("slurm") or {}
+        click.echo(f"{str(r.get('job_id')):28} {r.get('executor', '?'):8} {slurm.get('state', '-'):10} "
+                   f"{slurm.get('elapsed', '-'):>10} {r.get('name', ''):20} {r.get('run_dir')}")
 
 
 def _resolve(job: str | None) -> tuple[Path, str | None, str | None]:

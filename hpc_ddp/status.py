@@ -26,7 +26,7 @@ from .classify import classify_failure
 from .events import read_jsonl
 from .procs import CommandRunner
 
-__all__ = ["run_status", "scheduler_state", "log_files", "new_log_lines", "format_status", "Eta", "estimate_eta",
+__all__ = ["run_status", "scheduler_state", "accounting", "parse_sacct", "SACCT_FIELDS", "log_files", "new_log_lines", "format_status", "Eta", "estimate_eta",
            "recent_step_seconds", "progress_line", "LIVE"]
 
 _ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "PREEMPTED", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
@@ -36,16 +36,48 @@ LIVE = ("RUNNING", "PENDING", "CONFIGURING", "COMPLETING", "REQUEUED", "REQUEUE_
         "SUSPENDED", "STOPPED_BY_SLURM")
 
 
+SACCT_FIELDS = ("JobID", "State", "ExitCode", "Elapsed", "Start", "End", "NodeList", "Reason")
+
+
+def parse_sacct(text: str) -> dict[str, list[dict[str, str]]]:
+    """`sacct -n -X -P -o SACCT_FIELDS` output -> job id -> its records, oldest first (with -D, one per
+    run of a requeued job). "CANCELLED by 0" is CANCELLED; a line of another shape is skipped."""
+    jobs: dict[str, list[dict[str, str]]] = {}
+    for line in text.splitlines():
+        values = line.split("|")
+        if len(values) != len(SACCT_FIELDS):
+            continue
+        record = dict(zip((f.lower() for f in SACCT_FIELDS), values))
+        record["state"] = record["state"].split(" ")[0]
+        if record["state"] and "." not in record["jobid"]:  # -X leaves out steps; this guards the rest
+            jobs.setdefault(record.pop("jobid"), []).append(record)
+    return jobs
+
+
+def accounting(job_ids: list[str], commands: CommandRunner, *, history: bool = False) -> dict[str, list[dict[str, str]]]:
+    """What Slurm's accounting (sacct) holds for `job_ids`; {} without sacct or accounting. `history`:
+    every run of a requeued job (-D), not only the latest."""
+    if not job_ids or not commands.which("sacct"):
+        return {}
+    done = commands.run(["sacct", "-n", "-X", "-P", *(["-D"] if history else []), "-j", ",".join(job_ids),
+                         "-o", ",".join(SACCT_FIELDS)], timeout=20)
+    return parse_sacct(done.stdout) if done.returncode == 0 else {}
+
+
 def scheduler_state(job_id: str, commands: CommandRunner) -> dict[str, Any]:
-    """{'state', 'reason', 'source'} from squeue, else sacct, else scontrol; {} if Slurm knows nothing."""
+    """{'state', 'reason', 'source'} from squeue, else sacct, else scontrol; {} if Slurm knows nothing.
+    Where accounting exists, 'history' lists every run of the job (requeues included), from sacct."""
+    runs = accounting([job_id], commands, history=True).get(job_id, [])
+    history = {"history": [{k: r[k] for k in ("state", "elapsed", "exitcode", "start", "end", "nodelist")}
+                           for r in runs]} if runs else {}
     queue = commands.run(["squeue", "-h", "-j", job_id, "-o", "%T|%r"], timeout=20)
     if queue.returncode == 0 and queue.stdout.strip():
         state, _, reason = queue.stdout.strip().splitlines()[0].partition("|")
-        return {"state": state, "reason": None if reason in ("None", "") else reason, "source": "squeue"}
-    acct = commands.run(["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State,ExitCode"], timeout=20)
-    if acct.returncode == 0 and acct.stdout.strip():
-        state, _, code = acct.stdout.strip().splitlines()[-1].partition("|")
-        return {"state": state.split()[0], "exit_code": code, "source": "sacct"}
+        return {"state": state, "reason": None if reason in ("None", "") else reason, "source": "squeue", **history}
+    if runs:
+        last = runs[-1]
+        return {"state": last["state"], "exit_code": last["exitcode"], "elapsed": last["elapsed"],
+                "reason": None if last["reason"] in ("None", "") else last["reason"], "source": "sacct", **history}
     show = commands.run(["scontrol", "show", "job", job_id], timeout=20)
     if show.returncode == 0:
         state = re.search(r"JobState=(\S+)", show.stdout)
@@ -304,6 +336,12 @@ def format_status(s: dict[str, Any]) -> Iterator[str]:
     where = f" ({sched['reason']})" if sched.get("reason") else ""
     yield f"job {s['job_id'] or '-'} ({s['executor'] or '?'})  {s['state']}{where}"
     yield f"run dir          {s['run_dir']}"
+    if sched.get("source") == "sacct":
+        yield f"slurm accounting {sched['state']}, elapsed {sched.get('elapsed')}, exit code {sched.get('exit_code')}"
+    if len(sched.get("history") or []) > 1:  # requeued: every run Slurm accounted for
+        yield "slurm runs       " + " -> ".join(
+            f"{h['state']} {h['elapsed']}" + (f" on {h['nodelist']}" if h["nodelist"] not in ("", "None assigned")
+                                              else "") for h in sched["history"])
     if s["step"] is not None:
         of = f"/{s['total_steps']} ({s['progress']:.0%})" if s["total_steps"] else ""
         yield f"progress         step {s['step']}{of}, {s['samples_per_s']} samples/s"

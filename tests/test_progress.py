@@ -172,3 +172,59 @@ def test_timeline_that_cannot_be_written_is_one_line(run, monkeypatch):
     result = invoke("timeline", str(run))
     assert result.exit_code == 2 and result.output.strip().splitlines() == [
         f"hpc-ddp: error: cannot write {str(run / 'timeline.png')!r}: Permission denied"]
+
+
+# ---- Slurm accounting (sacct) in status and list, against recorded output ----
+
+SACCT = ("7|PREEMPTED|0:15|00:02:00|2027-01-15T08:01:00|2027-01-15T08:03:00|hpcn[1-2]|None\n"
+         "7|COMPLETED|0:0|00:02:19|2027-01-15T08:05:01|2027-01-15T08:07:20|hpcn[1-2]|None\n"
+         "8|CANCELLED by 0|0:0|00:00:00|None|2027-01-15T08:09:00|None assigned|None\n"
+         "9.batch|COMPLETED|0:0|00:00:01|x|y|hpcn1|None\n"
+         "garbage line\n")
+
+
+def test_parse_sacct_keeps_every_run_of_a_requeued_job():
+    from hpc_ddp.status import parse_sacct
+
+    jobs = parse_sacct(SACCT)
+    assert set(jobs) == {"7", "8"}
+    assert [r["state"] for r in jobs["7"]] == ["PREEMPTED", "COMPLETED"]
+    assert jobs["8"][0]["state"] == "CANCELLED" and jobs["7"][1]["elapsed"] == "00:02:19"
+
+
+def test_status_takes_state_elapsed_exit_and_requeues_from_sacct(run):
+    from hpc_ddp.procs import Completed, FakeCommands
+    from hpc_ddp.status import format_status, run_status
+
+    fake = FakeCommands({"squeue": lambda a: Completed(tuple(a), 0, "", ""),
+                         "sacct": lambda a: Completed(tuple(a), 0, "\n".join(SACCT.splitlines()[:2]) + "\n", "")},
+                        installed=("squeue", "sacct", "scontrol"))
+    info = run_status(run, "7", "sbatch", fake)
+    assert info["scheduler"]["source"] == "sacct" and info["state"] == "COMPLETED"
+    assert [h["state"] for h in info["scheduler"]["history"]] == ["PREEMPTED", "COMPLETED"]
+    lines = list(format_status(info))
+    assert "slurm accounting COMPLETED, elapsed 00:02:19, exit code 0:0" in lines
+    assert "slurm runs       PREEMPTED 00:02:00 on hpcn[1-2] -> COMPLETED 00:02:19 on hpcn[1-2]" in lines
+    assert any(call[0][:2] == ("sacct", "-n") and "-D" in call[0] for call in fake.calls)
+
+
+def test_list_shows_state_and_elapsed_from_sacct(tmp_path, monkeypatch):
+    registry = tmp_path / "runs.jsonl"
+    registry.write_text("".join(json.dumps({"time": T0, "job_id": j, "executor": e, "run_dir": f"/r/{j}",
+                                            "name": f"n{j}"}) + "\n" for j, e in (("7", "sbatch"), ("8", "sbatch"),
+                                                                                   ("local-1-2", "local"))))
+    monkeypatch.setenv("HPC_DDP_REGISTRY", str(registry))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sacct").write_text(f"#!/bin/sh\necho \"$*\" > {tmp_path}/args\ncat <<'X'\n{SACCT}X\n")
+    (bin_dir / "sacct").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+    result = invoke("list")
+    assert result.exit_code == 0, result.output
+    rows = [line.split() for line in result.output.splitlines()]
+    assert rows[0][:4] == ["7", "sbatch", "COMPLETED", "00:02:19"]
+    assert rows[1][:4] == ["8", "sbatch", "CANCELLED", "00:00:00"]
+    assert rows[2][:4] == ["local-1-2", "local", "-", "-"]
+    assert "-j 7,8 " in (tmp_path / "args").read_text()  # one call for all of them, local runs left out
+    out = json.loads(invoke("list", "--json").output)
+    assert out[0]["slurm"] == {"state": "COMPLETED", "elapsed": "00:02:19", "exit_code": "0:0"}
