@@ -481,17 +481,14 @@ def plot(run_dir: str, output: str | None) -> None:
 def timeline(job: str | None, output: str | None) -> None:
     """Draw where JOB's wall-clock time went (a job id or a run dir; without JOB, the most recent run):
     queue waits, each attempt on its nodes, checkpoints, stops, requeues, resumes, steps redone, samples/s."""
-    from .events import read_jsonl
-    from .status import _submitted
+    from .status import _submitted, records
     from .timeline import build_timeline, draw, save_png, summarize, summary_line
 
     run_dir, job_id, _ = _resolve(job)
     out = _png_output(output) or run_dir / "timeline.png"
     if out.parent == run_dir and not os.access(run_dir, os.W_OK):
         raise UserError(f"cannot write {str(out)!r}: the run dir is not writable", hint="give -o PNG")
-    events = [e for e in read_jsonl(run_dir / "events.jsonl") if isinstance(e, dict)]
-    metrics = [m for m in read_jsonl(run_dir / "metrics.jsonl") if isinstance(m, dict)]
-    tl = build_timeline(events, metrics, _submitted(run_dir))
+    tl = build_timeline(records(run_dir / "events.jsonl"), records(run_dir / "metrics.jsonl"), _submitted(run_dir))
     if not tl.spans:
         raise UserError(f"{run_dir} has no attempt or training records yet (events.jsonl)",
                         hint="give the run dir of a job that has started")

@@ -150,10 +150,8 @@ def _failure(run_dir: Path) -> dict[str, str] | None:
 
 
 def run_status(run_dir: Path, job_id: str | None, executor: str | None, commands: CommandRunner) -> dict[str, Any]:
-    # A damaged line (a kill mid-write) is skipped by read_jsonl; one that parses to something other
-    # than a record is skipped here.
-    events = [e for e in read_jsonl(run_dir / "events.jsonl") if isinstance(e, dict)]
-    every_metric = [m for m in read_jsonl(run_dir / "metrics.jsonl") if isinstance(m, dict)]
+    events = records(run_dir / "events.jsonl")
+    every_metric = records(run_dir / "metrics.jsonl")
     metrics = [m for m in every_metric if "loss" in m and isinstance(m.get("step"), int)]
     attempts = attempts_from_events(events)
     sched = _local_state(run_dir) if executor == "local" else (
@@ -181,6 +179,17 @@ def run_status(run_dir: Path, job_id: str | None, executor: str | None, commands
     }
     # events.jsonl is masked as written; this also covers records written before masking existed.
     return secrets.current().deep(status)
+
+
+def records(path: Path) -> list[dict[str, Any]]:
+    """The records of a JSONL file: a damaged line (a kill mid-write) is skipped by read_jsonl, one that
+    parses to something other than a record here; a file that cannot be read is one line, exit 2."""
+    from .errors import UserError
+
+    try:
+        return [r for r in read_jsonl(path) if isinstance(r, dict)]
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"cannot read {str(path)!r}: {getattr(exc, 'strerror', None) or exc}") from None
 
 
 def _time_accounting(run_dir: Path, events: list[dict[str, Any]], metrics: list[dict[str, Any]],
@@ -217,8 +226,8 @@ def _submitted(run_dir: Path) -> dict[str, float]:
     here = str(run_dir.resolve())
     found = {str(r.get("job_id")): r["time"] for r in runs() if isinstance(r, dict)
              and str(Path(str(r.get("run_dir"))).resolve()) == here and isinstance(r.get("time"), (int, float))}
-    for sub in read_jsonl(run_dir / "submissions.jsonl"):
-        if isinstance(sub, dict) and isinstance(sub.get("time"), (int, float)):
+    for sub in records(run_dir / "submissions.jsonl"):
+        if isinstance(sub.get("time"), (int, float)):
             found.setdefault(str(sub.get("job_id")), sub["time"])
     return found
 

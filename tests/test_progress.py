@@ -228,3 +228,12 @@ def test_list_shows_state_and_elapsed_from_sacct(tmp_path, monkeypatch):
     assert "-j 7,8 " in (tmp_path / "args").read_text()  # one call for all of them, local runs left out
     out = json.loads(invoke("list", "--json").output)
     assert out[0]["slurm"] == {"state": "COMPLETED", "elapsed": "00:02:19", "exit_code": "0:0"}
+
+
+@pytest.mark.parametrize("command", ["status", "timeline"])
+def test_a_records_file_that_cannot_be_read_is_one_line(run, command):
+    (run / "events.jsonl").unlink()
+    (run / "events.jsonl").mkdir()  # hostile or broken: a directory in its place
+    result = invoke(command, str(run))
+    assert result.exit_code == 2 and result.output.strip().splitlines() == [
+        f"hpc-ddp: error: cannot read {str(run / 'events.jsonl')!r}: Is a directory"]
