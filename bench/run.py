@@ -7,7 +7,7 @@ bench/results.png and prints the table.
     python bench/run.py --only training,checkpoint
     python bench/run.py --only gpu --update   # re-take sections, keep the other rows of results.json
 
-Sections: training, startup, resume, checkpoint, staging, gpu (skipped without a GPU). A section that
+Sections: training, startup, resume, checkpoint, async_checkpoint, staging, gpu (skipped without a GPU). A section that
 fails becomes an error row; the others still run, and the exit code is 1.
 """
 
@@ -26,6 +26,7 @@ if __package__ in (None, ""):  # `python bench/run.py`: make `bench` importable 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import (
+    async_ckpt_bench,
     ckpt_bench,
     gpu_bench,
     report,
@@ -37,7 +38,7 @@ from bench import (
 from bench.common import REPO, Row, Workspace, say, settings
 
 SECTIONS = {"training": train_bench.run, "startup": startup_bench.run, "resume": resume_bench.run,
-            "checkpoint": ckpt_bench.run, "staging": stage_bench.run, "gpu": gpu_bench.run}
+            "checkpoint": ckpt_bench.run, "async_checkpoint": async_ckpt_bench.run, "staging": stage_bench.run, "gpu": gpu_bench.run}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

@@ -27,6 +27,7 @@ the whole run.
 from __future__ import annotations
 
 import copy
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -127,6 +128,16 @@ def _fallback_copy(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().to("cpu", copy=True)
 
 
+def _lowest_cpu_priority() -> None:
+    """Nice this thread (and the hashing thread it starts, which inherits it) to 19: on a node whose cores
+    the training loop keeps busy, the write takes the cycles the loop leaves, not the loop's. Linux
+    applies a nice value given a thread id to that thread only; elsewhere this is a no-op."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):
+        pass
+
+
 class BackgroundWriter:
     """Runs one checkpoint write at a time in a thread and hands its outcome back to the caller's thread."""
 
@@ -148,6 +159,7 @@ class BackgroundWriter:
         self._path = None
 
         def run() -> None:
+            _lowest_cpu_priority()
             started = time.monotonic()
             try:
                 path = write()
