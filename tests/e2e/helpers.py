@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 
 PROBE = Path(__file__).parent / "allreduce_probe.py"
+# Job states that are not an end: SIGNALING shows for a moment while Slurm sends --signal's warning.
+_NOT_ENDED = ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "SIGNALING", "STAGE_OUT")
 
 
 def hpc_ddp(*args: str, cwd: Path, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -31,7 +33,7 @@ def wait_for_job(job_id: str, timeout: float = 180) -> str:
     while time.monotonic() < deadline:
         info = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True).stdout
         state = re.search(r"JobState=(\S+)", info)
-        if state and state.group(1) not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED"):
+        if state and state.group(1) not in _NOT_ENDED:
             return state.group(1)
         time.sleep(0.5)
     subprocess.run(["scancel", job_id])
@@ -101,7 +103,7 @@ def run_through_requeues(job_id: str, timeout: float = 600) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         state = job_field(job_id, "JobState")
-        if state not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", None):
+        if state not in (*_NOT_ENDED, None):
             return state
         if state == "PENDING" and job_field(job_id, "Restarts") not in (None, "0"):
             time.sleep(5)  # see release_when_requeued

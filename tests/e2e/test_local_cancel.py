@@ -253,25 +253,43 @@ def test_the_ranks_die_with_a_sigkilled_executor(ws):
 
 # ---- a stop signal ends a rendezvous that waits for a rank that never comes ----
 
-@pytest.mark.parametrize("how", ["sigterm", "cancel"])
-def test_a_stop_while_a_rank_never_joins_ends_the_job_in_seconds(ws, how):
+def test_a_cancel_while_a_rank_never_joins_ends_the_job_in_seconds(ws):
     proc = _start(ws, "--rendezvous-timeout", "60", "--run-dir", "nojoin", "short.toml",
                   env={"HPC_DDP_FAULT_NO_JOIN": "1"})
     try:
         wait_until(lambda: _in_rendezvous(proc), 60, "rank 0 to wait in the rendezvous")
         time.sleep(0.5)
         started = time.monotonic()
-        if how == "sigterm":
-            proc.send_signal(signal.SIGTERM)
-        else:
-            assert hpc_ddp("cancel", "nojoin", cwd=ws, timeout=60).returncode == 0
+        assert hpc_ddp("cancel", "nojoin", cwd=ws, timeout=60).returncode == 0
         rc, out, _ = _finish(proc, 60)
         took = time.monotonic() - started
     finally:
         _kill_all(proc)
     assert rc == 1 and took < 8, (took, out[-3000:])
     assert "stopped by SIGTERM while the ranks were meeting" in out, out[-3000:]
-    assert _status(ws, "nojoin")["state"] == ("CANCELLED" if how == "cancel" else "FAILED")
+    assert _status(ws, "nojoin")["state"] == "CANCELLED"
+
+
+def test_a_sigterm_while_a_rank_never_joins_ends_that_attempt_in_seconds(ws):
+    """SIGTERM to the local executor rehearses a preemption: the waiting attempt ends at once (not after the
+    rendezvous timeout) and, as on Slurm, a preempted attempt runs again; a cancel then ends the job."""
+    proc = _start(ws, "--rendezvous-timeout", "60", "--run-dir", "nojoin-term", "short.toml",
+                  env={"HPC_DDP_FAULT_NO_JOIN": "1"})
+    try:
+        wait_until(lambda: _in_rendezvous(proc), 60, "rank 0 to wait in the rendezvous")
+        time.sleep(0.5)
+        sent = time.time()
+        proc.send_signal(signal.SIGTERM)
+        ends = lambda: [e for e in read_jsonl(ws / "nojoin-term" / "events.jsonl") if e["event"] == "attempt_end"]  # noqa: E731
+        wait_until(ends, 30, "attempt 0 to end")
+        first = ends()[0]
+        assert first["cause"] == "preempted" and first["time"] - sent < 8, first
+        wait_until(lambda: _in_rendezvous(proc), 60, "attempt 1 to wait in the rendezvous")
+        assert hpc_ddp("cancel", "nojoin-term", cwd=ws, timeout=60).returncode == 0
+        _finish(proc, 60)
+    finally:
+        _kill_all(proc)
+    assert _status(ws, "nojoin-term")["state"] == "CANCELLED"
 
 
 # ---- Ctrl-C in the gap between two attempts ----
