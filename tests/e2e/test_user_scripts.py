@@ -233,3 +233,66 @@ def test_plain_script_sigtermed_under_the_local_executor_runs_again(workspace):
     assert json.loads(progress.read_text())["step"] == 40
     ends = [e for e in read_jsonl(workspace / "plain-local" / "events.jsonl") if e["event"] == "attempt_end"]
     assert [e["cause"] for e in ends] == ["preempted", "completed"], ends
+
+
+LIGHTNING = """
+# An unmodified Lightning DDP script: Lightning finds its ranks from Slurm's variables itself.
+import json, os, sys
+import torch
+import pytorch_lightning as pl
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class Model(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(8, 1)
+
+    def training_step(self, batch, _index):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.layer(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+torch.manual_seed(0)
+data = TensorDataset(torch.randn(256, 8), torch.randn(256, 1))
+trainer = pl.Trainer(accelerator="cpu", devices=2, num_nodes=2, strategy="ddp", max_epochs=2,
+                     enable_progress_bar=False, enable_checkpointing=False, logger=False)
+trainer.fit(Model(), DataLoader(data, batch_size=16))
+out = sys.argv[1]
+os.makedirs(out, exist_ok=True)
+with open(os.path.join(out, f"rank-{trainer.global_rank}.json"), "w") as fh:
+    json.dump({"global_rank": trainer.global_rank, "local_rank": trainer.local_rank, "node_rank": trainer.node_rank,
+               "world_size": trainer.world_size, "env": type(trainer.strategy.cluster_environment).__name__,
+               "steps": trainer.global_step}, fh)
+"""
+
+
+@pytest.mark.slurm
+def test_an_unmodified_lightning_script_runs_on_2_by_2(slurm_conf, workspace):
+    pytest.importorskip("pytorch_lightning", reason="a test-only dependency (make install puts it in .venv)")
+    (workspace / "lightning_ddp.py").write_text(LIGHTNING)
+    out = workspace / "lightning-out"
+    job = submit_json("--executor", "sbatch", "--nodes", "2", "--gpus", "2", "--run-dir", "lightning",
+                      "lightning_ddp.py", str(out), cwd=workspace)["job_id"]
+    assert wait_until_done(job, 300) == "COMPLETED", hpc_ddp("logs", job, cwd=workspace).stdout[-3000:]
+    seen = sorted((json.loads(p.read_text()) for p in out.glob("rank-*.json")), key=lambda r: r["global_rank"])
+    assert [(r["global_rank"], r["node_rank"], r["local_rank"]) for r in seen] == [(0, 0, 0), (1, 0, 1), (2, 1, 0),
+                                                                                  (3, 1, 1)]
+    assert {r["world_size"] for r in seen} == {4} and {r["steps"] for r in seen} == {8}  # 256 / 4 ranks / 16 x 2
+
+
+@pytest.mark.slurm
+def test_plain_script_through_submitit_is_run_again_after_a_real_preemption(slurm_conf, workspace):
+    (workspace / "plain.py").write_text(PLAIN)
+    progress = workspace / "submitit-progress.json"
+    job = submit_json("--executor", "submitit", "--partition", "grace", "--nodes", "2", "--gpus", "1",
+                      "--run-dir", "plain-submitit", "plain.py", str(progress), cwd=workspace)["job_id"]
+    wait_until(lambda: progress.exists() and json.loads(progress.read_text())["step"] >= 6, 240, "step 6")
+    preempt(job)
+    assert wait_until_done(job) == "COMPLETED"
+    assert json.loads(progress.read_text())["step"] == 40
+    ends = [e for e in read_jsonl(workspace / "plain-submitit" / "events.jsonl") if e["event"] == "attempt_end"]
+    assert [e["cause"] for e in ends] == ["preempted", "completed"], ends
