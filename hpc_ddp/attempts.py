@@ -180,14 +180,23 @@ def decide_end(attempts: Sequence[Attempt], exit_code: int, limits: Limits) -> t
     return True, f"{cause}: requeue {used} of at most {cap}"
 
 
+# Lines of `scontrol show job` whose value is free text (a job name or path may hold " Restarts=9").
+_FREE_TEXT = ("JobId", "Command", "WorkDir", "StdErr", "StdIn", "StdOut", "Comment", "AdminComment",
+              "SystemComment", "Power", "MailUser", "Features", "Licenses")
+
+
 def parse_show_job(text: str) -> dict[str, str]:
-    """`scontrol show job -o ID` -> {field: value}. Values hold no spaces except in a few fields we do not
-    read (Command=, WorkDir=...), whose tail words are dropped."""
+    """`scontrol show job ID` -> {field: value}. The lines that hold free text (the first, with the job
+    name, and the paths) are skipped, so no name a user chose can pose as one of Slurm's fields."""
     fields: dict[str, str] = {}
-    for word in text.split():
-        key, eq, value = word.partition("=")
-        if eq and key and key[0].isupper():
-            fields.setdefault(key, value)
+    for line in text.splitlines():
+        words = line.split()
+        if not words or words[0].partition("=")[0] in _FREE_TEXT:
+            continue
+        for word in words:
+            key, eq, value = word.partition("=")
+            if eq and key[:1].isupper():
+                fields.setdefault(key, value)
     return fields
 
 
@@ -221,11 +230,11 @@ def _int(text: str | None) -> int:
 
 
 def slurm_job(job_id: str | None, run=subprocess.run) -> dict[str, str] | None:
-    """Slurm's record of `job_id` (`scontrol show job -o`), or None when it cannot be had."""
+    """Slurm's record of `job_id` (`scontrol show job`), or None when it cannot be had."""
     if not job_id:
         return None
     try:
-        done = run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=20)
+        done = run(["scontrol", "show", "job", job_id], capture_output=True, text=True, timeout=20)
     except (OSError, subprocess.SubprocessError):
         return None
     return parse_show_job(done.stdout) or None if done.returncode == 0 else None

@@ -102,14 +102,24 @@ def test_a_checkpointed_attempt_is_requeued_whatever_srun_reports(tmp_path):
 
 # ---- a program signalled from outside is not a failed program (what Slurm shows; see attempts' docstring) ----
 
-SHOW_JOB = {  # `scontrol show job -o` as the batch shell sees it at the attempt's end, measured on Slurm 22.05
-    "preempt_no_grace": "JobId=3 JobName=job.sh JobState=COMPLETING Reason=None Requeue=1 Restarts=1 "
-                        "PreemptTime=None Command=/x/job.sh WorkDir=/x",
-    "preempt_grace": "JobId=5 JobState=RUNNING Reason=None Requeue=1 Restarts=0 PreemptTime=2026-11-23T12:47:59",
-    "admin_requeue": "JobId=8 JobState=COMPLETING Reason=None Requeue=1 Restarts=1 PreemptTime=None",
-    "time_limit": "JobId=9 JobState=COMPLETING Reason=TimeLimit Requeue=1 Restarts=0 PreemptTime=None",
-    "scancel": "JobId=7 JobState=COMPLETING Reason=None Requeue=1 Restarts=0 PreemptTime=None",
-    "own_crash": "JobId=4 JobState=RUNNING Reason=None Requeue=1 Restarts=0 PreemptTime=None",
+def _show(state, reason="None", restarts=0, preempt="None", name="job.sh"):
+    """`scontrol show job` as the batch shell sees it at the attempt's end (the lines that matter)."""
+    return (f"JobId=3 JobName={name}\n   UserId=root(0) GroupId=root(0) MCS_label=N/A\n"
+            f"   JobState={state} Reason={reason} Dependency=(null)\n"
+            f"   Requeue=1 Restarts={restarts} BatchFlag=1 Reboot=0 ExitCode=0:0\n"
+            f"   PreemptEligibleTime=2026-11-23T12:47:55 PreemptTime={preempt}\n"
+            f"   Command=/x/job.sh\n   WorkDir=/x\n   StdOut=/x/out Restarts=7\n")
+
+
+SHOW_JOB = {  # measured on Slurm 22.05 (see the attempts module docstring)
+    "preempt_no_grace": _show("COMPLETING", restarts=1),
+    "preempt_grace": _show("RUNNING", preempt="2026-11-23T12:47:59"),
+    "admin_requeue": _show("COMPLETING", restarts=1),
+    "time_limit": _show("COMPLETING", reason="TimeLimit"),
+    "scancel": _show("COMPLETING"),
+    "own_crash": _show("RUNNING"),
+    # A job name or path that poses as Slurm's fields is not read as them.
+    "own_crash_odd_name": _show("RUNNING", name="a Restarts=5 PreemptTime=2026-01-01T00:00:00"),
 }
 
 
@@ -120,6 +130,7 @@ SHOW_JOB = {  # `scontrol show job -o` as the batch shell sees it at the attempt
     ("time_limit", None, "time_limit", False),
     ("scancel", "TERM", "cancelled", False),
     ("own_crash", None, "failed", False),
+    ("own_crash_odd_name", None, "failed", False),
 ])
 def test_outside_cause_from_slurm(case, shell_signal, cause, by_slurm):
     job = attempts.parse_show_job(SHOW_JOB[case])
@@ -130,7 +141,7 @@ def test_outside_cause_without_slurm_trusts_the_shell_signal():
     assert attempts.outside_cause(None, 0, "TERM") == ("preempted", False)
     assert attempts.outside_cause(None, 0, None) == ("failed", False)
     # A later attempt: Restarts counts every requeue, so only a count past this attempt's number means "again".
-    assert attempts.outside_cause(attempts.parse_show_job("JobState=RUNNING Restarts=2"), 2, None) == ("failed", False)
+    assert attempts.outside_cause(attempts.parse_show_job(_show("RUNNING", restarts=2)), 2, None) == ("failed", False)
 
 
 @pytest.mark.parametrize("history,rc,requeue,reason", [
@@ -189,7 +200,7 @@ def test_a_user_script_preempted_over_and_over_stops_at_the_cap(tmp_path):
     env = {"SLURM_JOB_ID": "11"}
     for n in range(3):
         assert attempts.begin(run_dir, n, env=env)[0]
-        show = SHOW_JOB["preempt_grace"].replace("Restarts=0", f"Restarts={n}")
+        show = _show("RUNNING", restarts=n, preempt="2026-11-23T12:47:59")
         outcome = attempts.finish(run_dir, n, 143, env, ask_slurm=lambda _job, s=show: attempts.parse_show_job(s))
         assert outcome.requeue == (n < 2), outcome
     assert "more than max_preemptions=2" in outcome.reason or "exceed max_preemptions=2" in outcome.reason
