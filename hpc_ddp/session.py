@@ -700,6 +700,10 @@ def _one_line_errors() -> None:
     def hook(kind, exc, tb):
         if isinstance(exc, HpcDdpError):
             print(f"hpc-ddp: error: {exc}", file=sys.stderr, flush=True)
+            # The exit code must be the error's (2 for misuse), which only _exit can set from here; run
+            # the exit handlers first (the session's close, a logger's finish), as a normal exit would.
+            atexit._run_exitfuncs()
+            sys.stdout.flush()
             sys.stderr.flush()
             os._exit(exc.exit_code)
         previous(kind, exc, tb)
