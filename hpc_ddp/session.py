@@ -474,6 +474,11 @@ class Session:
         due = (self.checkpoint_every_steps and step % self.checkpoint_every_steps == 0) or (
             self.checkpoint_every_minutes and self.is_main
             and time.monotonic() - self.last_save >= 60 * self.checkpoint_every_minutes)
+        if isinstance(loss, torch.Tensor) and loss.device.type != "cpu":
+            # The loss stays on the GPU: no host sync here; step() reads the summed flags once per step.
+            rest = torch.tensor([float(self.stop.requested), float(bool(due))], dtype=torch.float64)
+            self._sent = torch.cat([loss.detach().reshape(1).to(torch.float64), rest.to(loss.device)])
+            return self._sent
         value = 0.0 if loss is None else float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
         self._sent = torch.tensor([value, float(self.stop.requested), float(bool(due))], dtype=torch.float64,
                                   device=self.device)

@@ -113,6 +113,8 @@ class Trainer:
             else:
                 session.log("hpc-ddp: sync_bn needs GPUs (SyncBatchNorm has no CPU kernel); using plain BatchNorm")
         if session.distributed:
+            # gradient_as_bucket_view=True (gradients as views of the all-reduce buckets, zeroed in place)
+            # was tried for issue 16 and not kept: no gain measurable above this VM's noise (bench/README.md).
             model = DDP(model, device_ids=session.device_ids)
             if session.device.type == "cpu":
                 # See reduce.py: the step's flags ride on the gradients, and rank-order sums give exact
@@ -165,6 +167,9 @@ class Trainer:
 
     def _step(self, batches) -> None:
         cfg, total = self.cfg, 0.0
+        # On GPUs the loss stays on the device (float64, as the CPU's Python floats): reading it per
+        # micro-step would make the host wait for each forward. The flags carry it; step() reads them once.
+        on_device = self.session.device.type != "cpu"
         for micro in range(cfg.grad_accum):
             x, y = next(batches)
             x, y = x.to(self.session.device, non_blocking=True), y.to(self.session.device, non_blocking=True)
@@ -174,7 +179,7 @@ class Trainer:
                 with torch.autocast(self.session.device.type, dtype=self.autocast_dtype or torch.float32,
                                     enabled=self.autocast_dtype is not None):
                     loss = nn.functional.cross_entropy(self.model(x), y) / cfg.grad_accum
-                total += loss.item()
+                total = total + (loss.detach().double() if on_device else loss.item())
                 if last:
                     # This rank's flags, set before the synchronising backward that carries them (reduce.py).
                     sent = self.session.flags(total)

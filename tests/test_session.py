@@ -204,3 +204,16 @@ def test_loader_workers_the_user_built_survive_slurms_sigterm(tmp_path):
                           env={"HPC_DDP_RUN_DIR": str(tmp_path / "run"), "PATH": "/usr/bin:/bin"})
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "31"
+
+
+def test_a_loss_on_a_device_is_not_read_by_the_host_before_the_step(tmp_path):
+    """On GPUs the flags are built where the loss is (no host sync); a meta tensor stands in for a CUDA one:
+    reading its value on the host would raise."""
+    run = session(tmp_path, checkpoint_every_steps=1)
+    try:
+        sent = run.flags(torch.tensor(0.5, device="meta"))
+        assert sent.device.type == "meta" and sent.shape == (3,) and sent.dtype == torch.float64
+        cpu = run.flags(torch.tensor(0.5))
+        assert cpu.tolist() == [0.5, 0.0, 1.0]
+    finally:
+        run.close()
