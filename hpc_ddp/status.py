@@ -77,7 +77,9 @@ def scheduler_state(job_id: str, commands: CommandRunner) -> dict[str, Any]:
     if runs:
         last = runs[-1]
         return {"state": last["state"], "exit_code": last["exitcode"], "elapsed": last["elapsed"],
-                "reason": None if last["reason"] in ("None", "") else last["reason"], "source": "sacct", **history}
+                # A finished job's Reason is why it last waited (BeginTime after a requeue): not news.
+                "reason": None if last["reason"] in ("None", "") or last["state"] in _ENDED else last["reason"],
+                "source": "sacct", **history}
     show = commands.run(["scontrol", "show", "job", job_id], timeout=20)
     if show.returncode == 0:
         state = re.search(r"JobState=(\S+)", show.stdout)

@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # Start a small real Slurm on this one machine, as root: munge, slurmctld and two slurmd nodes
 # (hpcn1, hpcn2) with 2 fake GPUs each declared through GRES, so --gpus-per-node is really scheduled
-# and srun sets CUDA_VISIBLE_DEVICES per task. Idempotent: a second call restarts the daemons.
+# and srun sets CUDA_VISIBLE_DEVICES per task; and accounting: a MariaDB of its own (data dir, socket
+# and port 3316 under $ROOT, not the system's) behind slurmdbd, so sacct works.
+# Idempotent: a second call restarts the Slurm daemons with an empty accounting database (slurmctld
+# starts clean, so job ids start again and old records would be mistaken for new jobs); MariaDB itself
+# is left running when it answers.
 # The last line printed is the `export SLURM_CONF=...` line that points sbatch/srun/squeue at it.
 set -euo pipefail
 
@@ -10,18 +14,71 @@ NODES=(hpcn1 hpcn2)
 ADDRS=(127.0.1.11 127.0.1.12)
 GPUS_PER_NODE=2
 CPUS_PER_NODE=4
+DB_PORT=3316
+DB_SOCK=$ROOT/mysql.sock
 here=$(cd "$(dirname "$0")" && pwd)
 
 log() { printf 'slurm-up: %s\n' "$*" >&2; }
 
 install_packages() {
-    if command -v slurmctld >/dev/null && command -v munged >/dev/null && command -v sbatch >/dev/null; then
+    if command -v slurmctld >/dev/null && command -v munged >/dev/null && command -v sbatch >/dev/null \
+        && command -v slurmdbd >/dev/null && command -v mariadbd >/dev/null; then
         return
     fi
-    log "installing slurm-wlm and munge (apt-get)"
+    log "installing slurm-wlm, munge, slurmdbd and mariadb-server (apt-get)"
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -qq
-    apt-get install -y -qq slurm-wlm munge >/dev/null
+    # The packages' own MariaDB service is not used: the one below has a data dir of its own.
+    apt-get install -y -qq slurm-wlm munge slurmdbd mariadb-server >/dev/null
+}
+
+# Start a daemon in the background with none of our file descriptors: one it inherited would hold what
+# the caller holds for as long as it runs, such as the flock(1) lock the tests take around slurm-up, or
+# the pipe `make test` reads the export line from (it would never see the end of it). The forked
+# subshell closes them and then becomes the daemon (exec), so no shell is left holding them either.
+spawn() {
+    (
+        fd=
+        for fd in $(ls /proc/$BASHPID/fd); do
+            [ "$fd" -gt 2 ] && eval "exec $fd>&-"
+        done 2>/dev/null
+        exec "$@" </dev/null >/dev/null 2>&1
+    ) &
+}
+
+db() { mariadb --no-defaults --socket="$DB_SOCK" -u root "$@"; }
+
+db_up() { mariadb-admin --no-defaults --socket="$DB_SOCK" -u root ping >/dev/null 2>&1; }
+
+start_mariadb() {
+    db_up && return 0
+    mkdir -p "$ROOT/log"
+    if [ ! -d "$ROOT/mysql/mysql" ]; then
+        log "initialising the accounting database in $ROOT/mysql"
+        rm -rf "$ROOT/mysql"
+        mariadb-install-db --no-defaults --user=root --datadir="$ROOT/mysql" --skip-test-db \
+            >"$ROOT/log/mariadb-install.log" 2>&1 || { cat "$ROOT/log/mariadb-install.log" >&2; return 1; }
+    fi
+    # A test database: durability traded for speed. setsid: it outlives this script.
+    spawn setsid mariadbd --no-defaults --user=root --datadir="$ROOT/mysql" --socket="$DB_SOCK" \
+        --pid-file="$ROOT/mysql.pid" --port="$DB_PORT" --bind-address=127.0.0.1 --skip-name-resolve \
+        --innodb-flush-log-at-trx-commit=0 --innodb-buffer-pool-size=64M --innodb-lock-wait-timeout=900 \
+        --log-error="$ROOT/log/mariadb.log"
+    local i
+    for i in $(seq 300); do
+        db_up && return 0
+        sleep 0.1
+    done
+    log "MariaDB did not start; see $ROOT/log/mariadb.log"
+    tail -n 20 "$ROOT/log/mariadb.log" >&2 || true
+    return 1
+}
+
+reset_accounting_db() {
+    # slurmdbd connects over TCP as `slurm` (root's account takes the socket only).
+    db -e "DROP DATABASE IF EXISTS slurm_acct_db;
+           CREATE USER IF NOT EXISTS 'slurm'@'127.0.0.1' IDENTIFIED BY 'slurm';
+           GRANT ALL ON slurm_acct_db.* TO 'slurm'@'127.0.0.1';"
 }
 
 ensure_hosts() {
@@ -80,17 +137,53 @@ write_config() {
     done
     printf 'AutoDetect=off\n' | cat - "$ROOT/gres.conf" > "$ROOT/gres.conf.tmp" && mv "$ROOT/gres.conf.tmp" "$ROOT/gres.conf"
     printf 'ConstrainDevices=no\n' > "$ROOT/cgroup.conf"
+    # slurmdbd reads slurmdbd.conf next to $SLURM_CONF; it holds a password, so 0600 (slurmdbd insists).
+    (umask 077; cat > "$ROOT/slurmdbd.conf" <<EOF
+AuthType=auth/munge
+DbdHost=localhost
+DbdPort=6819
+SlurmUser=root
+LogFile=$ROOT/log/slurmdbd.log
+PidFile=$ROOT/slurmdbd.pid
+StorageType=accounting_storage/mysql
+StorageHost=127.0.0.1
+StoragePort=$DB_PORT
+StorageUser=slurm
+StoragePass=slurm
+StorageLoc=slurm_acct_db
+EOF
+    )
 }
 
 stop_daemons() {
     pkill -x slurmctld 2>/dev/null || true
     pkill -x slurmd 2>/dev/null || true
+    pkill -x slurmdbd 2>/dev/null || true
     for _ in $(seq 50); do
-        pgrep -x slurmctld >/dev/null || pgrep -x slurmd >/dev/null || return 0
+        pgrep -x slurmctld >/dev/null || pgrep -x slurmd >/dev/null || pgrep -x slurmdbd >/dev/null || return 0
         sleep 0.1
     done
     pkill -9 -x slurmctld 2>/dev/null || true
     pkill -9 -x slurmd 2>/dev/null || true
+    pkill -9 -x slurmdbd 2>/dev/null || true
+}
+
+start_slurmdbd() {
+    export SLURM_CONF=$ROOT/slurm.conf
+    spawn slurmdbd
+    # Once slurmdbd answers (it creates its tables first): the cluster, an account, and root in it.
+    local i
+    for i in $(seq 300); do
+        sacctmgr -n -P show cluster >/dev/null 2>&1 && break
+        sleep 0.1
+    done
+    if ! sacctmgr -n -P show cluster >/dev/null 2>&1; then
+        log "slurmdbd did not start; see $ROOT/log/slurmdbd.log"
+        return 1
+    fi
+    sacctmgr -i add cluster hpcddp >/dev/null
+    sacctmgr -i add account hpcddp Cluster=hpcddp Description=hpc-ddp-tests Organization=hpc-ddp >/dev/null
+    sacctmgr -i add user root Account=hpcddp Cluster=hpcddp DefaultAccount=hpcddp >/dev/null
 }
 
 start_daemons() {
@@ -124,6 +217,9 @@ start_munge
 make_fake_gpus
 stop_daemons
 write_config
+start_mariadb
+reset_accounting_db
+start_slurmdbd
 start_daemons
 wait_until_idle
 sinfo -o '%P %a %l %D %t %N %G' >&2
