@@ -11,7 +11,9 @@ What it promises:
 - at most one write in flight: `start()` first waits for the previous one;
 - a failed write is never silent: `check()` (and `wait()`/`start()`) raise its error on the caller's
   thread, once, as the same one-line CheckpointError a blocking save raises;
-- `wait()` returns only when the write is durable (callers do it before exit 75 and at the end).
+- `wait()` returns only when the write is durable (callers do it before exit 75 and at the end);
+- the writer runs at the lowest CPU priority: it takes the cycles the loop leaves, and finishes at full
+  speed once the loop waits for it (bench/README.md has what that costs and saves).
 
 Why whole storages: a snapshot copies each tensor's whole storage once and rebuilds the same views on
 the copy, because `torch.save` writes whole storages and keeps tensors that share one shared; so on the
