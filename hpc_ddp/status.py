@@ -206,14 +206,18 @@ def _time_accounting(run_dir: Path, events: list[dict[str, Any]], metrics: list[
     job_spans = [s for s in timeline.spans if s.job_id == job_id] if job_id else timeline.spans
     used = sum(1 for s in job_spans if s.cause == "time_limit")
     restarts = [s.train_start - s.start for s in timeline.spans[1:] if s.train_start is not None]
+    restart = sum(restarts) / len(restarts) if restarts else 60.0
     eta = estimate_eta(
         step=step, total_steps=total, step_seconds=recent_step_seconds([m for m in metrics if current and _after(m, current.start)])
         or timeline.step_seconds,
         now=time.time(), attempt_started=current.start if current else None,
         time_limit_s=getattr(spec, "time", None), signal_lead_s=getattr(spec, "signal_lead", 0),
-        restart_s=sum(restarts) / len(restarts) if restarts else 60.0,
+        restart_s=restart,
         queue_s=sum(b - a for a, b in timeline.waits[1:]) / len(timeline.waits[1:]) if timeline.waits[1:] else 0.0,
-        requeues_left=max(spec.max_requeues - used, 0) if spec is not None else None)
+        requeues_left=max(spec.max_requeues - used, 0) if spec is not None else None,
+        # Restarting (no start/resume record yet): as long as this run's resumes took, less what has passed.
+        startup_left_s=max(restart - (time.time() - current.start), 0.0)
+        if current and current.train_start is None and restarts else 0.0)
     return summary_line(summary), eta
 
 
@@ -258,20 +262,22 @@ class Eta:
 
 def estimate_eta(*, step: int | None, total_steps: int | None, step_seconds: float | None, now: float,
                  attempt_started: float | None, time_limit_s: float | None, signal_lead_s: float = 0.0,
-                 restart_s: float = 60.0, queue_s: float = 0.0, requeues_left: int | None = None) -> Eta | None:
+                 restart_s: float = 60.0, queue_s: float = 0.0, requeues_left: int | None = None,
+                 startup_left_s: float = 0.0) -> Eta | None:
     """When the last step will be done. Without a time limit: the steps left x step time. With one, the
     attempt trains until `signal_lead_s` before its limit; each later attempt waits `queue_s` in the
     queue, spends `restart_s` starting and resuming, and trains for the limit less the lead and restart.
+    `startup_left_s`: what the current attempt still needs before it trains (it is restarting).
     None when there is nothing to estimate from (no step, total or step time yet)."""
     if step is None or not total_steps or not step_seconds or step_seconds <= 0:
         return None
     work = max(total_steps - step, 0) * step_seconds
     if not time_limit_s or attempt_started is None:
-        return Eta(work, 0, requeues_left)
+        return Eta(startup_left_s + work, 0, requeues_left)
     elapsed = max(now - attempt_started, 0.0)
-    left_now = max(time_limit_s - signal_lead_s - elapsed, 0.0)
+    left_now = max(time_limit_s - signal_lead_s - elapsed - startup_left_s, 0.0)
     if work <= left_now:
-        return Eta(work, 0, requeues_left)
+        return Eta(startup_left_s + work, 0, requeues_left)
     per_attempt = time_limit_s - signal_lead_s - restart_s
     if per_attempt <= 0:
         return Eta(None, 0, requeues_left)  # a restart alone eats the time limit: it never gets further

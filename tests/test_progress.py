@@ -237,3 +237,13 @@ def test_a_records_file_that_cannot_be_read_is_one_line(run, command):
     result = invoke(command, str(run))
     assert result.exit_code == 2 and result.output.strip().splitlines() == [
         f"hpc-ddp: error: cannot read {str(run / 'events.jsonl')!r}: Is a directory"]
+
+
+def test_eta_of_an_attempt_still_restarting_counts_the_rest_of_its_start_up():
+    eta = estimate_eta(step=40, total_steps=100, step_seconds=0.5, now=NOW, attempt_started=NOW - 2,
+                       time_limit_s=None, startup_left_s=7)
+    assert eta.seconds == 7 + 30
+    tight = estimate_eta(step=40, total_steps=100, step_seconds=1.0, now=NOW, attempt_started=NOW - 2,
+                         time_limit_s=100, signal_lead_s=10, restart_s=20, startup_left_s=30, requeues_left=3)
+    # 100 - 10 - 2 - 30 = 58 s left to train here: 60 s of work needs one more attempt
+    assert tight.more_attempts == 1
