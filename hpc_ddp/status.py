@@ -205,11 +205,13 @@ def _time_accounting(run_dir: Path, events: list[dict[str, Any]], metrics: list[
     current = timeline.spans[-1] if timeline.spans else None
     job_spans = [s for s in timeline.spans if s.job_id == job_id] if job_id else timeline.spans
     used = sum(1 for s in job_spans if s.cause == "time_limit")
-    restarts = [s.train_start - s.start for s in timeline.spans[1:] if s.train_start is not None]
+    # How long an attempt takes from its start to its start/resume record (the first one's too: it starts
+    # the same way), for the attempts to come and for the current one while it restarts.
+    restarts = [s.train_start - s.start for s in timeline.spans if s.train_start is not None]
     restart = sum(restarts) / len(restarts) if restarts else 60.0
+    now_metrics = [m for m in metrics if current and _after(m, current.start)]
     eta = estimate_eta(
-        step=step, total_steps=total, step_seconds=recent_step_seconds([m for m in metrics if current and _after(m, current.start)])
-        or timeline.step_seconds,
+        step=step, total_steps=total, step_seconds=recent_step_seconds(now_metrics) or timeline.step_seconds,
         now=time.time(), attempt_started=current.start if current else None,
         time_limit_s=getattr(spec, "time", None), signal_lead_s=getattr(spec, "signal_lead", 0),
         restart_s=restart,
