@@ -31,15 +31,20 @@ def figure(run_dir: Path):
     matplotlib.use("Agg")  # no display on compute or login nodes
     import matplotlib.pyplot as plt
 
-    metrics = read_jsonl(run_dir / "metrics.jsonl")
-    events = read_jsonl(run_dir / "events.jsonl")
-    train = [m for m in metrics if "loss" in m]
-    evals = [m for m in metrics if "eval_acc" in m]
+    from .status import records
+
+    metrics = records(run_dir / "metrics.jsonl")
+    events = records(run_dir / "events.jsonl")
+    train = [m for m in metrics if isinstance(m.get("loss"), (int, float)) and isinstance(m.get("step"), int)]
+    evals = [m for m in metrics if isinstance(m.get("eval_acc"), (int, float)) and isinstance(m.get("step"), int)]
     if not train:
         raise UserError(f"{run_dir / 'metrics.jsonl'} has no training records yet")
     fig, ax_loss = plt.subplots(figsize=(9, 4.5), dpi=110)
-    ax_loss.plot([m["step"] for m in train], [m["loss"] for m in train], color="tab:blue", lw=1.2,
-                 label="training loss")
+    for i, segment in enumerate(_segments(train)):
+        # One line per stretch of steps: a resume goes back to its checkpoint's step, and a line drawn
+        # back across the steps redone would hide them.
+        ax_loss.plot([m["step"] for m in segment], [m["loss"] for m in segment], color="tab:blue", lw=1.2,
+                     label=None if i else "training loss", gid="loss")
     ax_loss.set_xlabel("step")
     ax_loss.set_ylabel("loss")
     if evals:
@@ -55,6 +60,16 @@ def figure(run_dir: Path):
     ax_loss.legend(handles=handles, loc="upper right", fontsize=8)
     fig.tight_layout()
     return fig
+
+
+def _segments(train: list[dict]) -> list[list[dict]]:
+    """The training records split where the step goes back (a resume from an earlier checkpoint)."""
+    segments: list[list[dict]] = []
+    for record in train:
+        if not segments or record["step"] <= segments[-1][-1]["step"]:
+            segments.append([])
+        segments[-1].append(record)
+    return segments
 
 
 def _mark_events(ax, events: list[dict]) -> None:

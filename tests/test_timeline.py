@@ -146,3 +146,16 @@ def test_plot_shows_a_resume_at_the_same_step_as_its_stop(tmp_path):
         for resume in resumes:
             assert max(resume.get_ydata()) <= min(stop.get_ydata())  # axes fractions: lower vs upper half
     assert {"stop 150", "resume 150"} <= {t.get_text().strip() for t in ax.texts}
+
+
+def test_plot_draws_one_loss_line_per_stretch_of_steps(tmp_path):
+    """A resume from step 80 after the run reached 100: the redone steps are a second line, not a line
+    drawn back from 100 to 90 over them."""
+    from hpc_ddp import plot
+
+    events, metrics = preempted_run()
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics) + '{"step": 2')
+    fig = plot.figure(tmp_path)
+    lines = [line for line in fig.axes[0].lines if line.get_gid() == "loss"]
+    assert [(line.get_xdata()[0], line.get_xdata()[-1]) for line in lines] == [(10, 100), (90, 200)]
