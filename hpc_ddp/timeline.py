@@ -121,7 +121,7 @@ def build_timeline(events: Sequence[Mapping[str, Any]], metrics: Sequence[Mappin
                      key=lambda m: m["time"])
     spans = _spans(events)
     if not spans:
-        spans = _spans_from_sessions(events, metrics)
+        spans = _spans_from_sessions(events)
     _fill(spans, events, metrics)
     waits = _waits(spans, submitted or {})
     throughput = [(m["time"], _step(m), float(m["samples_per_s"])) for m in metrics
@@ -150,7 +150,7 @@ def _spans(events: Sequence[Mapping[str, Any]]) -> list[Span]:
     return spans
 
 
-def _spans_from_sessions(events: Sequence[Mapping[str, Any]], metrics: Sequence[Mapping[str, Any]]) -> list[Span]:
+def _spans_from_sessions(events: Sequence[Mapping[str, Any]]) -> list[Span]:
     """A script run without hpc-ddp's batch script: each start/resume record begins an attempt."""
     return [Span(i, _str(e.get("job_id")), None, e["time"], e["time"])
             for i, e in enumerate(e for e in events if e.get("event") in ("start", "resume"))]
