@@ -67,7 +67,7 @@ class Snapshotter:
         """A deep copy of `payloads` whose tensors live in host memory. Call `recycle()` with the previous
         snapshot once nothing reads it any more, so its buffers serve the next one."""
         copies: dict[int, torch.Tensor] = {}    # id(tensor) -> its copy: deepcopy's memo
-        storages: dict[tuple, torch.UntypedStorage] = {}  # (device, data_ptr) -> host copy of that storage
+        storages: dict[int, torch.UntypedStorage] = {}  # storage -> its host copy
         used: list[torch.UntypedStorage] = []
         on_gpu = False
         for tensor in _tensors(payloads):
@@ -77,7 +77,7 @@ class Snapshotter:
                 copies[id(tensor)] = _fallback_copy(tensor)
                 continue
             source = tensor.untyped_storage()
-            key = (str(source.device), source.data_ptr(), source.nbytes())
+            key = source._cdata  # the StorageImpl: how torch.save itself tells shared storages apart
             if key not in storages:
                 on_gpu |= source.device.type == "cuda"
                 storages[key] = self._buffer(source.nbytes(), pinned=source.device.type == "cuda")

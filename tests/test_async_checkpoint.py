@@ -50,7 +50,8 @@ def test_a_snapshot_serializes_to_the_same_bytes_and_does_not_follow_the_live_st
     model = net.state_dict()
     model["alias"] = model["0.weight"][1:3]  # shares a storage: must stay shared, as torch.save keeps it
     payloads = {"model.pt": model, "optimizer.pt": opt.state_dict(),
-                "extra.pt": {"step": 3, "pair": (1, torch.arange(4)), "names": ["a", "b"]}}
+                "extra.pt": {"step": 3, "pair": (1, torch.arange(4)), "names": ["a", "b"], "scalar": torch.tensor(2.5),
+                             "empty": [torch.empty(0), torch.zeros(0, 3)], "transposed": torch.arange(6.).view(2, 3).t()}}
     before = {name: serialized(obj) for name, obj in payloads.items()}
     snapshot = Snapshotter().take(payloads)
     taken = snapshot.ready()
