@@ -28,6 +28,7 @@ the whole run.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import threading
@@ -134,10 +135,8 @@ def _lowest_cpu_priority() -> None:
     """Nice this thread (and the hashing thread it starts, which inherits it) to 19: on a node whose cores
     the training loop keeps busy, the write takes the cycles the loop leaves, not the loop's. Linux
     applies a nice value given a thread id to that thread only; elsewhere this is a no-op."""
-    try:
+    with contextlib.suppress(AttributeError, OSError):  # not Linux, or not allowed: write at normal priority
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    except (AttributeError, OSError):
-        pass
 
 
 class BackgroundWriter:

@@ -53,6 +53,7 @@ fallback to an older checkpoint: such a checkpoint means the run dir belongs to 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import hashlib
@@ -310,10 +311,8 @@ class CheckpointManager:
             if entry.is_dir(follow_symlinks=False):
                 shutil.rmtree(entry.path, ignore_errors=True)
             else:
-                try:
+                with contextlib.suppress(OSError):  # gone already, or not ours to remove: the save goes on
                     os.unlink(entry.path)
-                except OSError:
-                    pass
 
     # ---- loading ----
 

@@ -6,6 +6,7 @@ bytes. It imports nothing heavy, so light modules (attempts.py) can use it too."
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
@@ -46,10 +47,8 @@ def replace_durable(path: Path, data: bytes) -> None:
         write_durable(tmp, data)
         os.replace(tmp, path)
     except BaseException:
-        try:
+        with contextlib.suppress(OSError):  # never created, or already gone: the original error is the one to raise
             os.unlink(tmp)
-        except OSError:
-            pass
         raise
     fsync_dir(path.parent)
 
