@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -16,9 +17,18 @@ from hpc_ddp.procs import ProcessIdentity, die_with_parent_preexec, read_pid_fil
 from hpc_ddp.status import _current_job, _local_state, _overall_state
 
 
+def _sleep() -> subprocess.Popen:
+    """`sleep 60`, once it has exec'd: until then /proc shows the forked Python, or an empty cmdline."""
+    proc = subprocess.Popen(["sleep", "60"])
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not Path(f"/proc/{proc.pid}/cmdline").read_bytes().startswith(b"sleep"):
+        time.sleep(0.01)
+    return proc
+
+
 @pytest.fixture
 def sleeper():
-    proc = subprocess.Popen(["sleep", "60"])
+    proc = _sleep()
     yield proc
     proc.kill()
     proc.wait()
@@ -63,7 +73,7 @@ def test_a_pid_file_that_does_not_name_that_very_process_is_not_trusted(tmp_path
 
 
 def test_the_pid_file_of_a_process_that_is_gone_is_not_trusted(tmp_path):
-    proc = subprocess.Popen(["sleep", "60"])
+    proc = _sleep()
     who = ProcessIdentity.of(proc.pid)
     (tmp_path / "local.pid").write_text(f"{proc.pid} j {who.start} {who.boot} {who.cmdline}\n")
     assert read_pid_file(tmp_path / "local.pid")[0] == who
