@@ -26,7 +26,6 @@ import hpc_ddp
 from hpc_ddp import checkpoint as ckpt
 from hpc_ddp.asyncsave import BackgroundWriter, Snapshotter
 from hpc_ddp.checkpoint import CheckpointError, CheckpointManager, verify
-from hpc_ddp.distenv import from_environ
 from hpc_ddp.events import read_jsonl
 from hpc_ddp.session import Session
 from hpc_ddp.trainconfig import parse_train
@@ -101,20 +100,7 @@ def test_an_unexpected_writer_exception_becomes_one_checkpoint_error_line():
 
 # ---- the session ----
 
-class Data(torch.utils.data.Dataset):
-    def __init__(self, n=64):
-        g = torch.Generator().manual_seed(1)
-        self.x, self.y = torch.randn(n, 4, generator=g), torch.randn(n, 1, generator=g)
-
-    def __len__(self):
-        return len(self.x)
-
-    def __getitem__(self, i):
-        return self.x[i] + 0.01 * torch.randn(4), self.y[i]
-
-
-def session(run_dir, **settings) -> Session:
-    return Session(run_dir, env=from_environ({}, pid=1), **settings).setup()
+from test_session import Data, session  # noqa: E402  the same dataset and single-rank session
 
 
 def train(run_dir, *, stop_at=None, crash_at=None, epochs=3, before_step=None, **settings):
