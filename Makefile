@@ -24,15 +24,15 @@ demo: install
 	$(PY) -m hpc_ddp.demo
 
 slurm-up:
-	@bash tests/slurm/slurm-up.sh | tee $(SLURM_ENV) | tail -n 1
+	@bash tests/cluster/slurm-up.sh | tee $(SLURM_ENV) | tail -n 1
 
 slurm-down:
-	@bash tests/slurm/slurm-down.sh
+	@bash tests/cluster/slurm-down.sh
 
 # All tests, the real-Slurm ones included: brings the test Slurm up and takes it down again.
 test: install
-	@set -o pipefail; eval "$$(bash tests/slurm/slurm-up.sh | tail -n 1)"; \
-	$(PY) -m pytest -q tests; rc=$$?; bash tests/slurm/slurm-down.sh; exit $$rc
+	@set -o pipefail; eval "$$(bash tests/cluster/slurm-up.sh | tail -n 1)"; \
+	$(PY) -m pytest -q tests; rc=$$?; bash tests/cluster/slurm-down.sh; exit $$rc
 
 # hpc-ddp against plain alternatives (bench/README.md); writes bench/results.json and .png (~10 min).
 # Quick check of the harness only: make bench BENCH_ARGS=--quick

@@ -60,8 +60,8 @@ class Model:
 
 
 def session(run_dir, model: Model, *, background: bool):
-    from hpc_ddp.distenv import from_environ
-    from hpc_ddp.session import Session
+    from hpc_ddp.job.distenv import from_environ
+    from hpc_ddp.trainer.session import Session
 
     run = Session(run_dir, env=from_environ({}, pid=os.getpid()), keep=2, checkpoint_every_minutes=0,
                   async_checkpoint=background)

@@ -44,7 +44,7 @@ def make_state(model_name: str):
 def run(ws: Workspace) -> list[Row]:
     import torch
 
-    from hpc_ddp.checkpoint import CheckpointManager, state_sha256
+    from hpc_ddp.trainer.checkpoint import CheckpointManager, state_sha256
 
     state = make_state(ws.s.ckpt_model)
     root = ws.fresh("ckpt")

@@ -182,7 +182,7 @@ class Workspace:
     def mnist(self) -> Path:
         """A generated MNIST-format set, big enough for one epoch of the longest CPU run at world size 2."""
         if self._mnist is None:
-            from hpc_ddp.datagen import write_mnist
+            from hpc_ddp.data.datagen import write_mnist
 
             steps = max(self.s.train_steps, self.s.resume_steps, self.s.startup_steps)
             self._mnist = write_mnist(self.root / "mnist", train=steps * self.s.batch * 2 + 512, test=64)
@@ -248,7 +248,7 @@ eval_every_epoch = false
 
 
 def metrics(run_dir: Path) -> list[dict[str, Any]]:
-    from hpc_ddp.events import read_jsonl
+    from hpc_ddp.common.events import read_jsonl
 
     return [r for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r]
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hpc_ddp.models import build_model
+from hpc_ddp.trainer.models import build_model
 
 
 class ChannelsLast(nn.Module):

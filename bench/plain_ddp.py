@@ -22,7 +22,7 @@ import torchvision.transforms as T
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
-from hpc_ddp.models import SmallCNN
+from hpc_ddp.trainer.models import SmallCNN
 
 
 def parse() -> argparse.Namespace:

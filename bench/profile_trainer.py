@@ -5,13 +5,13 @@
     PROFILE_SORT=cumulative python bench/profile_trainer.py --cprofile --steps 2
 
 Builds the same CPU job as the throughput benchmark, starts its ranks the way the local executor does
-(the per-rank runner's environment, then `hpc_ddp.train.run` in the process), and on rank 0 times each
+(the per-rank runner's environment, then `hpc_ddp.trainer.train.run` in the process), and on rank 0 times each
 part of every step by wrapping the trainer's own methods: waiting for the next batch, forward+backward+
 optimizer (the step's flags travel with its gradients), reading the agreed flags, the metrics record. The same split is measured for the
 plain loop's steps (bench/plain_ddp.py's body, timed inline). With --cprofile, rank 0 runs under
 cProfile instead and the top functions by total time are printed (cProfile slows Python-heavy parts).
 Also times, in this process, the per-sample work of the loader workers: the trainer's reseeding
-(`hpc_ddp.data._seed_all`) against loading the sample itself.
+(`hpc_ddp.data.loaders._seed_all`) against loading the sample itself.
 """
 
 from __future__ import annotations
@@ -36,14 +36,14 @@ CHILD = r"""
 import time; marks = [("process start", time.time())]
 import cProfile, json, os, pstats, sys
 from pathlib import Path
-from hpc_ddp.runner import prepare, load_spec
+from hpc_ddp.job.runner import prepare, load_spec
 spec_path, out, mode = sys.argv[1], sys.argv[2], sys.argv[3]
 argv, env = prepare(spec_path)
 os.environ.update(env)
 marks.append(("runner's prepare()", time.time()))
 from hpc_ddp import session as sess
 from hpc_ddp import train
-marks.append(("import hpc_ddp.train (torch)", time.time()))
+marks.append(("import hpc_ddp.trainer.train (torch)", time.time()))
 rank = int(os.environ["RANK"])
 if mode == "startup":  # when each start-up phase ends, on rank 0
     def mark(name, fn):
@@ -100,7 +100,7 @@ import torch, torch.distributed as dist
 import torchvision.datasets as D, torchvision.transforms as T
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
-from hpc_ddp.models import SmallCNN
+from hpc_ddp.trainer.models import SmallCNN
 data_dir, steps, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 dist.init_process_group("gloo"); rank, world = dist.get_rank(), dist.get_world_size()
 torch.manual_seed(0)
@@ -141,7 +141,7 @@ def _summary(name: str, phases: dict[str, list[float]], skip: int) -> None:
 def seeding_cost(data_dir: Path) -> None:
     import torchvision.datasets as D
 
-    from hpc_ddp.data import _seed_all, _transforms
+    from hpc_ddp.data.loaders import _seed_all, _transforms
 
     base = D.MNIST(str(data_dir), train=True, download=False, transform=_transforms(1, 28, True, True))
     n = 2000
@@ -164,9 +164,9 @@ def main() -> None:
     p.add_argument("--cprofile", action="store_true")
     p.add_argument("--startup", action="store_true", help="when each start-up phase ends (rank 0), 3 runs")
     a = p.parse_args()
-    from hpc_ddp.datagen import write_mnist
-    from hpc_ddp.executors.local import rank_envs
-    from hpc_ddp.runner import load_spec
+    from hpc_ddp.data.datagen import write_mnist
+    from hpc_ddp.launch.executors.local import rank_envs
+    from hpc_ddp.job.runner import load_spec
 
     with tempfile.TemporaryDirectory(prefix="hpc-ddp-profile-") as tmp:
         work = Path(tmp)

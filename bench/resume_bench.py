@@ -34,7 +34,7 @@ SECTION = "resume"
 
 
 def _events(run_dir):
-    from hpc_ddp.events import read_jsonl
+    from hpc_ddp.common.events import read_jsonl
 
     return read_jsonl(run_dir / "events.jsonl")
 

@@ -74,7 +74,7 @@ def run_sections(ws: Workspace, names: list[str]) -> list[Row]:
 
 def cleanup_node_dirs(root: Path) -> None:
     """The local executor's per-node temp dirs (/tmp/hpc-ddp-local-*) of the runs made here."""
-    from hpc_ddp.executors.local import node_scratch
+    from hpc_ddp.launch.executors.local import node_scratch
 
     for spec in root.rglob("spec.json"):
         shutil.rmtree(node_scratch(str(spec.parent), 0).parent, ignore_errors=True)

@@ -1,7 +1,7 @@
 """Staging: our per-node staging against `cp -r` and `tar -xf` of the same data on the same disk, and
 the bytes each node reads from the shared source.
 
-Speed: a directory of `stage_files` random files (and a tar of it) staged by `hpc_ddp.staging.stage`
+Speed: a directory of `stage_files` random files (and a tar of it) staged by `hpc_ddp.data.staging.stage`
 vs `cp -r` / `tar -xf` into an empty directory. Both sides end with a `sync` inside the timing (ours
 makes the copy durable before its completion marker, so the plain tools pay for the same), and each
 pair alternates which side goes first.
@@ -58,7 +58,7 @@ def make_source(ws: Workspace) -> tuple[Path, Path, int]:
 
 
 def speed(ws: Workspace, src: Path, archive: Path, nbytes: int) -> dict[str, list[float]]:
-    from hpc_ddp.staging import stage
+    from hpc_ddp.data.staging import stage
 
     dest = ws.root / "local"
 
@@ -93,12 +93,12 @@ def _rchar() -> int:
 
 
 def _rank(kind: str, src: str, scratch: str, local_rank: int, queue) -> None:
-    from hpc_ddp.staging import stage, wait_for_stage
+    from hpc_ddp.data.staging import stage, wait_for_stage
 
     before, started = _rchar(), time.monotonic()
     if kind == "naive":
         subprocess.run(["cp", "-r", src, os.path.join(scratch, f"rank-{local_rank}")], check=True)
-    elif local_rank == 0:  # what the per-rank runner does (hpc_ddp.stagejob)
+    elif local_rank == 0:  # what the per-rank runner does (hpc_ddp.job.stagejob)
         stage(src, scratch, name="data", log=_noop)
     else:
         wait_for_stage(src, scratch, name="data", timeout=600)

@@ -1,6 +1,6 @@
 """hpc-ddp: put PyTorch DDP training on Slurm nodes x GPUs, with a correct environment on every rank.
 
-The public API for a training loop of your own (`hpc_ddp.session`, loaded on first use):
+The public API for a training loop of your own (`hpc_ddp.trainer.session`, loaded on first use):
 
     start(run_dir=None, **settings) -> Session   this rank joins the run (see session.py)
     Session          track / resume / sampler / epochs / step / save / requeue / finish / log_metrics
@@ -16,17 +16,17 @@ procs). Importing this package does not import torch: the API names above load i
 
 __version__ = "0.1.0"
 
-from .distenv import DistEnv, from_environ  # noqa: E402
-from .errors import EnvError, HpcDdpError, SpecError, SubmitError, UserError  # noqa: E402
-from .exitcodes import REQUEUE_EXIT_CODE  # noqa: E402
-from .spec import JobSpec, Target  # noqa: E402
+from hpc_ddp.job.distenv import DistEnv, from_environ  # noqa: E402
+from hpc_ddp.common.errors import EnvError, HpcDdpError, SpecError, SubmitError, UserError  # noqa: E402
+from hpc_ddp.common.exitcodes import REQUEUE_EXIT_CODE  # noqa: E402
+from hpc_ddp.spec.jobspec import JobSpec, Target  # noqa: E402
 
 # name -> module that defines it; imported on first access (PEP 562), so the CLI stays torch-free.
 _LAZY = {
-    "start": "session", "Session": "session", "Progress": "session", "UsageError": "session",
-    "IncompatibleResume": "session", "Diverged": "session",
-    "ResumableSampler": "data", "CheckpointManager": "checkpoint", "CheckpointError": "checkpoint",
-    "capture_rng": "rngstate", "restore_rng": "rngstate",
+    "start": "trainer.session", "Session": "trainer.session", "Progress": "trainer.session",
+    "UsageError": "trainer.session", "IncompatibleResume": "trainer.session", "Diverged": "trainer.session",
+    "ResumableSampler": "data.loaders", "CheckpointManager": "trainer.checkpoint",
+    "CheckpointError": "trainer.checkpoint", "capture_rng": "trainer.rngstate", "restore_rng": "trainer.rngstate",
 }
 
 __all__ = [

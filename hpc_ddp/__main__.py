@@ -1,3 +1,3 @@
-from .cli import main
+from hpc_ddp.cli.main import main
 
 main()

@@ -17,8 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-from .datagen import write_mnist
-from .events import read_jsonl
+from hpc_ddp.data.datagen import write_mnist
+from hpc_ddp.common.events import read_jsonl
 
 REPO = Path(__file__).resolve().parent.parent
 RUN_DIR = REPO / "runs" / "demo"

@@ -83,7 +83,7 @@ def wait_until(predicate, timeout: float, what: str, interval: float = 0.2):
 
 
 def last_step(run_dir: Path) -> int:
-    from hpc_ddp.events import read_jsonl
+    from hpc_ddp.common.events import read_jsonl
 
     steps = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r]
     return steps[-1] if steps else 0

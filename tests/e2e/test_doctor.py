@@ -1,4 +1,4 @@
-"""`hpc-ddp doctor` and submit's preflight against the real test Slurm (tests/slurm/slurm-up.sh):
+"""`hpc-ddp doctor` and submit's preflight against the real test Slurm (tests/cluster/slurm-up.sh):
 partitions debug (default, no limit), short (10 minutes), grace and urgent (for real preemption), nodes
 hpcn1 and hpcn2 with 4 CPUs, 4000 MB and gpu:2 each."""
 

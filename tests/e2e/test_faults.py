@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from hpc_ddp.events import read_jsonl
-from hpc_ddp.ports import first_free_port
+from hpc_ddp.common.events import read_jsonl
+from hpc_ddp.job.ports import first_free_port
 
 from .helpers import hpc_ddp, submit_json, wait_for_job, wait_until
 

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from hpc_ddp.datagen import write_mnist
-from hpc_ddp.events import read_jsonl
+from hpc_ddp.data.datagen import write_mnist
+from hpc_ddp.common.events import read_jsonl
 
 from .helpers import (hpc_ddp, job_field, last_step, release_when_requeued, run_through_requeues, submit_json,
                       wait_for_job, wait_until)

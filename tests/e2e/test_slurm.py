@@ -44,7 +44,7 @@ def test_sbatch_script_resubmits_from_its_header(slurm_conf, tmp_path):
 
 def test_staging_once_per_node_on_slurm(slurm_conf, tmp_path):
     """Each node stages into its own local disk (here: a directory named after the node)."""
-    from hpc_ddp.datagen import write_mnist
+    from hpc_ddp.data.datagen import write_mnist
 
     from .test_staging_job import SHOW
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from hpc_ddp.datagen import write_mnist
+from hpc_ddp.data.datagen import write_mnist
 
 from .helpers import hpc_ddp
 
@@ -28,7 +28,7 @@ def test_each_node_stages_once_and_every_rank_reads_it(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     seen = [json.loads((tmp_path / "run" / f"seen-{r}.json").read_text()) for r in range(4)]
     assert len({s["digest"] for s in seen}) == 1
-    from hpc_ddp.executors.local import node_scratch
+    from hpc_ddp.launch.executors.local import node_scratch
 
     for s in seen:
         node = node_scratch(str(tmp_path / "run"), int(s["NODE_RANK"]))
@@ -47,7 +47,7 @@ def test_trainer_reads_the_staged_copy(tmp_path):
         'num_workers = 0\neval_every_epoch = false\n')
     done = hpc_ddp("submit", "--executor", "local", "--run-dir", "run", "job.toml", cwd=tmp_path, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
-    from hpc_ddp.executors.local import node_scratch
+    from hpc_ddp.launch.executors.local import node_scratch
 
     staged = node_scratch(str(tmp_path / "run"), 0) / "hpc-ddp-datasets" / "mnist"
     assert f"hpc-ddp: reading the staged copy {staged} of {data}" in done.stdout

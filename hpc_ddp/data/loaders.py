@@ -1,0 +1,252 @@
+"""Training data for the built-in trainer: torchvision datasets from local files, and sampling that can
+resume from any sample of any epoch with the same random streams.
+
+Exactness rests on two pieces:
+- `ResumableSampler`: DistributedSampler's permutation for (seed, epoch), skipping the first `start`
+  indices of this rank's share; it yields (epoch, index) keys.
+- `SeededSamples`: each sample's random augmentation is drawn from a seed that depends only on
+  (seed, epoch, index), so it does not matter which worker loads it, whether workers are persistent,
+  or where in the epoch a resumed run starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, get_worker_info
+
+from hpc_ddp.common.errors import SpecError
+from hpc_ddp.spec.trainconfig import TrainConfig
+
+__all__ = ["DataBundle", "build_data", "shutdown_workers", "ResumableSampler", "SeededSamples", "EvalSampler"]
+
+_MEAN_STD = {1: ((0.5,), (0.5,)), 3: ((0.5, 0.5, 0.5), (0.25, 0.25, 0.25))}
+
+
+@dataclasses.dataclass
+class DataBundle:
+    train: DataLoader
+    eval: DataLoader | None
+    sampler: "ResumableSampler"
+    num_classes: int
+    in_channels: int
+    image_size: int
+    micro_batches_per_epoch: int
+    root: Path | None = None           # where the data was read from (the staged copy, if any)
+
+
+class SeededSamples(Dataset):
+    """Wraps a dataset so `ds[(epoch, i)]` draws its augmentation from seed(seed, epoch, i).
+
+    The caller's RNG state is left as it was (fork_rng), so loading in the main process
+    (num_workers=0) does not disturb the training RNG streams.
+    """
+
+    def __init__(self, base: Dataset, seed: int):
+        self.base, self.seed = base, seed
+
+    def __len__(self) -> int:
+        return len(self.base)  # type: ignore[arg-type]
+
+    def __getitem__(self, key):
+        epoch, index = key if isinstance(key, tuple) else (0, key)
+        sample_seed = (self.seed * 1_000_003 + epoch * 7_919 + index) % (2**63)
+        if get_worker_info() is not None:
+            # A loader worker: its RNG streams serve nothing else, so just reseed (a few microseconds;
+            # default_generator.manual_seed is ~70x cheaper than torch.manual_seed).
+            _seed_all(sample_seed)
+            return self.base[index]
+        py_state, np_state = random.getstate(), np.random.get_state()
+        with torch.random.fork_rng(devices=[]):  # the main process: leave the training streams alone
+            _seed_all(sample_seed)
+            try:
+                return self.base[index]
+            finally:
+                random.setstate(py_state)
+                np.random.set_state(np_state)
+
+
+def _seed_all(seed: int) -> None:
+    torch.default_generator.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+
+
+class ResumableSampler(Sampler):
+    """This rank's share of DistributedSampler's shuffled order for an epoch, from position `start`.
+    It yields (epoch, index) keys for `SeededSamples`, or plain indices with keys=False."""
+
+    def __init__(self, size: int, *, rank: int, world_size: int, seed: int, shuffle: bool = True,
+                 keys: bool = True):
+        self.inner = DistributedSampler(range(size), num_replicas=world_size, rank=rank, shuffle=shuffle,
+                                        seed=seed, drop_last=True)
+        self.epoch, self.start, self.keys = 0, 0, keys
+
+    def set_position(self, epoch: int, start: int) -> None:
+        self.epoch, self.start = epoch, start
+        self.inner.set_epoch(epoch)
+
+    def set_epoch(self, epoch: int) -> None:
+        """DistributedSampler's call, so loops written for it run unchanged: the epoch the sampler was
+        positioned in (a resumed one) keeps its start; any other epoch starts at its beginning."""
+        if epoch != self.epoch:
+            self.set_position(epoch, 0)
+
+    def __iter__(self) -> Iterator[tuple[int, int]] | Iterator[int]:
+        indices = list(self.inner)[self.start:]
+        return iter([(self.epoch, i) for i in indices] if self.keys else indices)
+
+    def __len__(self) -> int:
+        return max(len(self.inner) - self.start, 0)
+
+
+class EvalSampler(Sampler):
+    """Every sample exactly once across ranks (rank, rank+world, ...): no padding, so summed counts are exact."""
+
+    def __init__(self, size: int, rank: int, world_size: int):
+        self.indices = list(range(rank, size, world_size))
+
+    def __iter__(self):
+        return iter((0, i) for i in self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+def _transforms(channels: int, size: int, train: bool, augment: bool):
+    from torchvision import transforms as T
+
+    mean, std = _MEAN_STD[channels]
+    steps = []
+    if train and augment:
+        steps += [T.RandomCrop(size, padding=max(size // 8, 1)), T.RandomHorizontalFlip()] if channels == 3 else \
+            [T.RandomCrop(size, padding=max(size // 8, 1))]
+    steps += [T.ToTensor(), T.Normalize(mean, std)]
+    return T.Compose(steps)
+
+
+def _resized(channels: int, size: int, native: int, train: bool, augment: bool):
+    from torchvision import transforms as T
+
+    pipeline = _transforms(channels, size, train, augment)
+    return pipeline if size == native else T.Compose([T.Resize(size), pipeline])
+
+
+def _datasets(cfg: TrainConfig):
+    """(train, eval, num_classes, channels, image_size) read from local files; nothing is downloaded."""
+    import torchvision.datasets as D
+
+    root = Path(_staged(cfg.data_dir)) if cfg.data_dir else None
+    if cfg.dataset == "mnist":
+        size = cfg.image_size or 28
+        make = lambda train: D.MNIST(str(root), train=train, download=False,  # noqa: E731
+                                     transform=_resized(1, size, 28, train, cfg.augment))
+        return _opened(make, cfg), 10, 1, size
+    if cfg.dataset == "cifar10":
+        size = cfg.image_size or 32
+        return _opened(lambda train: _cifar10(root, train, _resized(3, size, 32, train, cfg.augment)), cfg), 10, 3, size
+    if cfg.dataset == "imagefolder":
+        size = cfg.image_size or 32
+        make = lambda train: D.ImageFolder(str(root / ("train" if train else "val")),  # noqa: E731
+                                           transform=_resized(3, size, size, train, cfg.augment))
+        (train, val) = _opened(make, cfg)
+        return (train, val), len(train.classes), 3, size
+    size = cfg.image_size or 32
+    classes = cfg.num_classes or 10
+    make = lambda train: D.FakeData(cfg.fake_size if train else max(cfg.fake_size // 4, 1),  # noqa: E731
+                                    (3, size, size), classes, transform=_transforms(3, size, False, False),
+                                    random_offset=0 if train else 1_000_000)
+    return (make(True), make(False)), classes, 3, size
+
+
+def _staged(data_dir: str) -> str:
+    """The node-local copy of data_dir when the job staged it (the runner says where), else data_dir."""
+    import json
+    import os
+
+    staged = json.loads(os.environ.get("HPC_DDP_STAGED") or "{}")
+    return staged.get(str(Path(data_dir).resolve()), data_dir)
+
+
+def _cifar10(root: Path, train: bool, transform):
+    import torchvision.datasets as D
+
+    try:
+        return D.CIFAR10(str(root), train=train, download=False, transform=transform)
+    except RuntimeError:
+        # Generated data cannot match the real set's md5 sums; its own recorded sums are checked instead.
+        from hpc_ddp.data.datagen import SyntheticCIFAR10
+
+        return SyntheticCIFAR10(str(root), train=train, download=False, transform=transform)
+
+
+def _opened(make, cfg: TrainConfig):
+    try:
+        return make(True), make(False)
+    except (RuntimeError, FileNotFoundError) as exc:
+        raise SpecError(f"cannot read the {cfg.dataset} dataset in {cfg.data_dir!r}: {exc}",
+                        hint="make one with `hpc-ddp make-dataset` or fix data_dir") from None
+
+
+def ignore_stop_signals(_worker_id: int) -> None:
+    """Slurm signals every process of a step, loader workers included. A worker killed by SIGTERM or
+    SIGUSR2 makes the main process raise instead of checkpointing; the main process decides when
+    workers end, so they ignore these."""
+    for signum in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_IGN)
+
+
+def _worker_signal_handlers_ignoring_stops(*args, **kwargs):
+    """torch's own worker signal set-up (it puts a C handler on SIGTERM), then the stop signals ignored."""
+    _TORCH_WORKER_HANDLERS(*args, **kwargs)
+    ignore_stop_signals(0)
+
+
+_TORCH_WORKER_HANDLERS = torch.utils.data._utils.signal_handling._set_worker_signal_handlers
+
+
+def shield_loader_workers() -> None:
+    """Make every DataLoader worker started from now on ignore Slurm's stop signals, loaders the user
+    built included: Slurm signals every process of a step, and a worker killed by SIGTERM makes its
+    loader raise in the main process instead of letting it checkpoint. Each worker calls torch's
+    `_set_worker_signal_handlers` (looked up on its module) as it starts, after forking and before
+    loading; ours runs it and then ignores the stop signals. (A `spawn` worker imports torch afresh
+    and keeps torch's handlers: pass such a loader `worker_init_fn=ignore_stop_signals`.)"""
+    torch.utils.data._utils.signal_handling._set_worker_signal_handlers = _worker_signal_handlers_ignoring_stops
+
+
+def shutdown_workers(loader: DataLoader | None) -> None:
+    """Stop a loader's (persistent) workers now. They ignore SIGTERM, so the terminate() that
+    multiprocessing would send at interpreter exit cannot end them: the trainer ends them here."""
+    iterator = getattr(loader, "_iterator", None)
+    if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+        iterator._shutdown_workers()
+        loader._iterator = None
+
+
+def build_data(cfg: TrainConfig, *, rank: int, world_size: int, pin_memory: bool) -> DataBundle:
+    (train_set, eval_set), classes, channels, size = _datasets(cfg)
+    sampler = ResumableSampler(len(train_set), rank=rank, world_size=world_size, seed=cfg.seed)
+    workers = dict(num_workers=cfg.num_workers, persistent_workers=cfg.num_workers > 0, pin_memory=pin_memory,
+                   worker_init_fn=ignore_stop_signals if cfg.num_workers else None)
+    # A fixed generator: creating the iterator must not draw from the training RNG streams.
+    train = DataLoader(SeededSamples(train_set, cfg.seed), batch_size=cfg.batch_size, sampler=sampler,
+                       drop_last=True, generator=torch.Generator().manual_seed(cfg.seed), **workers)
+    evaluation = None
+    if cfg.eval_every_epoch and len(eval_set):
+        evaluation = DataLoader(SeededSamples(eval_set, cfg.seed), batch_size=cfg.batch_size,
+                                sampler=EvalSampler(len(eval_set), rank, world_size),
+                                generator=torch.Generator().manual_seed(cfg.seed), **workers)
+    micro = len(sampler.inner) // cfg.batch_size
+    if micro < cfg.grad_accum:
+        raise SpecError(f"the {cfg.dataset} training set gives each of {world_size} rank(s) only {micro} batch(es) "
+                        f"of {cfg.batch_size}, fewer than grad_accum={cfg.grad_accum}",
+                        hint="use a smaller batch_size or grad_accum, or more data")
+    root = Path(_staged(cfg.data_dir)) if cfg.data_dir else None
+    return DataBundle(train, evaluation, sampler, cfg.num_classes or classes, channels, size, micro, root)

@@ -1,0 +1,1 @@
+"""Runs in the batch script and the per-rank wrapper on compute nodes: attempts and requeue policy, rank environment, staging."""

@@ -1,0 +1,194 @@
+"""The per-rank runner: what each task of the job starts (`python -m hpc_ddp.job.runner RUN_DIR/spec.json`).
+
+It derives the DistEnv, exports the torchrun-compatible variables (and those managed platforms inject),
+narrows CUDA_VISIBLE_DEVICES to this rank's GPU, then replaces itself with the user's program (exec), so
+signals from Slurm go straight to it. Everything but `main` is pure.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import signal
+import socket
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+from hpc_ddp.job.distenv import DistEnv, from_environ
+from hpc_ddp.common.errors import EnvError, HpcDdpError
+from hpc_ddp.job.ports import PORT_HINT, port_in_use, taken_port_message
+from hpc_ddp.spec.jobspec import JobSpec
+
+__all__ = ["select_gpus", "rank_environment", "run_id_for", "program_argv", "load_spec", "main"]
+
+_NO_GPU = ("", "-1", "NoDevFiles", "none")
+
+
+def select_gpus(visible: str | None, local_rank: int, local_world_size: int, per_task: int, bind: str) -> str | None:
+    """This rank's CUDA_VISIBLE_DEVICES.
+
+    Slurm may expose all of the node's GPUs to every task (the default) or bind some to each task
+    (--gpus-per-task, --gpu-bind). With bind="rank" each rank ends up seeing only its own GPU(s), as
+    cuda:0; with bind="node" every rank sees the node's GPUs, as under torchrun.
+    """
+    if visible is None or visible.strip() in _NO_GPU or bind == "node":
+        return visible
+    ids = [x.strip() for x in visible.split(",") if x.strip()]
+    per_task = max(per_task, 1)
+    if len(ids) >= local_world_size * per_task:
+        return ",".join(ids[local_rank * per_task:(local_rank + 1) * per_task])
+    if len(ids) == per_task:
+        return ",".join(ids)  # Slurm already bound this task's GPUs
+    raise EnvError(
+        f"CUDA_VISIBLE_DEVICES={visible!r} lists {len(ids)} GPU(s), too few for {local_world_size} "
+        f"task(s) x {per_task} GPU(s) on this node",
+        hint="request as many GPUs per node as tasks per node (hpc-ddp submit --gpus N)",
+    )
+
+
+def gpu_visible(cuda_visible: str | None, nvidia_driver: bool) -> bool:
+    """A GPU is usable when the NVIDIA driver is loaded and CUDA_VISIBLE_DEVICES does not hide them all."""
+    return nvidia_driver and (cuda_visible is None or cuda_visible.strip() not in _NO_GPU)
+
+
+def run_id_for(run_dir: str) -> str:
+    """A stable id for the run dir: its name (W&B's id alphabet) and a hash of its absolute path, so
+    two runs named alike in different places differ. The same on every rank and every requeue."""
+    path = os.path.abspath(run_dir)
+    name = re.sub(r"[^A-Za-z0-9_-]+", "-", os.path.basename(path.rstrip("/")))[:40].strip("-") or "run"
+    return f"{name}-{hashlib.sha256(path.encode()).hexdigest()[:12]}"
+
+
+def rank_environment(spec: JobSpec, dist: DistEnv, env: Mapping[str, str], run_dir: str, *,
+                     nvidia_driver: bool) -> dict[str, str]:
+    """Variables to set for the user's program (added to its inherited environment)."""
+    per_task = spec.gpus // spec.tasks_per_node if spec.gpus else 0
+    cuda = select_gpus(env.get("CUDA_VISIBLE_DEVICES"), dist.local_rank, dist.local_world_size, per_task,
+                       spec.gpu_bind) if spec.gpus else env.get("CUDA_VISIBLE_DEVICES")
+    out = {
+        "MASTER_ADDR": dist.master_addr, "MASTER_PORT": str(spec.master_port or dist.master_port),
+        "RANK": str(dist.rank), "LOCAL_RANK": str(dist.local_rank),
+        "WORLD_SIZE": str(dist.world_size), "LOCAL_WORLD_SIZE": str(dist.local_world_size),
+        "GROUP_RANK": str(dist.node_rank), "NODE_RANK": str(dist.node_rank),
+        "GROUP_WORLD_SIZE": str(dist.num_nodes), "ROLE_RANK": str(dist.rank),
+        "ROLE_WORLD_SIZE": str(dist.world_size),
+        "HPC_DDP_RUN_DIR": run_dir, "HPC_DDP_HOSTS": ",".join(dist.hosts),
+        "HPC_DDP_RESTART_COUNT": str(dist.restart_count),
+        # What managed training platforms inject, so scripts written for them run unchanged.
+        "BACKEND": env.get("HPC_DDP_BACKEND") or ("nccl" if gpu_visible(cuda, nvidia_driver) else "gloo"),
+        "WORKSPACE": run_dir, "WORKER_PER_NODE": str(dist.local_world_size),
+        "PYTHONUNBUFFERED": "1",
+        # Bounds a script of the user's own can pass to init_process_group(timeout=...).
+        "HPC_DDP_RENDEZVOUS_TIMEOUT": str(spec.rendezvous_timeout),
+        "HPC_DDP_COLLECTIVE_TIMEOUT": str(spec.collective_timeout),
+    }
+    if dist.job_id:
+        out["HPC_DDP_JOB_ID"] = dist.job_id
+    # One run id for every attempt of the run dir, so a requeued job continues the same W&B run (and any
+    # logger keyed on it); W&B offline unless the user says otherwise: compute nodes often have no internet.
+    # A value the user set is theirs: it is inherited, not overwritten.
+    run_id = env.get("HPC_DDP_RUN_ID") or run_id_for(run_dir)
+    defaults = {"HPC_DDP_RUN_ID": run_id, "WANDB_RUN_ID": run_id, "WANDB_RESUME": "allow", "WANDB_MODE": "offline"}
+    out.update({k: v for k, v in defaults.items() if k not in env})
+    if cuda is not None:
+        out["CUDA_VISIBLE_DEVICES"] = cuda
+    if "OMP_NUM_THREADS" not in env:
+        # torchrun's default; one thread per rank unless the job gave each task more CPUs.
+        out["OMP_NUM_THREADS"] = str(spec.cpus_per_task or env.get("SLURM_CPUS_PER_TASK") or 1)
+    for name, value in (("EPOCHS", spec.epochs), ("LR", spec.lr), ("BATCH_SIZE", spec.batch_size)):
+        if value is not None:
+            out[name] = str(value)
+    return out
+
+
+def program_argv(spec: JobSpec, dist: DistEnv, python: str, spec_path: str = "spec.json") -> list[str]:
+    target = spec.target
+    if target.kind == "script":
+        argv = [python, target.value, *target.args]
+    elif target.kind == "module":
+        argv = [python, "-m", target.value, *target.args]
+    else:
+        argv = [python, "-m", "hpc_ddp.trainer.train", spec_path]
+    if spec.pass_local_rank:
+        argv.append(f"--local_rank={dist.local_rank}")
+    return argv
+
+
+def load_spec(path: str | os.PathLike) -> JobSpec:
+    try:
+        return JobSpec.from_dict(json.loads(Path(path).read_text()))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise HpcDdpError(f"cannot load the job spec {str(path)!r}: {exc}") from None
+
+
+def _nvidia_driver_loaded() -> bool:
+    gpus = Path("/proc/driver/nvidia/gpus")
+    return gpus.is_dir() and any(gpus.iterdir())
+
+
+# torchrun-style variables that a Slurm step may have inherited from the submitting shell (sbatch
+# exports it): from a DDP job that submitted this one, or an `export MASTER_ADDR=localhost` left over
+# from debugging. Inside a Slurm step they are stale; Slurm's own variables say who this rank is.
+_STALE_IN_STEP = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                  "NODE_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "HPC_DDP_HOSTS")
+
+
+def clean_environ(env: Mapping[str, str]) -> dict[str, str]:
+    out = dict(env)
+    if "SLURM_STEP_ID" in out and "TORCHELASTIC_RUN_ID" not in out and "HPC_DDP_LOCAL" not in out:
+        for name in _STALE_IN_STEP:
+            out.pop(name, None)
+    return out
+
+
+def prepare(spec_path: str) -> tuple[list[str], dict[str, str]]:
+    """Everything the exec needs: the program's argv and its full environment."""
+    spec = load_spec(spec_path)
+    base = clean_environ(os.environ)
+    dist = from_environ(base, pid=os.getpid())
+    run_dir = str(Path(spec_path).resolve().parent)
+    env = dict(base)
+    env.update(rank_environment(spec, dist, base, run_dir, nvidia_driver=_nvidia_driver_loaded()))
+    _check_master_port(dist, int(env["MASTER_PORT"]))
+    if spec.datasets:
+        from hpc_ddp.job.stagejob import dataset_env, scratch_dir, stage_for_job
+
+        staged = stage_for_job(spec, dist, Path(run_dir), os.environ,
+                               log=lambda m: print(m, file=sys.stderr, flush=True))
+        env.update(dataset_env(staged, scratch_dir(spec, os.environ), spec))
+    return program_argv(spec, dist, sys.executable, str(Path(spec_path).resolve())), env
+
+
+def _check_master_port(dist: DistEnv, port: int) -> None:
+    """Rank 0 will listen on MASTER_PORT: if something holds it, say so now, not after the others time out."""
+    if dist.rank == 0 and dist.world_size > 1 and port_in_use(port):
+        raise EnvError(taken_port_message(port, socket.gethostname()), hint=PORT_HINT)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        sys.exit("usage: python -m hpc_ddp.job.runner RUN_DIR/spec.json")
+    try:
+        program, env = prepare(args[0])
+    except HpcDdpError as exc:
+        print(f"hpc-ddp runner: error: {exc}", file=sys.stderr)
+        sys.exit(exc.exit_code)
+    sys.stdout.flush()
+    _ignore_warning_signal(load_spec(args[0]))
+    os.execve(program[0], program, env)
+
+
+def _ignore_warning_signal(spec: JobSpec) -> None:
+    """A script written for torchrun has no handler for SIGUSR1/SIGUSR2, whose default action kills it
+    two minutes before its time limit. An ignored signal stays ignored across exec, and a program that
+    wants the warning (our trainer, or a script with its own handler) installs a handler over it."""
+    if spec.target.kind != "trainer" and spec.signal in ("USR1", "USR2"):
+        signal.signal(getattr(signal, f"SIG{spec.signal}"), signal.SIG_IGN)
+
+
+if __name__ == "__main__":
+    main()

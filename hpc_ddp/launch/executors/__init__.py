@@ -1,0 +1,176 @@
+"""Executors: how a planned job is started. Each is a small class behind one protocol (`base.Executor`):
+`plan(spec, run_dir)` is pure and is what `--dry-run` shows; `submit(plan)` is the side effect.
+Executors load lazily, so planning an sbatch job never imports submitit or torch.
+
+Also owns which executor a submission gets (`choose_executor`) and the guard on the implicit fallback:
+without Slurm's commands on PATH and no --executor given, a job runs on this machine, so it runs only if
+this machine can hold it (`fallback_problem`, judged against a `Machine`); anything bigger is refused
+(`refuse_fallback`), since a user who forgot `module load slurm` must not start 32 processes on a
+shared login node. `--executor local` keeps simulating any size on request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import subprocess
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from hpc_ddp.common.errors import UserError
+from hpc_ddp.launch.executors.base import Executor, Plan, Submission
+
+if TYPE_CHECKING:
+    from hpc_ddp.spec.jobspec import JobSpec
+
+__all__ = ["Executor", "Plan", "Submission", "get_executor", "choose_executor", "NAMES", "Machine", "NoSlurm",
+           "fallback_problem", "refuse_fallback", "probe_machine", "slurm_site_signs", "visible_gpus",
+           "SLURM_CONF_PLACES", "LOAD_SLURM"]
+
+NAMES = ("sbatch", "submitit", "local")
+NO_SBATCH = "no sbatch on PATH, running on this machine"
+# Where Slurm keeps its configuration by default (source builds, Debian/Ubuntu's slurm-llnl, RPMs).
+SLURM_CONF_PLACES = ("/etc/slurm/slurm.conf", "/etc/slurm-llnl/slurm.conf", "/usr/local/etc/slurm.conf")
+LOAD_SLURM = "load Slurm (`module load slurm`, or put sbatch on PATH) to submit to the cluster"
+
+
+class NoSlurm(UserError):
+    """No --executor, no sbatch on PATH, and the job is bigger than this machine: refused, nothing started."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Machine:
+    """This machine, as the fallback guard sees it: GPUs visible to us, CPU cores we may use, and the
+    signs that it is part of a Slurm site (a slurm.conf, SLURM_* variables), each a short phrase."""
+
+    gpus: int
+    cpus: int
+    slurm_signs: tuple[str, ...] = ()
+
+
+def choose_executor(requested: str | None, sbatch_found: bool) -> tuple[str, str]:
+    """(name, why): the requested executor, or sbatch where Slurm's commands exist, else local."""
+    if requested:
+        return requested, "as requested"
+    if sbatch_found:
+        return "sbatch", "Slurm's sbatch was found"
+    return "local", NO_SBATCH
+
+
+# ---- the guard (pure) ----
+
+def fallback_problem(spec: JobSpec, machine: Machine) -> str | None:
+    """Why this machine cannot hold `spec` (one phrase), or None when it can. GPUs count across every
+    simulated node; every request, GPU or not, must also fit the cores (one process per rank)."""
+    processes = spec.nodes * spec.tasks_per_node
+    if spec.gpus and spec.nodes * spec.gpus > machine.gpus:
+        return (f"--nodes {spec.nodes} x --gpus {spec.gpus} asks for {spec.nodes * spec.gpus} GPU(s) "
+                f"({processes} process(es)), and this machine has {_gpus_here(machine.gpus)}")
+    if processes > machine.cpus:
+        return (f"--nodes {spec.nodes} x {spec.tasks_per_node} task(s) per node = {processes} processes, and this "
+                f"machine has {machine.cpus} CPU core(s)")
+    return None
+
+
+def refuse_fallback(spec: JobSpec, machine: Machine) -> NoSlurm | None:
+    """The error an implicit fallback to `local` must raise for `spec` here, or None when it may run."""
+    problem = fallback_problem(spec, machine)
+    if problem is None:
+        return None
+    return NoSlurm(f"no sbatch on PATH, so this job would run here, on this machine: {problem}; "
+                   f"{site_note(machine)}nothing was started",
+                   hint=f"{LOAD_SLURM}, or pass --executor local to simulate "
+                        f"{spec.nodes} node(s) on this machine anyway")
+
+
+def site_note(machine: Machine) -> str:
+    """'this looks like a Slurm site (...); ' when it does, else ''."""
+    if not machine.slurm_signs:
+        return ""
+    return f"this looks like a Slurm site ({', '.join(machine.slurm_signs)}) whose commands are not loaded; "
+
+
+def _gpus_here(n: int) -> str:
+    return "no GPU visible" if n == 0 else f"{n} GPU(s) visible"
+
+
+def slurm_site_signs(environ: Mapping[str, str], exists: Callable[[str], bool]) -> tuple[str, ...]:
+    """Signs that this machine belongs to a Slurm cluster. Names only, never values: they go into a
+    one-line error."""
+    signs = [f"{path} exists" for path in SLURM_CONF_PLACES if exists(path)]
+    if environ.get("SLURM_CONF"):
+        signs.append("SLURM_CONF is set")
+    others = sorted(k for k in environ if k.startswith("SLURM_") and k != "SLURM_CONF")
+    if others:
+        signs.append(f"{others[0]} is set" if len(others) == 1 else f"{len(others)} SLURM_* variables are set")
+    return tuple(signs)
+
+
+def visible_gpus(physical: int, cuda_visible: str | None) -> int:
+    """How many of `physical` GPUs a process may use under CUDA_VISIBLE_DEVICES (unset: all of them).
+    As CUDA reads it: the list ends at the first entry that names no device (an empty one, -1, an index
+    out of range); UUIDs (GPU-..., MIG-...) count as devices."""
+    if cuda_visible is None:
+        return physical
+    count = 0
+    for entry in (e.strip() for e in cuda_visible.split(",")):
+        named = entry.startswith(("GPU-", "MIG-")) or (entry.isdigit() and int(entry) < physical)
+        if not named:
+            break
+        count += 1
+    return min(count, physical)
+
+
+def count_nvidia_gpus(entries: Sequence[str] | None, smi_lines: Sequence[str] | None) -> int:
+    """GPUs the NVIDIA driver lists: /proc/driver/nvidia/gpus entries, else `nvidia-smi -L` lines (where
+    /proc has no such directory: WSL, containers that hide it)."""
+    if entries is not None:
+        return len(entries)
+    return sum(1 for line in smi_lines or () if line.startswith("GPU "))
+
+
+# ---- the edge: look at this machine (no torch: the CLI must stay light) ----
+
+def probe_machine(environ: Mapping[str, str] | None = None, exists: Callable[[str], bool] = os.path.exists,
+                  gpu_dir: str = "/proc/driver/nvidia/gpus") -> Machine:
+    environ = os.environ if environ is None else environ
+    try:
+        entries: list[str] | None = os.listdir(gpu_dir)
+    except OSError:  # no NVIDIA driver, or not Linux: ask nvidia-smi where there is one
+        entries = None
+    smi = _nvidia_smi_lines() if entries is None else None
+    gpus = visible_gpus(count_nvidia_gpus(entries, smi), environ.get("CUDA_VISIBLE_DEVICES"))
+    return Machine(gpus, _usable_cpus(), slurm_site_signs(environ, exists))
+
+
+def _nvidia_smi_lines() -> list[str] | None:
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    try:
+        done = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):  # a hung or broken driver: count no GPU, refuse big jobs
+        return None
+    return done.stdout.splitlines() if done.returncode == 0 else None
+
+
+def _usable_cpus() -> int:
+    # The cores this process may run on (taskset, cgroup cpusets), not the machine's total.
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
+def get_executor(name: str, **kwargs) -> Executor:
+    if name == "sbatch":
+        from hpc_ddp.launch.executors.sbatch import SbatchExecutor
+        return SbatchExecutor(**kwargs)
+    if name == "submitit":
+        from hpc_ddp.launch.executors.submitit_exec import SubmititExecutor
+        return SubmititExecutor(**kwargs)
+    if name == "local":
+        from hpc_ddp.launch.executors.local import LocalExecutor
+        return LocalExecutor(**kwargs)
+    raise ValueError(f"unknown executor {name!r}")

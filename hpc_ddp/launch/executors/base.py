@@ -1,0 +1,76 @@
+"""The executor protocol and the two values that cross it: Plan (pure) and Submission (what happened)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Protocol
+
+from hpc_ddp.launch.render import SPEC_NAME
+from hpc_ddp.spec.jobspec import JobSpec
+
+__all__ = ["Plan", "Submission", "Executor", "write_run_dir"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    executor: str
+    spec: JobSpec
+    run_dir: str
+    script: str | None          # the exact batch script, where there is one
+    summary: str                # what --dry-run prints when there is no script
+
+    def dry_run_text(self) -> str:
+        return self.script if self.script is not None else self.summary
+
+
+@dataclasses.dataclass(frozen=True)
+class Submission:
+    executor: str
+    job_id: str
+    run_dir: str
+    script: str | None          # path of the written script, where there is one
+    state: str = "SUBMITTED"    # local runs finish before returning: COMPLETED / FAILED
+    returncode: int | None = None
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+class Executor(Protocol):
+    name: str
+
+    def plan(self, spec: JobSpec, run_dir: str) -> Plan: ...
+
+    def submit(self, plan: Plan) -> Submission: ...
+
+
+def write_run_dir(plan: Plan) -> Path:
+    """Create the run dir with the spec every rank will load.
+
+    spec.json is the one file that keeps the program's arguments unmasked: it is how they reach every rank
+    (the runner builds argv from it, on every requeue too), so a `--token ...` argument must stay as given.
+    It is created readable by the user alone instead; everything else hpc-ddp writes is masked."""
+    run_dir = Path(plan.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)  # checkpoints and logs: the user's alone
+    (run_dir / "logs").mkdir(exist_ok=True, mode=0o700)
+    _write_private(run_dir / SPEC_NAME, json.dumps(plan.spec.to_dict(), indent=2) + "\n")
+    return run_dir
+
+
+def record_submission(sub: Submission) -> None:
+    path = Path(sub.run_dir) / "submissions.jsonl"
+    with open(path, "a") as fh:
+        fh.write(json.dumps(sub.to_json()) + "\n")
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Atomically, mode 0600 from the moment the file exists (a chmod afterwards would leave a window)."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+    os.chmod(tmp, 0o600)  # O_CREAT keeps the mode of a stale tmp file left by a killed run
+    os.replace(tmp, path)

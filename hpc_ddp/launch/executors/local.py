@@ -1,0 +1,442 @@
+"""The local executor: N simulated nodes x T tasks as processes on this machine, for trying things out
+and for rehearsing preemption.
+
+Each rank gets torchrun-style variables and runs the same per-rank runner as on Slurm. It behaves like
+the batch script: the first rank that fails stops the others (srun --kill-on-bad-exit); signals sent to
+the executor (SIGUSR2, SIGTERM, ...) are forwarded to every rank (as Slurm signals every task); and when
+the ranks exit with the "checkpointed, requeue me" code, the same requeue policy as the batch script's
+(`attempts`) decides whether to start it again. SIGINT (Ctrl-C, or `hpc-ddp cancel`) cancels: every rank is
+asked to checkpoint and stop (SIGTERM), no attempt starts after it, and the run ends CANCELLED; a second
+SIGINT, or KILL_WAIT_S without an exit, kills the ranks. The ranks die with the executor (PDEATHSIG), and
+`local.pid` records the executor's start time and command line, so a recycled pid is never signalled. With --time, each attempt gets the warning signal
+`signal_lead` seconds before its limit, SIGTERM at the limit and SIGKILL 30 s later, as on Slurm.
+Output goes to the same per-rank log files as on Slurm and, prefixed by rank, to the terminal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from hpc_ddp.job import attempts
+from hpc_ddp.common import secrets
+from hpc_ddp.job.distenv import port_for_job
+from hpc_ddp.common.events import JsonLines
+from hpc_ddp.common.exitcodes import REQUEUE_EXIT_CODE
+from hpc_ddp.job.ports import first_free_port
+from hpc_ddp.common.procs import die_with_parent_preexec, write_pid_file
+from hpc_ddp.launch.render import runner_command
+from hpc_ddp.spec.jobspec import JobSpec
+from hpc_ddp.launch.executors.base import Plan, Submission, record_submission, write_run_dir
+
+_GRACE_S = 10
+KILL_WAIT_S = 30  # Slurm's default KillWait: SIGTERM at the limit, SIGKILL this much later
+PID_FILE = "local.pid"
+CANCELLED_EXIT_CODE = 130  # as a shell reports a job stopped by Ctrl-C
+_FORWARDED = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGHUP)
+
+
+def simulated_gpus(node: int, gpus: int, physical: int) -> str:
+    """CUDA_VISIBLE_DEVICES for simulated node `node`: its own slice of the real GPUs where there are
+    enough, else the node-local ids 0..gpus-1 (as Slurm would show a real node)."""
+    if physical >= gpus:
+        return ",".join(str((node * gpus + j) % physical) for j in range(gpus))
+    return ",".join(str(j) for j in range(gpus))
+
+
+def node_scratch(run_dir: str, node: int) -> Path:
+    """A short per-node temp dir (sockets in TMPDIR must fit AF_UNIX's 108-byte path limit, which a
+    run dir often would not): /tmp/hpc-ddp-local-<run dir hash>/node-<k>."""
+    import hashlib
+    import tempfile
+
+    tag = hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:10]
+    return Path(tempfile.gettempdir()) / f"hpc-ddp-local-{tag}" / f"node-{node}"
+
+
+def rank_envs(spec: JobSpec, job_id: str, port: int, physical_gpus: int, attempt: int = 0,
+              deadline: float | None = None, run_dir: str = ".") -> list[dict[str, str]]:
+    envs = []
+    for node in range(spec.nodes):
+        for local in range(spec.tasks_per_node):
+            env = {
+                "RANK": str(node * spec.tasks_per_node + local), "LOCAL_RANK": str(local),
+                "WORLD_SIZE": str(spec.world_size), "LOCAL_WORLD_SIZE": str(spec.tasks_per_node),
+                "GROUP_RANK": str(node), "GROUP_WORLD_SIZE": str(spec.nodes),
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                "HPC_DDP_HOSTS": ",".join(["localhost"] * spec.nodes), "HPC_DDP_JOB_ID": job_id,
+                "HPC_DDP_RESTART_COUNT": str(attempt), "HPC_DDP_LOCAL": "1",
+                # Each simulated node gets a node-local disk of its own, as staging expects.
+                "TMPDIR": str(node_scratch(run_dir, node)),
+            }
+            if spec.gpus:
+                env["CUDA_VISIBLE_DEVICES"] = simulated_gpus(node, spec.gpus, physical_gpus)
+            if deadline is not None:
+                env["HPC_DDP_DEADLINE"] = f"{deadline:.3f}"
+            envs.append(env)
+    return envs
+
+
+# ---- the --dry-run plan: a bash script (pure) ----
+
+PLAN_FIRST_LINE = "# hpc-ddp local plan, a bash script:"
+
+
+def plan_script(spec: JobSpec, run_dir: str, job_id: str, envs: list[dict[str, str]],
+                scrubber: secrets.Scrubber) -> str:
+    """What `--dry-run` prints for the local executor: a bash script that, run with bash or pasted into a
+    shell, writes the run dir's spec.json and starts the same rank processes, with the same environment,
+    as `submit` would. Every value is one bash word (`bash_word`) and free text in comments goes through
+    `comment_text`, so no value can end a line or start a command. Where a secret would show (the program's
+    arguments are in spec.json), the script is withheld: masked, it would run something else."""
+    head = _plan_head(spec, scrubber)
+    text = "\n".join(head + _plan_body(spec, run_dir, job_id, envs)) + "\n"
+    if scrubber(text) == text:
+        return text
+    withheld = ["(", "echo 'hpc-ddp: this plan withholds a secret (shown as ***), so it starts nothing; "
+                "run hpc-ddp submit --executor local instead' >&2", "exit 2", ")"]
+    return scrubber("\n".join(head + withheld) + "\n")  # comments and fixed text only: masking is safe
+
+
+def _plan_head(spec: JobSpec, scrubber: secrets.Scrubber) -> list[str]:
+    n = spec.world_size
+    return [
+        f"{PLAN_FIRST_LINE} run it with bash (or paste it) to start the {n} rank process(es) that "
+        "`hpc-ddp submit --executor local` would start, with the same environment.",
+        "# Left out: what the executor adds around the ranks (per-rank log files with secrets masked, the "
+        "[rank N] prefix, the --time limit, signal forwarding, requeues); as there, a failed rank stops the others.",
+        f"# {spec.nodes} simulated node(s) x {spec.tasks_per_node} task(s) = {n} process(es) on this machine; "
+        "MASTER_PORT is where attempt 0 starts (submit takes the next free port if it is taken).",
+        f"# Each rank runs: {comment_text(scrubber(spec.target.describe()))}",
+    ]
+
+
+def _plan_body(spec: JobSpec, run_dir: str, job_id: str, envs: list[dict[str, str]]) -> list[str]:
+    """The script's commands, in a function: run as a script, its trap stops the ranks when the script is
+    stopped; pasted (an interactive shell), it runs in a subshell, so its `set`, trap and variables stay
+    there and no `exit` closes the shell it is pasted into."""
+    q = bash_word
+    python, runner = q(spec.python), " ".join(q(a) for a in runner_command(spec, run_dir))
+    attempt_env = f"HPC_DDP_JOB_ID={q(job_id)}"
+    spec_json = json.dumps(spec.to_dict())  # ASCII only: json escapes every control character
+    body = ["set -uo pipefail", f"RUN_DIR={q(run_dir)}", f"cd -- {q(spec.workdir)} || return",
+            "# spec.json: what every rank loads (the runner builds the program's argv from it); yours alone.",
+            f"(umask 077 && mkdir -p -- \"$RUN_DIR/logs\" && printf '%s\\n' {q(spec_json)} > \"$RUN_DIR/spec.json\" "
+            "&& chmod 600 -- \"$RUN_DIR/spec.json\") || return",
+            f"{attempt_env} {python} -m hpc_ddp.job.attempts begin \"$RUN_DIR\" 0 || return",
+            "mkdir -p -- " + " ".join(q(d) for d in dict.fromkeys(env["TMPDIR"] for env in envs)) + " || return",
+            "pids=()"]
+    for env in envs:
+        body += [" ".join(f"{k}={q(v)}" for k, v in env.items()) + f" {runner} &", 'pids+=("$!")']
+    body += [
+        # Started with &, the ranks ignore Ctrl-C: pass it on as SIGTERM, so none is left running.
+        "trap 'kill -TERM \"${pids[@]}\" 2>/dev/null' INT TERM HUP",
+        # Polled, not `wait -n`: bash drops a rank that exits early from the job table `wait -n` reads.
+        "failed=0 requeue=0",
+        'while [ "${#pids[@]}" -gt 0 ]; do',
+        '    for rank in "${!pids[@]}"; do',
+        '        kill -0 "${pids[rank]}" 2>/dev/null && continue',
+        '        wait "${pids[rank]}"; code=$?',
+        "        unset 'pids[rank]'",
+        f'        if [ "$code" = {REQUEUE_EXIT_CODE} ]; then requeue={REQUEUE_EXIT_CODE}',
+        '        elif [ "$code" != 0 ] && [ "$failed" = 0 ]; then',
+        "            failed=$code",
+        '            echo "hpc-ddp: rank $rank exited with code $code; stopping the other ranks" >&2',
+        '            kill -TERM "${pids[@]}" 2>/dev/null',
+        "        fi",
+        "    done",
+        '    [ "${#pids[@]}" = 0 ] || sleep 0.2',
+        "done",
+        "rc=$((failed ? failed : requeue))",
+        f"{attempt_env} {python} -m hpc_ddp.job.attempts end \"$RUN_DIR\" 0 \"$rc\" >/dev/null",
+        'return "$rc"',
+    ]
+    return (["hpc_ddp_local_plan() {"] + [f"    {line}" for line in body] + ["}",
+            'if [[ $- == *i* ]]; then (hpc_ddp_local_plan); else hpc_ddp_local_plan; fi'])
+
+
+def bash_word(value: str) -> str:
+    """`value` as one bash word: shlex.quote where every character is printable, else $'...' with each
+    other character escaped (newline, CR, ESC, bidi controls, ...), so the text holds no raw control
+    character: no value can end a line, and what the terminal shows is what bash runs."""
+    if value.isprintable():
+        return shlex.quote(value)
+    return "$'" + "".join(_ansi_c(c) for c in value) + "'"
+
+
+_ANSI_C = {"\\": "\\\\", "'": "\\'", "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _ansi_c(c: str) -> str:
+    if c in _ANSI_C:
+        return _ANSI_C[c]
+    if c.isprintable():
+        return c
+    try:  # the bytes the value stands for (surrogateescape: bytes that were not UTF-8 in argv)
+        raw = c.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        raw = c.encode("utf-8", "surrogatepass")
+    return "".join(f"\\x{b:02x}" for b in raw)
+
+
+def comment_text(text: str) -> str:
+    """Free text safe after `# `: every character that is not printable is shown escaped (\\n, \\x1b,
+    \\u202e), never as itself, so it can neither end the comment line nor disguise it on a terminal."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape", "backslashreplace").decode("ascii")
+                   for c in text)
+
+
+class LocalExecutor:
+    name = "local"
+
+    def __init__(self, *, echo: bool = True, job_id: str | None = None, **_ignored):
+        self.echo = echo
+        self.job_id = job_id or f"local-{os.getpid()}-{int(time.time())}"
+        self.cancel = _Cancel()
+
+    def plan(self, spec: JobSpec, run_dir: str) -> Plan:
+        # The port attempt 0 starts from (submit moves on to the next free one if it is taken).
+        port = spec.master_port or port_for_job(f"{self.job_id}-0")
+        envs = rank_envs(spec, self.job_id, port, _physical_gpus(), run_dir=run_dir)
+        return Plan("local", spec, run_dir, None,
+                    summary=plan_script(spec, run_dir, self.job_id, envs, secrets.current()))
+
+    def submit(self, plan: Plan) -> Submission:
+        run_dir = write_run_dir(plan)
+        spec = plan.spec
+        pid_file = run_dir / PID_FILE
+        # Before the pid file names us: `hpc-ddp cancel` may signal as soon as it exists.
+        previous = self.cancel.install()
+        try:
+            write_pid_file(pid_file, self.job_id)
+            record_submission(Submission("local", self.job_id, str(run_dir), None, state="RUNNING"))
+            try:
+                rc = self._attempts(spec, run_dir)
+            finally:
+                pid_file.unlink(missing_ok=True)
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGINT, previous)
+        state = "COMPLETED" if rc == 0 else "CANCELLED" if self.cancel.requested else \
+            "CHECKPOINTED" if rc == REQUEUE_EXIT_CODE else "FAILED"
+        sub = Submission("local", self.job_id, str(run_dir), None, state=state, returncode=rc)
+        record_submission(sub)
+        return sub
+
+    def _attempts(self, spec: JobSpec, run_dir: Path) -> int:
+        argv = runner_command(spec, str(run_dir))
+        attempt = 0
+        while True:
+            if self.cancel.requested:  # during the gap between two attempts: start no other
+                return self._cancelled(run_dir, attempt, None)
+            ok, reason = attempts.begin(run_dir, attempt, env={"HPC_DDP_JOB_ID": self.job_id})
+            if not ok:
+                _say(f"not starting attempt {attempt}: {reason}")
+                return attempts.NOT_ADMITTED_EXIT_CODE
+            if self.cancel.requested:
+                return self._cancelled(run_dir, attempt, CANCELLED_EXIT_CODE, began=True)
+            log_dir = run_dir / "logs" / f"job-{self.job_id}" / f"attempt-{attempt}"
+            log_dir.mkdir(parents=True, exist_ok=True)
+            # A port the user chose is used as given, so a taken one fails fast as it would on Slurm.
+            port = spec.master_port or first_free_port(port_for_job(f"{self.job_id}-{attempt}"))
+            deadline = time.time() + spec.time if spec.time else None
+            envs = rank_envs(spec, self.job_id, port, _physical_gpus(), attempt, deadline, str(run_dir))
+            for env in envs:
+                Path(env["TMPDIR"]).mkdir(parents=True, exist_ok=True)
+            received: list[str] = []
+            rc = _run_ranks(argv, envs, log_dir, echo=self.echo, cwd=spec.workdir,
+                            timeline=_timeline(spec, deadline), cancel=self.cancel, received=received)
+            if self.cancel.requested and rc != 0:  # a run that completed all the same completed
+                return self._cancelled(run_dir, attempt, rc, began=True)
+            # A SIGTERM from outside (what Slurm sends at preemption) is not the program's failure, as the
+            # batch shell's trap tells the policy on Slurm.
+            outside = "TERM" if "SIGTERM" in received else ""
+            requeue, reason = attempts.end(run_dir, attempt, rc,
+                                           env={"HPC_DDP_JOB_ID": self.job_id, "HPC_DDP_SHELL_SIGNAL": outside})
+            if not requeue:
+                if rc == REQUEUE_EXIT_CODE:
+                    _say(f"checkpointed, not restarting: {reason}")
+                return rc
+            attempt += 1
+            _say(f"checkpointed at a stop request; restarting ({reason})")
+
+    def _cancelled(self, run_dir: Path, attempt: int, rc: int | None, began: bool = False) -> int:
+        """Record the cancel as the end of the job (`status` says CANCELLED); the requeue policy is not
+        asked: a cancelled job is never restarted, however it stopped."""
+        events = JsonLines(run_dir / "events.jsonl")
+        if began:
+            events.write({"event": "attempt_end", "attempt": attempt, "exit_code": rc, "cause": "cancelled"})
+        events.write({"event": "gave_up", "attempt": attempt, "reason": "cancelled by the user", "cause": "cancelled"})
+        saved = " after the ranks checkpointed: submit again with the same --run-dir to resume" \
+            if rc == REQUEUE_EXIT_CODE else ""
+        _say(f"cancelled{saved}")
+        return CANCELLED_EXIT_CODE
+
+
+class _Cancel:
+    """SIGINT (Ctrl-C, `hpc-ddp cancel`) counted by a handler that only counts: the wait loop acts on it
+    (a handler that signals or prints could interrupt the main thread in the middle of the same work)."""
+
+    def __init__(self):
+        self.count = 0
+        self.at: float | None = None
+
+    @property
+    def requested(self) -> bool:
+        return self.count > 0
+
+    def __call__(self, _signum=None, _frame=None) -> None:
+        self.count += 1
+        self.at = self.at or time.monotonic()
+
+    def install(self):
+        """The previous SIGINT handler, or None where handlers cannot be set (not the main thread)."""
+        if threading.current_thread() is not threading.main_thread():
+            return None
+        return signal.signal(signal.SIGINT, self)
+
+
+def _timeline(spec: JobSpec, deadline: float | None) -> list[tuple[float, int]]:
+    """(when, signal) pairs that emulate Slurm's time limit for one attempt."""
+    if deadline is None:
+        return []
+    warning = getattr(signal, f"SIG{spec.signal}")
+    return [(deadline - spec.signal_lead, warning), (deadline, signal.SIGTERM), (deadline + KILL_WAIT_S, signal.SIGKILL)]
+
+
+def _say(message: str) -> None:
+    print(f"hpc-ddp: {message}", file=sys.stderr, flush=True)
+
+
+def _physical_gpus() -> int:
+    gpus = Path("/proc/driver/nvidia/gpus")
+    return len(list(gpus.iterdir())) if gpus.is_dir() else 0
+
+
+def _run_ranks(argv: list[str], envs: list[dict[str, str]], log_dir: Path, *, echo: bool, cwd: str,
+               timeline: list[tuple[float, int]] | None = None, cancel: _Cancel | None = None,
+               received: list[str] | None = None) -> int:
+    procs = []
+    scrubber = secrets.current()  # built once: the pumps call it for every line
+    # Each rank dies with the executor, even a SIGKILLed one: in their own sessions, nothing else would
+    # stop them. Every rank is started before any pump thread, so no thread runs while we fork.
+    die_with_us = die_with_parent_preexec()
+    for extra in envs:
+        procs.append(subprocess.Popen(argv, env={**os.environ, **extra}, cwd=cwd, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_us))
+    pumps = [threading.Thread(target=_pump, daemon=True,
+                              args=(proc, log_dir / f"rank-{rank}.log", f"[rank {rank}] ", echo, scrubber))
+             for rank, proc in enumerate(procs)]
+    for pump in pumps:
+        pump.start()
+    previous = _forward_signals(procs, received if received is not None else [])
+    try:
+        rc = _wait_all(procs, list(timeline or []), cancel or _Cancel())
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    for pump in pumps:
+        pump.join(timeout=5)
+    return rc
+
+
+def _forward_signals(procs: list[subprocess.Popen], received: list[str]) -> dict:
+    """Pass stop signals on to every rank, as Slurm signals every task of the step; note their names."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def forward(signum, _frame):
+        received.append(signal.Signals(signum).name)
+        for p in procs:
+            if p.poll() is None:
+                _signal_group(p, signum)
+    return {signum: signal.signal(signum, forward) for signum in _FORWARDED}
+
+
+def _pump(proc: subprocess.Popen, log_path: Path, prefix: str, echo: bool, scrubber: secrets.Scrubber) -> None:
+    """Copy a rank's output to its log file and the terminal, secrets masked. surrogateescape keeps bytes
+    that are not UTF-8 as they were in the log file."""
+    raw = (line.decode("utf-8", "surrogateescape") for line in iter(proc.stdout.readline, b""))
+    with open(log_path, "ab") as log:
+        for text in scrubber.lines(raw):
+            line = text.encode("utf-8", "surrogateescape")
+            log.write(line)
+            log.flush()
+            if echo:
+                sys.stdout.write(prefix + line.decode(errors="replace"))
+                sys.stdout.flush()
+
+
+def _wait_all(procs: list[subprocess.Popen], timeline: list[tuple[float, int]], cancel: _Cancel | None = None) -> int:
+    """Wait for every rank; when one fails, stop the rest (SIGTERM, then SIGKILL after a grace period).
+    Ranks that exit with the requeue code are not failures: the others reach the same decision.
+    `timeline` signals are sent to every rank when their time comes (the --time emulation); a cancel
+    sends SIGTERM (checkpoint and stop), and SIGKILL at a second one or KILL_WAIT_S later."""
+    cancel = cancel or _Cancel()
+    first_failure, acted, killed = 0, 0, False
+    try:
+        while True:
+            if cancel.count != acted:
+                acted = cancel.count
+                _say("cancelling: asking every rank to checkpoint and stop (Ctrl-C again to stop them at once)"
+                     if acted == 1 else "cancelling: killing every rank now")
+                _signal_live(procs, signal.SIGTERM if acted == 1 else signal.SIGKILL)
+            if cancel.at is not None and not killed and time.monotonic() > cancel.at + KILL_WAIT_S:
+                killed = True
+                _say(f"cancelling: ranks still running {KILL_WAIT_S} s after the cancel; killing them")
+                _signal_live(procs, signal.SIGKILL)
+            while timeline and time.time() >= timeline[0][0]:
+                _, signum = timeline.pop(0)
+                _say(f"time limit: sending {signal.Signals(signum).name} to every rank")
+                for p in procs:
+                    if p.poll() is None:
+                        _signal_group(p, signum)
+            codes = [p.poll() for p in procs]  # poll every rank: any() would stop at the first live one
+            if all(code is not None for code in codes):
+                break
+            failed = [(rank, c) for rank, c in enumerate(codes) if c not in (None, 0, REQUEUE_EXIT_CODE)]
+            if failed and not first_failure:
+                rank, first_failure = failed[0]
+                _say(f"rank {rank} exited with code {first_failure}; stopping the other ranks")
+                _stop(procs, cancel)
+            time.sleep(0.05)
+    except KeyboardInterrupt:  # no handler of ours (not the main thread): stop as before, counted as a cancel
+        cancel()
+        _stop(procs, cancel)
+        return CANCELLED_EXIT_CODE
+    if first_failure:
+        return first_failure
+    return next((c for c in codes if c not in (0, REQUEUE_EXIT_CODE)), None) or \
+        (REQUEUE_EXIT_CODE if REQUEUE_EXIT_CODE in codes else 0)
+
+
+def _signal_live(procs: list[subprocess.Popen], sig: int) -> None:
+    for p in procs:
+        if p.poll() is None:
+            _signal_group(p, sig)
+
+
+def _stop(procs: list[subprocess.Popen], cancel: _Cancel | None = None) -> None:
+    _signal_live(procs, signal.SIGTERM)
+    deadline, asked = time.monotonic() + _GRACE_S, cancel.count if cancel else 0
+    # A second cancel during the grace period ends it: the user asked for the ranks to stop at once.
+    while time.monotonic() < deadline and any(p.poll() is None for p in procs) and \
+            (cancel is None or cancel.count <= max(asked, 1)):
+        time.sleep(0.05)
+    for p in procs:
+        if p.poll() is None:
+            _signal_group(p, signal.SIGKILL)
+            p.wait()
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):  # the rank already exited
+        os.killpg(proc.pid, sig)

@@ -1,0 +1,51 @@
+"""The sbatch executor: render the batch script into the run dir and hand it to `sbatch`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hpc_ddp.common.errors import SubmitError, UserError
+from hpc_ddp.common.procs import CommandRunner, SubprocessCommands, slurm_unreachable
+from hpc_ddp.launch.render import SCRIPT_NAME, render_sbatch
+from hpc_ddp.spec.jobspec import JobSpec
+from hpc_ddp.launch.executors.base import Plan, Submission, record_submission, write_run_dir
+
+
+class SchedulerRefused(UserError):
+    """sbatch refused the request (bad partition, account, limits...): nothing was queued."""
+
+
+class SbatchExecutor:
+    name = "sbatch"
+
+    def __init__(self, commands: CommandRunner | None = None, *, generated_at: str = "", command_line: str = ""):
+        self.commands = commands or SubprocessCommands()
+        self.generated_at = generated_at
+        self.command_line = command_line
+
+    def plan(self, spec: JobSpec, run_dir: str) -> Plan:
+        script = render_sbatch(spec, run_dir, generated_at=self.generated_at, command_line=self.command_line)
+        return Plan("sbatch", spec, run_dir, script, summary=script)
+
+    def submit(self, plan: Plan) -> Submission:
+        run_dir = write_run_dir(plan)
+        script_path = run_dir / SCRIPT_NAME
+        script_path.write_text(plan.script or "")
+        script_path.chmod(0o700)
+        # sbatch runs in the run dir: the script's relative log paths resolve there, on every requeue too.
+        done = self.commands.run(["sbatch", "--parsable", SCRIPT_NAME], cwd=str(run_dir))
+        if done.returncode != 0:
+            message = " ".join((done.stderr.strip() or done.stdout.strip() or f"exit code {done.returncode}").splitlines())
+            if slurm_unreachable(message):  # Slurm itself is down: not the user's mistake
+                raise SubmitError(f"sbatch could not reach Slurm: {message}", hint="check `sinfo`; try again later")
+            raise SchedulerRefused(f"sbatch refused the job: {message}")
+        job_id = done.stdout.strip().split(";")[0]
+        if not job_id:
+            raise SubmitError(f"sbatch printed no job id (stdout {done.stdout!r})")
+        sub = Submission("sbatch", job_id, str(run_dir), str(script_path))
+        record_submission(sub)
+        return sub
+
+
+def script_path(run_dir: str) -> Path:
+    return Path(run_dir) / SCRIPT_NAME

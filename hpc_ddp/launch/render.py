@@ -1,0 +1,233 @@
+"""JobSpec -> sbatch script text, through a jinja2 template. Pure (the template is read from the package).
+
+Safety: `#SBATCH` values were checked by the spec (no newline, NUL, `#`, quotes); paths never appear in a
+directive (sbatch runs in the run dir, so log paths are relative); everything in the shell body is
+shell-quoted with the `q` filter; free text in comments goes through the `comment` filter.
+
+Secrets (`secrets`): the command line and the program's arguments appear only in comments, so they are
+masked there (the ranks read their argv from spec.json, not from the script). A secret anywhere else (a
+profile's setup line, an sbatch option, a custom template) makes rendering fail instead, naming the
+variable: those lines run, and a masked one would break the job. Pure but for the default scrubber, which
+reads the environment's secret values.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import os
+import re
+import shlex
+import stat
+from pathlib import Path
+
+import jinja2
+from jinja2.exceptions import SecurityError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from hpc_ddp import __version__
+from hpc_ddp.common import secrets
+from hpc_ddp.common.errors import SpecError
+from hpc_ddp.common.exitcodes import REQUEUE_EXIT_CODE
+from hpc_ddp.slurm.slurmtime import format_time
+from hpc_ddp.spec.jobspec import JobSpec
+
+__all__ = ["check_custom_script", "directives", "refuse_secrets", "render_sbatch", "runner_command", "SCRIPT_NAME",
+           "SPEC_NAME"]
+
+SCRIPT_NAME = "job.sbatch"
+SPEC_NAME = "spec.json"
+DEFAULT_TEMPLATE = "sbatch.sh.j2"
+
+
+def directives(spec: JobSpec) -> list[str]:
+    """The `#SBATCH` options, in a stable order."""
+    out = [f"--job-name={_quoted(spec.job_name)}", f"--nodes={spec.nodes}",
+           f"--ntasks-per-node={spec.tasks_per_node}"]
+    if spec.gpus:
+        out.append(f"--gpus-per-node={spec.gpus}" if spec.gpu_request == "gpus-per-node" else f"--gres=gpu:{spec.gpus}")
+    if spec.cpus_per_task:
+        out.append(f"--cpus-per-task={spec.cpus_per_task}")
+    if spec.mem:
+        out.append(f"--mem={spec.mem}")
+    if spec.time:
+        out.append(f"--time={format_time(spec.time)}")
+    for key in ("partition", "account", "qos", "constraint"):
+        value = getattr(spec, key)
+        if value:
+            out.append(f"--{key}={value}")
+    out += ["--output=logs/slurm-%j.out", "--open-mode=append", "--requeue",
+            f"--signal={spec.signal}@{spec.signal_lead}"]
+    return out + list(spec.sbatch_args)
+
+
+def runner_command(spec: JobSpec, run_dir: str) -> list[str]:
+    """What each rank starts: the per-rank runner, which then execs the user's program."""
+    return [spec.python, "-m", "hpc_ddp.job.runner", str(Path(run_dir) / SPEC_NAME)]
+
+
+def render_sbatch(spec: JobSpec, run_dir: str, *, generated_at: str, command_line: str,
+                  scrubber: secrets.Scrubber | None = None) -> str:
+    scrub = scrubber or secrets.current()
+    env = _environment(spec.template)
+    name = Path(spec.template).name if spec.template else DEFAULT_TEMPLATE
+    try:
+        template = env.get_template(name)
+        text = template.render(
+            spec=spec, run_dir=run_dir, directives=directives(spec),
+            runner=runner_command(spec, run_dir), requeue_exit_code=REQUEUE_EXIT_CODE,
+            version=__version__, generated_at=generated_at, command_line=scrub(command_line),
+            script_name=SCRIPT_NAME, program=scrub(spec.target.describe()),
+            time_limit=format_time(spec.time) if spec.time else "none",
+        )
+    except jinja2.TemplateNotFound as exc:
+        if exc.name != name:
+            raise SpecError(f"template {name!r} includes {exc.name!r}: a custom template is one file",
+                            hint="copy what it needs into the template itself") from None
+        raise SpecError(f"template {spec.template!r} not found") from None
+    except SecurityError as exc:
+        raise SpecError(f"template {name!r} was stopped by the sandbox: {exc}",
+                        hint="use only the variables it is given, as templates/sbatch.sh.j2 does") from None
+    except jinja2.TemplateError as exc:
+        raise SpecError(f"template {name!r} failed to render: {exc}",
+                        hint="check the variable names against templates/sbatch.sh.j2") from None
+    except RecursionError:
+        raise SpecError(f"template {name!r} failed to render: it recurses without end") from None
+    except OverflowError as exc:  # the sandbox's cap on range()
+        raise SpecError(f"template {name!r} failed to render: {exc}") from None
+    if spec.template:
+        check_custom_script(text, spec, run_dir, name)
+    refuse_secrets(text.splitlines(), spec, scrub)
+    return text
+
+
+def check_custom_script(text: str, spec: JobSpec, run_dir: str, name: str = "template") -> None:
+    """A site's template may change everything around the job, but not what makes it an hpc-ddp job.
+    Raise a SpecError unless, in the rendered `text`:
+
+    - the `#SBATCH` lines (leading spaces allowed, any case) are exactly `directives(spec)`, each once,
+      all before the first command (sbatch reads no directive after it): no resource, array or uid
+      request that the spec's checks never saw, and none of ours missing (`--requeue`, `--signal`);
+    - outside comments, three lines run in this order: one with `-m hpc_ddp.job.attempts begin` (the
+      requeue policy's start of attempt), one with the runner command exactly as `{{ runner | qjoin }}`
+      writes it (every rank starts hpc_ddp.job.runner on this run's spec.json), one with
+      `-m hpc_ddp.job.attempts end` (the policy's decision after the step).
+
+    The check reads text, it does not parse bash: it catches a template that forgot (or dropped) a part,
+    and any directive a template or setup line adds; the sandbox is what keeps a template from running code.
+    """
+    lines = text.splitlines()
+    first_command = next((i for i, ln in enumerate(lines) if ln.strip() and not ln.lstrip().startswith("#")),
+                         len(lines))
+    expected = [f"#SBATCH {d}" for d in directives(spec)]
+    found: list[str] = []
+    for i, line in enumerate(lines):
+        if not re.match(r"\s*#SBATCH", line, re.IGNORECASE):
+            continue
+        directive = line.strip()
+        if directive not in expected:
+            raise SpecError(f"template {name!r} writes {directive[:80]!r}, which hpc-ddp did not ask for",
+                            hint="write the directives with {% for d in directives %}#SBATCH {{ d }}{% endfor %}; "
+                                 "give extra sbatch options as sbatch_args")
+        if i > first_command:
+            raise SpecError(f"template {name!r} writes {directive[:80]!r} after the first command, "
+                            "where sbatch no longer reads directives", hint="put every #SBATCH line first")
+        found.append(directive)
+    missing = [d for d in expected if d not in found]
+    if missing or len(found) != len(set(found)):
+        what = f"misses {missing[0]!r}" if missing else "repeats a directive"
+        raise SpecError(f"template {name!r} {what}",
+                        hint="write the directives with {% for d in directives %}#SBATCH {{ d }}{% endfor %}")
+    # Lines as bash splits them (on \n only: "# x\rsrun ..." is one comment to bash).
+    commands = [ln for ln in text.split("\n") if ln.strip() and not ln.lstrip().startswith("#")]
+    required = [("-m hpc_ddp.job.attempts begin", "the requeue policy's `-m hpc_ddp.job.attempts begin`"),
+                (shlex.join(runner_command(spec, run_dir)), "the per-rank runner `{{ runner | qjoin }}`"),
+                ("-m hpc_ddp.job.attempts end", "the requeue policy's `-m hpc_ddp.job.attempts end`")]
+    at, after = 0, ""
+    for needle, what in required:
+        at = next((i for i in range(at, len(commands)) if needle in commands[i]), -1)
+        if at < 0:
+            raise SpecError(f"template {name!r} does not run {what}{after}",
+                            hint="start from templates/sbatch.sh.j2: attempts begin, srun of the runner, "
+                                 "attempts end, in this order, outside comments")
+        at, after = at + 1, f" after {what}"
+
+
+def refuse_secrets(lines: list[str], spec: JobSpec, scrub: secrets.Scrubber) -> None:
+    """Raise a SpecError if a line of the job script would disclose a secret. Refused, not masked: these
+    lines run, and `***` in place of a token would fail at run time, far from the cause. The message
+    names the variable (or the kind of secret), never the value."""
+    for number, line in enumerate(lines, 1):
+        found = scrub.leaks(line)
+        if found:
+            where = _where(line, number, spec)
+            raise SpecError(f"{where} would write {found[0].what} into the job script", hint=_hint(where, found[0]))
+
+
+def _where(line: str, number: int, spec: JobSpec) -> str:
+    if line in spec.setup or line.strip() in spec.setup:
+        return f"a setup line of profile {spec.profile!r}" if spec.profile else "a setup line"
+    if line.startswith("#SBATCH") or line in spec.sbatch_args:
+        return "an sbatch option"
+    return f"line {number} of the template"
+
+
+def _hint(where: str, leak: secrets.Leak) -> str:
+    name = leak.name or "NAME"
+    if where == "an sbatch option":  # #SBATCH lines are not expanded by the shell: no $NAME there
+        return f"sbatch options are not secret: export {name} before submitting and read it in the job instead"
+    pasted = "its value" if leak.name else f"it (export {name}=... before submitting)"
+    place = "the setup line" if where.startswith("a setup line") else "the template"
+    return f"reference it as ${name} in {place} instead of pasting {pasted}"
+
+
+MAX_TEMPLATE_BYTES = 1 << 20
+
+
+def _environment(template: str | None) -> jinja2.Environment:
+    """Every template renders in jinja2's immutable sandbox: a template (a job file or profile may name one)
+    reaches only the variables it is given, never Python (`cycler.__init__.__globals__.os`)."""
+    if template:
+        loader: jinja2.BaseLoader = jinja2.FunctionLoader(_one_file(Path(template)))
+    else:
+        loader = jinja2.FileSystemLoader(str(importlib.resources.files("hpc_ddp.templates")))
+    env = ImmutableSandboxedEnvironment(loader=loader, undefined=jinja2.StrictUndefined, autoescape=False,
+                                        keep_trailing_newline=True, trim_blocks=True, lstrip_blocks=True)
+    env.filters["q"] = lambda value: shlex.quote(str(value))
+    env.filters["qjoin"] = lambda values: " ".join(shlex.quote(str(v)) for v in values)
+    env.filters["comment"] = _comment
+    return env
+
+
+def _one_file(path: Path):
+    """A loader for a custom template: that one regular file (no include/import/extends of other files),
+    opened without blocking (a FIFO named x.j2 must not hang a dry run), read as UTF-8."""
+    def load(name: str) -> str | None:
+        if name != path.name:
+            return None
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise SpecError(f"cannot read template {str(path)!r}: {exc.strerror or exc}") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise SpecError(f"template {str(path)!r} is not a regular file")
+        with os.fdopen(fd, "rb") as fh:
+            data = fh.read(MAX_TEMPLATE_BYTES + 1)
+        if len(data) > MAX_TEMPLATE_BYTES:
+            raise SpecError(f"template {str(path)!r} is larger than {MAX_TEMPLATE_BYTES >> 20} MiB")
+        try:
+            return data.decode()
+        except UnicodeDecodeError as exc:
+            raise SpecError(f"template {str(path)!r} is not UTF-8 text (byte {exc.start})") from None
+    return load
+
+
+def _comment(value: object) -> str:
+    """Text safe inside a `# ...` line: control characters are shown escaped, never as line breaks."""
+    return "".join(c if 32 <= ord(c) != 127 else repr(c)[1:-1] for c in str(value))
+
+
+def _quoted(value: str) -> str:
+    return f'"{value}"' if " " in value else value

@@ -1,0 +1,386 @@
+"""`hpc-ddp status` and `hpc-ddp logs`: what the scheduler says about a job, plus what its run dir
+recorded (attempts, why each ended, checkpoints, progress, the failure's likely cause).
+
+Slurm's view comes from squeue, then sacct where accounting exists, then `scontrol show job`, each
+falling back cleanly to the next; the run dir's events.jsonl fills in the rest. Where the time went (one
+line) comes from `timeline`; the ETA (`estimate_eta`, pure) from metrics.jsonl, the time limit and the
+requeues still allowed.
+
+What these print is masked (`secrets`): under sbatch, Slurm writes the rank logs itself, so a token a
+program printed is on disk as printed; status details quote those logs, and `logs` prints them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from hpc_ddp.common import secrets
+from hpc_ddp.job.attempts import attempts_from_events, latest_checkpoint_step
+from hpc_ddp.launch.classify import classify_failure
+from hpc_ddp.common.events import read_jsonl
+from hpc_ddp.common.procs import CommandRunner
+
+__all__ = ["run_status", "scheduler_state", "accounting", "parse_sacct", "SACCT_FIELDS", "log_files", "new_log_lines", "format_status", "Eta", "estimate_eta",
+           "recent_step_seconds", "progress_line", "LIVE"]
+
+_ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "PREEMPTED", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
+          "DEADLINE")
+# A job in one of these may still train: `status --watch` and `logs --follow` keep going.
+LIVE = ("RUNNING", "PENDING", "CONFIGURING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING",
+        "SUSPENDED", "STOPPED_BY_SLURM")
+
+
+SACCT_FIELDS = ("JobID", "State", "ExitCode", "Elapsed", "Start", "End", "NodeList", "Reason")
+
+
+def parse_sacct(text: str) -> dict[str, list[dict[str, str]]]:
+    """`sacct -n -X -P -o SACCT_FIELDS` output -> job id -> its records, oldest first (with -D, one per
+    run of a requeued job). "CANCELLED by 0" is CANCELLED; a line of another shape is skipped."""
+    jobs: dict[str, list[dict[str, str]]] = {}
+    for line in text.splitlines():
+        values = line.split("|")
+        if len(values) != len(SACCT_FIELDS):
+            continue
+        record = dict(zip((f.lower() for f in SACCT_FIELDS), values))
+        record["state"] = record["state"].split(" ")[0]
+        if record["state"] and "." not in record["jobid"]:  # -X leaves out steps; this guards the rest
+            jobs.setdefault(record.pop("jobid"), []).append(record)
+    return jobs
+
+
+def accounting(job_ids: list[str], commands: CommandRunner, *, history: bool = False) -> dict[str, list[dict[str, str]]]:
+    """What Slurm's accounting (sacct) holds for `job_ids`; {} without sacct or accounting. `history`:
+    every run of a requeued job (-D), not only the latest."""
+    if not job_ids or not commands.which("sacct"):
+        return {}
+    done = commands.run(["sacct", "-n", "-X", "-P", *(["-D"] if history else []), "-j", ",".join(job_ids),
+                         "-o", ",".join(SACCT_FIELDS)], timeout=20)
+    return parse_sacct(done.stdout) if done.returncode == 0 else {}
+
+
+def scheduler_state(job_id: str, commands: CommandRunner) -> dict[str, Any]:
+    """{'state', 'reason', 'source'} from squeue, else sacct, else scontrol; {} if Slurm knows nothing.
+    Where accounting exists, 'history' lists every run of the job (requeues included), from sacct."""
+    runs = accounting([job_id], commands, history=True).get(job_id, [])
+    history = {"history": [{k: r[k] for k in ("state", "elapsed", "exitcode", "start", "end", "nodelist")}
+                           for r in runs]} if runs else {}
+    queue = commands.run(["squeue", "-h", "-j", job_id, "-o", "%T|%r"], timeout=20)
+    if queue.returncode == 0 and queue.stdout.strip():
+        state, _, reason = queue.stdout.strip().splitlines()[0].partition("|")
+        return {"state": state, "reason": None if reason in ("None", "") else reason, "source": "squeue", **history}
+    if runs:
+        last = runs[-1]
+        return {"state": last["state"], "exit_code": last["exitcode"], "elapsed": last["elapsed"],
+                # A finished job's Reason is why it last waited (BeginTime after a requeue): not news.
+                "reason": None if last["reason"] in ("None", "") or last["state"] in _ENDED else last["reason"],
+                "source": "sacct", **history}
+    show = commands.run(["scontrol", "show", "job", job_id], timeout=20)
+    if show.returncode == 0:
+        state = re.search(r"JobState=(\S+)", show.stdout)
+        reason = re.search(r"Reason=(\S+)", show.stdout)
+        code = re.search(r"ExitCode=(\S+)", show.stdout)
+        if state:
+            return {"state": state.group(1), "reason": reason.group(1) if reason and reason.group(1) != "None" else None,
+                    "exit_code": code.group(1) if code else None, "source": "scontrol"}
+    return {}
+
+
+def _local_state(run_dir: Path) -> dict[str, Any]:
+    """RUNNING while the executor that wrote local.pid runs: that very process (start time, command
+    line), not whichever took its pid after it was killed."""
+    from hpc_ddp.common.procs import read_pid_file
+
+    who, _, _ = read_pid_file(run_dir / "local.pid")
+    return {"state": "RUNNING", "source": "local", "pid": who.pid} if who else {}
+
+
+def _current_job(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The records of the newest job in the run dir (from its first attempt): a job submitted again to
+    resume is judged on its own, not on why the one before it stopped."""
+    starts = [e for e in events if e.get("event") == "attempt_start"]
+    if not starts:
+        return events
+    job = starts[-1].get("job_id")
+    first = next(i for i, e in enumerate(events) if e.get("event") == "attempt_start" and e.get("job_id") == job)
+    return events[first:]
+
+
+def log_files(run_dir: Path, rank: int | None = None) -> list[tuple[int, int, Path]]:
+    """(attempt, rank, path) for every per-rank log, in attempt then rank order."""
+    found = []
+    for path in run_dir.glob("logs/job-*/attempt-*/rank-*.log"):
+        attempt = int(path.parent.name.removeprefix("attempt-"))
+        r = int(path.stem.removeprefix("rank-"))
+        if rank is None or r == rank:
+            found.append((attempt, r, path))
+    return sorted(found, key=lambda t: (t[0], t[1], str(t[2])))
+
+
+def new_log_lines(run_dir: Path, rank: int | None, offsets: dict[str, int], *,
+                  whole_lines: bool = False) -> Iterator[str]:
+    """`[attempt A rank R] line` for every line written since `offsets` (updated), secrets masked.
+    `whole_lines` (while following a running job): leave a line still being written for the next call,
+    so a token split across two reads is masked whole."""
+    scrub = secrets.current()
+    for attempt, r, path in log_files(run_dir, rank):
+        with open(path, "rb") as fh:
+            start = offsets.get(str(path), 0)
+            fh.seek(start)
+            data = fh.read()
+        if whole_lines:
+            data = data[:data.rfind(b"\n") + 1]
+        offsets[str(path)] = start + len(data)
+        for line in scrub.lines(data.decode(errors="replace").splitlines()):
+            yield f"[attempt {attempt} rank {r}] {line}"
+
+
+def _failure(run_dir: Path) -> dict[str, str] | None:
+    files = log_files(run_dir)
+    if not files:
+        return None
+    last_attempt = files[-1][0]
+    texts = [p.read_text(errors="replace")[-200_000:] for a, _, p in files if a == last_attempt]
+    texts += [p.read_text(errors="replace")[-50_000:] for p in run_dir.glob("logs/slurm-*.out")]
+    found = classify_failure(texts)
+    return {"kind": found[0], "detail": secrets.current()(found[1])} if found else None
+
+
+def run_status(run_dir: Path, job_id: str | None, executor: str | None, commands: CommandRunner) -> dict[str, Any]:
+    events = records(run_dir / "events.jsonl")
+    every_metric = records(run_dir / "metrics.jsonl")
+    metrics = [m for m in every_metric if "loss" in m and isinstance(m.get("step"), int)]
+    attempts = attempts_from_events(events)
+    sched = _local_state(run_dir) if executor == "local" else (
+        scheduler_state(job_id, commands) if job_id and commands.which("squeue") else {})
+    total = next((e.get("total_steps") for e in events if e.get("event") == "start"), None)
+    step = metrics[-1]["step"] if metrics else None
+    current = _current_job(events)
+    gave_up = next((e["reason"] for e in reversed(current) if e.get("event") == "gave_up"), None)
+    state = _overall_state(sched, current, gave_up)
+    line, eta = _time_accounting(run_dir, events, every_metric, job_id, step, total)
+    status = {
+        "run_dir": str(run_dir), "job_id": job_id, "executor": executor, "state": state,
+        "scheduler": sched or None, "restarts": max(len(attempts) - 1, 0),
+        "attempts": [{"attempt": a.number, "start_step": a.start_step, "ended": a.ended_cause if a.exit_code is not None
+                      or a is not attempts[-1] else ("running" if state in ("RUNNING", "PENDING") else "killed"),
+                      "exit_code": a.exit_code} for a in attempts],
+        "last_checkpoint_step": latest_checkpoint_step(run_dir), "step": step, "total_steps": total,
+        "progress": round(step / total, 4) if step and total else None,
+        "samples_per_s": metrics[-1].get("samples_per_s") if metrics else None,
+        "last_event": events[-1] if events else None, "gave_up": gave_up,
+        "resumes": [{"step": e.get("step"), "epoch": e.get("epoch"), "from": Path(str(e.get("path") or "?")).name}
+                    for e in events if e.get("event") == "resume"],
+        "failure": _failure(run_dir) if state in ("FAILED", "STOPPED") else None,
+        "time_used": line, "eta": dataclasses.asdict(eta) if eta and state in LIVE else None,
+    }
+    # events.jsonl is masked as written; this also covers records written before masking existed.
+    return secrets.current().deep(status)
+
+
+def records(path: Path) -> list[dict[str, Any]]:
+    """The records of a JSONL file: a damaged line (a kill mid-write) is skipped by read_jsonl, one that
+    parses to something other than a record here; a file that cannot be read is one line, exit 2."""
+    from hpc_ddp.common.errors import UserError
+
+    try:
+        return [r for r in read_jsonl(path) if isinstance(r, dict)]
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"cannot read {str(path)!r}: {getattr(exc, 'strerror', None) or exc}") from None
+
+
+def _time_accounting(run_dir: Path, events: list[dict[str, Any]], metrics: list[dict[str, Any]],
+                     job_id: str | None, step: int | None, total: int | None) -> tuple[str | None, "Eta | None"]:
+    """The timeline's one-line summary and the ETA of the job's current attempt."""
+    from hpc_ddp.launch.timeline import build_timeline, summarize, summary_line
+
+    timeline = build_timeline(events, metrics, _submitted(run_dir))
+    summary = summarize(timeline)
+    spec = _spec(run_dir)
+    current = timeline.spans[-1] if timeline.spans else None
+    job_spans = [s for s in timeline.spans if s.job_id == job_id] if job_id else timeline.spans
+    used = sum(1 for s in job_spans if s.cause == "time_limit")
+    # How long an attempt takes from its start to its start/resume record (the first one's too: it starts
+    # the same way), for the attempts to come and for the current one while it restarts.
+    restarts = [s.train_start - s.start for s in timeline.spans if s.train_start is not None]
+    restart = sum(restarts) / len(restarts) if restarts else 60.0
+    now_metrics = [m for m in metrics if current and _after(m, current.start)]
+    eta = estimate_eta(
+        step=step, total_steps=total, step_seconds=recent_step_seconds(now_metrics) or timeline.step_seconds,
+        now=time.time(), attempt_started=current.start if current else None,
+        time_limit_s=getattr(spec, "time", None), signal_lead_s=getattr(spec, "signal_lead", 0),
+        restart_s=restart,
+        queue_s=sum(b - a for a, b in timeline.waits[1:]) / len(timeline.waits[1:]) if timeline.waits[1:] else 0.0,
+        requeues_left=max(spec.max_requeues - used, 0) if spec is not None else None,
+        # Restarting (no start/resume record yet): as long as this run's resumes took, less what has passed.
+        startup_left_s=max(restart - (time.time() - current.start), 0.0)
+        if current and current.train_start is None and restarts else 0.0)
+    return summary_line(summary), eta
+
+
+def _after(record: dict[str, Any], t: float) -> bool:
+    return isinstance(record.get("time"), (int, float)) and record["time"] >= t
+
+
+def _submitted(run_dir: Path) -> dict[str, float]:
+    """job id -> when it was submitted: submissions.jsonl, else this user's registry of runs."""
+    from hpc_ddp.launch.registry import runs
+
+    here = str(run_dir.resolve())
+    found = {str(r.get("job_id")): r["time"] for r in runs() if isinstance(r, dict)
+             and str(Path(str(r.get("run_dir"))).resolve()) == here and isinstance(r.get("time"), (int, float))}
+    for sub in records(run_dir / "submissions.jsonl"):
+        if isinstance(sub.get("time"), (int, float)):
+            found.setdefault(str(sub.get("job_id")), sub["time"])
+    return found
+
+
+def _spec(run_dir: Path):
+    from hpc_ddp.common.errors import HpcDdpError
+    from hpc_ddp.job.runner import load_spec
+
+    try:
+        return load_spec(run_dir / "spec.json")
+    except HpcDdpError:  # a script run without hpc-ddp has none: no time limit to plan for
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Eta:
+    seconds: float | None        # from now to the last step; None: it cannot finish within the limits
+    more_attempts: int           # requeues after a time limit it still needs
+    requeues_left: int | None    # requeues after a time limit still allowed (None: no limit known)
+    queue_known: bool = True     # the queue waits of those requeues are counted (from this run's own)
+
+    @property
+    def fits(self) -> bool:
+        return self.seconds is not None and (self.requeues_left is None or self.more_attempts <= self.requeues_left)
+
+
+def estimate_eta(*, step: int | None, total_steps: int | None, step_seconds: float | None, now: float,
+                 attempt_started: float | None, time_limit_s: float | None, signal_lead_s: float = 0.0,
+                 restart_s: float = 60.0, queue_s: float = 0.0, requeues_left: int | None = None,
+                 startup_left_s: float = 0.0) -> Eta | None:
+    """When the last step will be done. Without a time limit: the steps left x step time. With one, the
+    attempt trains until `signal_lead_s` before its limit; each later attempt waits `queue_s` in the
+    queue, spends `restart_s` starting and resuming, and trains for the limit less the lead and restart.
+    `startup_left_s`: what the current attempt still needs before it trains (it is restarting).
+    None when there is nothing to estimate from (no step, total or step time yet)."""
+    if step is None or not total_steps or not step_seconds or step_seconds <= 0:
+        return None
+    work = max(total_steps - step, 0) * step_seconds
+    if not time_limit_s or attempt_started is None:
+        return Eta(startup_left_s + work, 0, requeues_left)
+    elapsed = max(now - attempt_started, 0.0)
+    left_now = max(time_limit_s - signal_lead_s - elapsed - startup_left_s, 0.0)
+    if work <= left_now:
+        return Eta(startup_left_s + work, 0, requeues_left)
+    per_attempt = time_limit_s - signal_lead_s - restart_s
+    if per_attempt <= 0:
+        return Eta(None, 0, requeues_left)  # a restart alone eats the time limit: it never gets further
+    more = math.ceil((work - left_now) / per_attempt)
+    last = work - left_now - (more - 1) * per_attempt
+    seconds = max(time_limit_s - elapsed, 0.0) + (more - 1) * (time_limit_s + queue_s) + queue_s + restart_s + last
+    return Eta(seconds, more, requeues_left, queue_known=queue_s > 0)
+
+
+def recent_step_seconds(metrics: list[dict[str, Any]]) -> float | None:
+    """Seconds per step between the last two training records (the current speed, not the run's)."""
+    timed = [m for m in metrics if isinstance(m.get("time"), (int, float)) and isinstance(m.get("step"), int)
+             and ("loss" in m or "samples_per_s" in m)]  # an eval record's time includes the evaluation
+    if len(timed) < 2:
+        return None
+    a, b = timed[-2], timed[-1]
+    return (b["time"] - a["time"]) / (b["step"] - a["step"]) if b["step"] > a["step"] else None
+
+
+def eta_text(eta: dict[str, Any] | None, now: float) -> str | None:
+    if not eta:
+        return None
+    from hpc_ddp.launch.timeline import duration
+
+    more, left = eta["more_attempts"], eta["requeues_left"]
+    if eta["seconds"] is None:
+        return "will not finish: restarting takes longer than the time limit leaves"
+    if left is not None and more > left:
+        return f"will not finish: needs {more} more requeue(s) after time limits, max_requeues leaves {left}"
+    at = time.strftime("%H:%M", time.gmtime(now + eta["seconds"]))
+    text = f"{at} UTC (in {duration(eta['seconds'])})"
+    if more:
+        text += f", after {more} more requeue(s) at the time limit ({left} allowed)"
+        text += "" if eta["queue_known"] else ", queue waits not counted"
+    return text
+
+
+def progress_line(s: dict[str, Any], now: float) -> str:
+    """One line for `status --watch`: state, step, samples/s, ETA."""
+    parts = [time.strftime("%H:%M:%S", time.gmtime(now)), s["state"]]
+    if s["step"] is not None:
+        parts.append(f"step {s['step']}" + (f"/{s['total_steps']} ({s['progress']:.0%})" if s["total_steps"] else ""))
+    if s["samples_per_s"] is not None:
+        parts.append(f"{s['samples_per_s']:,.0f} samples/s")
+    eta = eta_text(s.get("eta"), now)
+    if eta:
+        parts.append(f"ETA {eta}")
+    return "  ".join(parts)
+
+
+def _overall_state(sched: dict[str, Any], events: list[dict[str, Any]], gave_up: str | None) -> str:
+    live = sched.get("state")
+    if live and live not in _ENDED:
+        return live
+    kinds = [e.get("event") for e in events]
+    if any(e.get("event") == "gave_up" and e.get("cause") == "cancelled" for e in events) or (
+            live == "CANCELLED" and "finish" not in kinds):  # the batch shell may be killed before it says so
+        return "CANCELLED"
+    if "finish" in kinds and kinds[-1] in ("finish", "attempt_end") and not gave_up:
+        return "COMPLETED"
+    if gave_up:
+        return "STOPPED"
+    ends = [e for e in events if e.get("event") == "attempt_end"]
+    if ends and ends[-1].get("exit_code") == 0:
+        return "COMPLETED"
+    if ends and ends[-1].get("exit_code") not in (None, 0):
+        return "FAILED"
+    return live or ("UNKNOWN" if not events else "ENDED")
+
+
+def format_status(s: dict[str, Any]) -> Iterator[str]:
+    sched = s["scheduler"] or {}
+    where = f" ({sched['reason']})" if sched.get("reason") else ""
+    yield f"job {s['job_id'] or '-'} ({s['executor'] or '?'})  {s['state']}{where}"
+    yield f"run dir          {s['run_dir']}"
+    if sched.get("source") == "sacct":
+        yield f"slurm accounting {sched['state']}, elapsed {sched.get('elapsed')}, exit code {sched.get('exit_code')}"
+    if len(sched.get("history") or []) > 1:  # requeued: every run Slurm accounted for
+        yield "slurm runs       " + " -> ".join(
+            f"{h['state']} {h['elapsed']}" + (f" on {h['nodelist']}" if h["nodelist"] not in ("", "None assigned")
+                                              else "") for h in sched["history"])
+    if s["step"] is not None:
+        of = f"/{s['total_steps']} ({s['progress']:.0%})" if s["total_steps"] else ""
+        yield f"progress         step {s['step']}{of}, {s['samples_per_s']} samples/s"
+    eta = eta_text(s.get("eta"), time.time())
+    if eta:
+        yield f"eta              {eta}"
+    if s.get("time_used"):
+        yield f"time used        {s['time_used']}"
+    yield f"last checkpoint  step {s['last_checkpoint_step']}" if s["last_checkpoint_step"] is not None \
+        else "last checkpoint  none"
+    yield f"restarts         {s['restarts']}"
+    for a in s["attempts"]:
+        yield f"  attempt {a['attempt']}: started at checkpoint step {a['start_step']}, ended: {a['ended']}" + (
+            f" (exit code {a['exit_code']})" if a["exit_code"] not in (None, 0) else "")
+    for r in s["resumes"]:
+        yield f"  resumed at step {r['step']} from {r['from']}"
+    if s["gave_up"]:
+        yield f"not requeued     {s['gave_up']}"
+    if s["failure"]:
+        yield f"failure          {s['failure']['kind']}: {s['failure']['detail']}"
+    if s["last_event"]:
+        e = s["last_event"]
+        yield "last event       " + ", ".join(f"{k}={v}" for k, v in e.items() if k != "time")

@@ -1,0 +1,1 @@
+"""Slurm knowledge (pure where it can be): hostlists, time strings, and the cluster as sinfo describes it."""

@@ -1,0 +1,432 @@
+"""The job spec: flags, job file, profile and defaults merged into one frozen, validated `JobSpec`.
+
+Precedence: flag > job file > profile > defaults. Every value is checked here, once, with an error that
+names where the value came from and the fix; later stages trust the spec. Pure: the caller reads the
+files (see `config`) and passes their contents in as layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import PurePosixPath
+from typing import Any
+
+from hpc_ddp.common.errors import SpecError
+from hpc_ddp.slurm.slurmtime import parse_time
+from hpc_ddp.spec.trainconfig import MAX_BATCH, MAX_EPOCHS, TrainConfig, parse_train
+from hpc_ddp.spec.values import choice, count, flag, number
+
+__all__ = ["JobSpec", "Target", "Layer", "build_spec", "SPEC_KEYS", "PROFILE_KEYS", "directive_safe"]
+
+EXECUTORS = ("sbatch", "submitit", "local")
+GPU_REQUESTS = ("gpus-per-node", "gres")
+GPU_BINDS = ("rank", "node")
+SIGNALS = ("USR1", "USR2", "TERM", "INT", "HUP", "URG", "XCPU")
+TARGET_KEYS = ("script", "module", "args")
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """What every rank runs: a script (absolute path), a module, or the built-in trainer (a job file)."""
+
+    kind: str  # "script" | "module" | "trainer"
+    value: str
+    args: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        head = {"script": [self.value], "module": ["-m", self.value], "trainer": ["hpc-ddp train", self.value]}
+        return " ".join(head[self.kind] + list(self.args))
+
+
+@dataclasses.dataclass(frozen=True)
+class JobSpec:
+    target: Target
+    job_name: str
+    workdir: str
+    python: str
+    nodes: int = 1
+    gpus: int = 0
+    tasks_per_node: int = 1
+    cpus_per_task: int | None = None
+    mem: str | None = None
+    time: int | None = None
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    constraint: str | None = None
+    executor: str | None = None
+    run_dir: str | None = None
+    sbatch_args: tuple[str, ...] = ()
+    gpu_request: str = "gpus-per-node"
+    gpu_bind: str = "rank"
+    setup: tuple[str, ...] = ()
+    scratch: str | None = None
+    template: str | None = None
+    signal: str = "USR2"
+    signal_lead: int = 120
+    max_requeues: int = 10        # requeues after time limits
+    max_preemptions: int = 20     # requeues after preemptions
+    pass_local_rank: bool = False
+    epochs: int | None = None
+    lr: float | None = None
+    batch_size: int | None = None
+    profile: str | None = None
+    train: TrainConfig | None = None   # the built-in trainer's settings (job files with [train])
+    datasets: tuple[tuple[str, str], ...] = ()  # (name, source path) to stage to node-local disk
+    stage_fallback: str = "shared"     # node-local disk unusable: read the shared copy ("shared") or "fail"
+    stage_checksums: bool = False
+    stage_timeout: int = 3600          # seconds a rank waits for staging, on its node and across nodes
+    master_port: int | None = None     # None: derived from the job id
+    rendezvous_timeout: int = 300      # seconds the ranks wait for each other at start-up (skew of big jobs)
+    collective_timeout: int = 600      # seconds one collective may block before a rank gives up
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.tasks_per_node
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "JobSpec":
+        fields = dict(data)
+        t = fields.pop("target")
+        fields["target"] = Target(t["kind"], t["value"], tuple(t["args"]))
+        for key in ("sbatch_args", "setup"):
+            fields[key] = tuple(fields[key])
+        if fields.get("train") is not None:
+            fields["train"] = TrainConfig(**fields["train"])
+        fields["datasets"] = tuple(tuple(d) for d in fields.get("datasets", ()))
+        return cls(**fields)
+
+
+# Keys whose flag is not simply --key-with-dashes (repeatable flags are named in the singular).
+_FLAG_NAMES = {"sbatch_args": "--sbatch-arg", "datasets": "--stage"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Layer:
+    """One source of values, e.g. `Layer("job file jobs/a.toml", {...})`. `origin` prefixes messages."""
+
+    origin: str
+    values: Mapping[str, Any]
+    allowed: frozenset[str] | None = None  # None: every spec key
+    is_cli: bool = False  # name values as flags (--tasks-per-node) rather than keys (tasks_per_node)
+
+    def where(self, key: str) -> str:
+        if self.is_cli:
+            return _FLAG_NAMES.get(key, f"--{key.replace('_', '-')}")
+        return f"{self.origin}: {key}"
+
+
+# ---- value parsers: raw (str from a flag, or a TOML value) -> typed; raise SpecError(reason) ----
+
+def directive_safe(value: str) -> str:
+    """A value that can sit inside an `#SBATCH` line without ending it or starting a comment."""
+    if any(ord(c) < 32 or ord(c) == 127 for c in value):
+        raise ValueError("contains a control character (newline, NUL, ...), which would end the #SBATCH line")
+    for bad, why in (("#", "starts a comment in an #SBATCH line"), ('"', "is a quote"), ("'", "is a quote"),
+                     ("\\", "is an escape character")):
+        if bad in value:
+            raise ValueError(f"contains {bad!r}, which {why}")
+    if not value.strip():
+        raise ValueError("is empty")
+    return value
+
+
+def _name(raw: Any) -> str:
+    value = directive_safe(str(raw))
+    if value != value.strip():
+        raise ValueError("has leading or trailing spaces")
+    return value
+
+
+# The job name also names the run dir (runs/NAME-YYYYmmdd-HHMMSS[-N]): one path component, short enough
+# that the timestamp still fits in the 255 bytes a file name may have.
+MAX_JOB_NAME = 200
+
+
+def _job_name(raw: Any) -> str:
+    value = _name(raw)
+    if "/" in value:
+        raise ValueError(f"{value!r} contains '/': the job name names the run dir under runs/, one directory")
+    if len(value.encode()) > MAX_JOB_NAME:
+        raise ValueError(f"is {len(value.encode())} bytes long; at most {MAX_JOB_NAME} (it names the run dir)")
+    return value
+
+
+def _token(raw: Any) -> str:
+    value = _name(raw)
+    if any(c.isspace() for c in value):
+        raise ValueError("contains whitespace")
+    return value
+
+
+def _mem(raw: Any) -> str:
+    value = str(raw).strip()
+    if not re.fullmatch(r"\d+[KMGT]?", value, re.IGNORECASE):
+        raise ValueError(f"{value!r} is not a Slurm memory size (e.g. 32G, 4000M, 0 for all of a node's memory)")
+    return value.upper()
+
+
+MAX_TIME = 365 * 86400  # longer than any site allows; beyond it, UNLIMITED says what is meant
+
+
+def _time(raw: Any) -> int | None:
+    seconds = parse_time(raw)
+    if seconds is not None and seconds > MAX_TIME:
+        raise SpecError(f"time {str(raw).strip()[:40]!r} is more than 365 days",
+                        hint="give a shorter limit, or UNLIMITED for none")
+    return seconds
+
+
+def _signal(raw: Any) -> str:
+    value = str(raw).strip().upper().removeprefix("SIG")
+    if value not in SIGNALS:
+        raise ValueError(f"{raw!r} is not one of {', '.join(SIGNALS)}")
+    return value
+
+
+def _lines(raw: Any) -> tuple[str, ...]:
+    if not isinstance(raw, (str, list, tuple)):
+        raise ValueError("expected a string or a list of strings")
+    items = [raw] if isinstance(raw, str) else list(raw)
+    if any(not isinstance(x, str) for x in items):
+        raise ValueError("expected a list of strings")
+    if any("\0" in x for x in items):
+        raise ValueError("contains a NUL character")
+    return tuple(items)
+
+
+def _setup(raw: Any) -> tuple[str, ...]:
+    """Setup lines sit before the job's first command, where sbatch still reads `#SBATCH` lines: one of
+    them would add a directive that no check saw (`--array`, `--uid`). Refused, on every line of every
+    item (an item may hold several lines), whatever the spaces before it."""
+    items = _lines(raw)
+    for item in items:
+        for line in re.split(r"[\n\r\v\f\x1c-\x1e\x85\u2028\u2029]", item):
+            if re.match(r"\s*#SBATCH", line, re.IGNORECASE):
+                raise ValueError(f"{line.strip()[:60]!r} would add an #SBATCH directive; setup lines only run "
+                                 "commands (give sbatch options as sbatch_args)")
+    return items
+
+
+def _template(raw: Any) -> str:
+    """A jinja2 template of the job script (rendered in a sandbox; its content is checked by `render`)."""
+    value = _string(raw)
+    if not value.endswith(".j2"):
+        raise ValueError(f"{value!r} is not a jinja2 template: a template's name ends in .j2")
+    return value
+
+
+def _string(raw: Any) -> str:
+    if not isinstance(raw, str) or not raw.strip() or "\0" in raw:
+        raise ValueError(f"{raw!r} is not a usable string")
+    return raw
+
+
+def _args(raw: Any) -> tuple[str, ...]:
+    return _lines(raw)
+
+
+# sbatch options we set ourselves: giving them again through --sbatch-arg would fight the template.
+_MANAGED = {
+    "nodes": "--nodes", "ntasks-per-node": "--tasks-per-node", "ntasks": "--nodes and --tasks-per-node",
+    "gpus-per-node": "--gpus", "gres": "--gpus (and gpu_request = \"gres\" in the profile)",
+    "cpus-per-task": "--cpus-per-task", "mem": "--mem", "time": "--time", "partition": "--partition",
+    "account": "--account", "qos": "--qos", "constraint": "--constraint", "job-name": "--job-name",
+    "output": "--run-dir (logs go under it)", "error": "--run-dir (logs go under it)",
+    "open-mode": "nothing (the template appends)", "requeue": "nothing (the template requeues)",
+    "no-requeue": "max_requeues = 0 and max_preemptions = 0", "signal": "signal / signal_lead in the job file",
+    "chdir": "nothing (the script changes to the submit directory itself)", "wrap": "a TARGET script",
+    "array": "one submission per task for now (array tasks would share one run dir and its checkpoints)",
+}
+# Other sbatch long options, so a typo is caught here and not after hours in the queue.
+_SBATCH_OPTIONS = {
+    "array", "begin", "comment", "contiguous", "core-spec", "cores-per-socket", "cpu-freq", "deadline",
+    "delay-boot", "dependency", "distribution", "exclude", "exclusive", "export", "get-user-env",
+    "gid", "gpu-bind", "gpu-freq", "gpus", "gpus-per-socket", "gpus-per-task", "hint", "hold",
+    "kill-on-invalid-dep", "licenses", "mail-type", "mail-user", "mcs-label", "mem-bind", "mem-per-cpu",
+    "mem-per-gpu", "mincpus", "network", "nice", "no-kill", "nodefile", "nodelist", "ntasks-per-core",
+    "ntasks-per-gpu", "ntasks-per-socket", "overcommit", "oversubscribe", "power", "priority", "profile",
+    "propagate", "reservation", "sockets-per-node", "spread-job", "switches", "thread-spec",
+    "threads-per-core", "time-min", "tmp", "uid", "use-min-nodes", "wait-all-nodes", "wckey",
+    "cluster-constraint", "clusters", "cpus-per-gpu", "extra-node-info",
+}
+
+
+def _sbatch_arg(raw: str) -> str:
+    value = str(raw).strip()
+    m = re.fullmatch(r"--([a-z][a-z0-9-]*)(?:=(.*))?", value, re.DOTALL)
+    if not m:
+        raise ValueError(f"{raw!r} is not of the form --option or --option=value (use the long form)")
+    name, arg = m.group(1), m.group(2)
+    if name in _MANAGED:
+        raise ValueError(f"--{name} is set by hpc-ddp; use {_MANAGED[name]} instead")
+    if name not in _SBATCH_OPTIONS:
+        close = difflib.get_close_matches(name, sorted(_SBATCH_OPTIONS | set(_MANAGED)), n=1)
+        raise ValueError(f"--{name} is not an sbatch option" + (f" (did you mean --{close[0]}?)" if close else ""))
+    if arg is not None:
+        directive_safe(arg)
+        if any(c.isspace() for c in arg):
+            raise ValueError("the value contains whitespace")
+    return value
+
+
+def _datasets(raw: Any) -> tuple[tuple[str, str], ...]:
+    """A table {name = "path"} (job file) or a list of "SRC[:NAME]" (--stage) -> ((name, path), ...)."""
+    if isinstance(raw, dict):
+        pairs = [(str(k), v) for k, v in raw.items()]
+    else:
+        pairs = []
+        for item in _lines(raw):
+            src, sep, name = item.rpartition(":") if ":" in item else (item, "", "")
+            src = src if sep else item
+            pairs.append((name or PurePosixPath(src).name.split(".")[0], src))
+    out = []
+    for name, path in pairs:
+        if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_]*", name):
+            raise ValueError(f"dataset name {name!r} must be a letter then letters, digits or _ (it names "
+                             f"HPC_DDP_DATA_{name.upper()})")
+        out.append((name, _stageable(_string(path))))
+    if len({n for n, _ in out}) != len(out):
+        raise ValueError("two datasets share a name")
+    return tuple(out)
+
+
+def _stageable(path: str) -> str:
+    """Refuse, --no-preflight or not, what this machine can tell for sure (a missing path whose filesystem
+    is visible here, a single file); a path only compute nodes may mount is left to the preflight."""
+    from hpc_ddp.data.staging import source_problem
+
+    problem = source_problem(path)
+    if problem:
+        raise SpecError(*problem)
+    return path
+
+
+def _train(raw: Any) -> TrainConfig:
+    from hpc_ddp.data.staging import missing_here
+
+    config = parse_train(raw)
+    missing = missing_here(config.data_dir) if config.data_dir else None
+    if missing:
+        raise SpecError(f"data_dir {missing}", hint="make one with `hpc-ddp make-dataset` or fix data_dir")
+    return config
+
+
+def _port(raw: Any) -> int:
+    port = count(1)(raw)
+    if not 1024 <= port <= 65535:
+        raise ValueError(f"{port} is not a port we can listen on (1024-65535)")
+    return port
+
+
+def _sbatch_args(raw: Any) -> tuple[str, ...]:
+    return tuple(_sbatch_arg(x) for x in _lines(raw))
+
+
+# Ceilings: far above any real job, low enough that a slip of the keyboard (an extra few digits) is an
+# error here and not a job that can never start, or an overflow inside a rank.
+MAX_NODES = 100_000
+MAX_PER_NODE = 4096           # GPUs, tasks or CPUs of one node
+MAX_REQUEUES = 10_000
+WEEK = 7 * 86400              # the longest wait for staging, the rendezvous, or one collective
+
+PARSERS: dict[str, Callable[[Any], Any]] = {
+    "nodes": count(1, MAX_NODES), "gpus": count(0, MAX_PER_NODE), "tasks_per_node": count(1, MAX_PER_NODE),
+    "cpus_per_task": count(1, MAX_PER_NODE),
+    "mem": _mem, "time": _time, "partition": _token, "account": _token, "qos": _token,
+    "constraint": _token, "job_name": _job_name, "executor": choice(EXECUTORS), "run_dir": _string,
+    "sbatch_args": _sbatch_args, "gpu_request": choice(GPU_REQUESTS), "gpu_bind": choice(GPU_BINDS),
+    "setup": _setup, "scratch": _string, "template": _template, "signal": _signal,
+    "signal_lead": count(10, 65535),  # Slurm's --signal=SIG@TIME takes at most 65535 s
+    "max_requeues": count(0, MAX_REQUEUES), "max_preemptions": count(0, MAX_REQUEUES), "pass_local_rank": flag,
+    "epochs": count(1, MAX_EPOCHS), "lr": number(0.0, strict=True), "batch_size": count(1, MAX_BATCH),
+    "python": _string, "profile": _token, "script": _string, "module": _string, "args": _args,
+    "train": _train, "datasets": _datasets, "stage_fallback": choice(("shared", "fail")),
+    "stage_checksums": flag, "stage_timeout": count(10, WEEK), "master_port": _port,
+    "rendezvous_timeout": count(5, WEEK), "collective_timeout": count(10, WEEK),
+}
+SPEC_KEYS = frozenset(PARSERS)
+PROFILE_KEYS = SPEC_KEYS - {"script", "module", "args", "profile", "job_name", "run_dir", "pass_local_rank", "train",
+                            "datasets"}
+
+
+def _check_keys(layer: Layer) -> None:
+    allowed = layer.allowed if layer.allowed is not None else SPEC_KEYS
+    for key in layer.values:
+        if key not in allowed:
+            close = difflib.get_close_matches(key, sorted(allowed), n=1)
+            hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(sorted(allowed))}"
+            raise SpecError(f"{layer.origin}: unknown key {key!r}", hint=hint)
+
+
+def merge(layers: Sequence[Layer]) -> dict[str, tuple[Any, str]]:
+    """Lowest precedence first. Returns key -> (parsed value, origin of the value)."""
+    merged: dict[str, tuple[Any, str]] = {}
+    for layer in layers:
+        _check_keys(layer)
+        for key, raw in layer.values.items():
+            if raw is None:
+                continue
+            try:
+                merged[key] = (PARSERS[key](raw), layer.origin)
+            except SpecError as exc:
+                raise SpecError(f"{layer.where(key)}: {exc.message}", hint=exc.hint) from None
+            except ValueError as exc:
+                raise SpecError(f"{layer.where(key)}: {exc}") from None
+            merged[key] = (merged[key][0], layer.where(key))
+    return merged
+
+
+def build_spec(layers: Sequence[Layer], *, target: Target, workdir: str, python: str) -> JobSpec:
+    """Merge `layers` (lowest precedence first) and check the whole: the only way to make a JobSpec."""
+    merged = merge(layers)
+    values = {key: value for key, (value, _) in merged.items() if key not in TARGET_KEYS}
+    gpus = values.get("gpus", 0)
+    values.setdefault("tasks_per_node", gpus or 1)
+    values.setdefault("job_name", _default_job_name(target))
+    _check_whole(values, merged, target)
+    if target.kind == "trainer":
+        values["train"] = _trainer_overrides(values.get("train") or TrainConfig(), values)
+    return JobSpec(target=target, workdir=workdir, python=values.pop("python", python), **values)
+
+
+def _trainer_overrides(train: TrainConfig, values: dict[str, Any]) -> TrainConfig:
+    """--epochs/--lr/--batch-size are the trainer's own settings when the trainer runs."""
+    changes = {key: values[key] for key in ("epochs", "lr", "batch_size") if values.get(key) is not None}
+    return dataclasses.replace(train, **changes)
+
+
+def _default_job_name(target: Target) -> str:
+    stem = PurePosixPath(target.value).stem if target.kind != "module" else target.value.rsplit(".", 1)[-1]
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", stem).strip("_") or "job"
+    return name[:64]
+
+
+def _check_whole(values: dict[str, Any], merged: dict[str, tuple[Any, str]], target: Target) -> None:
+    gpus, tasks = values.get("gpus", 0), values["tasks_per_node"]
+    if gpus and (tasks > gpus or gpus % tasks):
+        raise SpecError(
+            f"{tasks} tasks per node do not fit {gpus} GPUs per node",
+            hint=f"use --tasks-per-node {gpus} (one task per GPU) or a divisor of {gpus}",
+        )
+    if values.get("pass_local_rank") and target.kind == "trainer":
+        raise SpecError("--pass-local-rank applies to your own scripts, not to the built-in trainer")
+    if values.get("train") and target.kind != "trainer":
+        raise SpecError("a [train] table configures the built-in trainer, but this job runs "
+                        f"{target.describe()}", hint="remove script/module from the job file, or the [train] table")
+    lead, limit = values.get("signal_lead", 120), values.get("time")
+    if limit and lead * 2 > limit:
+        raise SpecError(f"the warning signal would come {lead} s before a {limit} s time limit, in its first half",
+                        hint=f"give --signal-lead at most {limit // 2} s, or a longer --time")
+    if values.get("executor") == "submitit" and values.get("signal", "USR2") != "USR2":
+        raise SpecError("the submitit executor always uses SIGUSR2 as its warning signal",
+                        hint="drop --signal, or use --executor sbatch")
+    if values.get("template") and values.get("executor") == "submitit":
+        raise SpecError("a custom sbatch template cannot be used with the submitit executor",
+                        hint="use --executor sbatch, or drop the template")

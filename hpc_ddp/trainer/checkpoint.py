@@ -1,0 +1,550 @@
+"""Crash-safe checkpoints: a kill at any moment leaves either the old state or the new one, never half.
+
+Layout under the checkpoint root:
+
+    step-000000120/           one complete checkpoint: payload files + manifest.json (sizes, sha256)
+    step-000000160/
+    step-000000160-r1/        the same step saved again (e.g. the final save after a periodic one):
+                              a new name, so the complete older copy is never moved or deleted first
+    latest                    the name of the newest complete checkpoint (replaced atomically)
+    .tmp-...                  an unfinished save; ignored and removed on the next save
+
+A save writes into a temporary directory next to its target (same filesystem), fsyncs every file and
+the manifest, fsyncs the directory, renames it into place, then replaces `latest`. Loading verifies
+sizes and sha256 of every file before unpickling it with `torch.load(weights_only=True)`, and falls
+back to the newest older checkpoint that verifies, saying which file failed. It never retries with full
+unpickling: a checkpoint that needs it is refused.
+
+What is in the root may have been tampered with (or broken by hand), so reading is careful:
+
+- Only regular files are opened, and never by following a symlink: every checkpoint file, the manifest
+  and `latest` go through `durable.read_regular` (lstat, open O_NONBLOCK|O_NOFOLLOW relative to the
+  checkpoint directory's descriptor, fstat, S_ISREG). A FIFO, device, socket or symlink in place of a
+  file is "damaged" (skipped with one line, like a bad hash), never a hang or a read of something else.
+- A checkpoint directory is a real directory: a symlinked `step-N` is not listed, loaded or pruned.
+  The checkpoint root itself may be a symlink (a run dir pointing at scratch space is normal), and so
+  may the one path a user types to `hpc-ddp inspect`; nothing found inside either is followed.
+- The manifest is at most MANIFEST_MAX bytes, its step must agree with the directory's name, and each
+  name in `files` must be one plain name in that directory (no `/`, not `.`/`..`/empty/the manifest).
+- `latest` is read as at most LATEST_MAX bytes of a regular file and used only if it holds a checkpoint
+  name. When it is unusable the log says why, and quotes what it holds only when that is a name of our
+  own scheme: never the contents of some other file.
+
+Where a save finds something other than a file at `latest`: a symlink, FIFO or other non-directory is
+replaced by the usual rename, which replaces the directory entry and never touches what a link points
+at. An EMPTY directory is removed (rmdir cannot remove anything else, so nothing of anyone's is lost)
+and the log says so. A directory with anything in it may be the user's: the save refuses, before
+writing anything, with one CheckpointError line that says to move it away.
+
+A save either completes (new directory in place, `latest` naming it) or leaves the root as it was: on
+any error the temporary directory is removed, and if `latest` cannot be replaced the new checkpoint
+is taken away again. Running out of space (ENOSPC, EDQUOT) is one CheckpointError line naming the free
+space on the checkpoint filesystem and the previous checkpoint, which is kept.
+
+Pruning deletes only directories this module completed (a real `step-N` dir holding a manifest file);
+it moves each to a `.tmp-` name first, so a kill in the middle leaves nothing half-deleted under a
+checkpoint name.
+
+`load_latest(max_step=N)` / `load(path, max_step=N)`: a checkpoint that verifies but whose manifest
+step is beyond N raises `BeyondSchedule` (a CheckpointError, with a hint) instead of being returned:
+resuming from it would end the run at once. The trainer passes its total steps. It is an error, not a
+fallback to an older checkpoint: such a checkpoint means the run dir belongs to another schedule.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import hashlib
+import io
+import json
+import os
+import pickle
+import re
+import shutil
+import stat
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hpc_ddp.common.durable import NotRegularFile, TooLarge, file_kind, read_regular, replace_durable
+from hpc_ddp.common.durable import fsync_dir as _fsync_dir
+from hpc_ddp.common.durable import write_durable as _write_durable
+from hpc_ddp.common.errors import HpcDdpError
+
+__all__ = ["CheckpointManager", "CheckpointError", "BeyondSchedule", "Loaded", "state_sha256", "verify",
+           "inspect_checkpoint", "load", "resolve"]
+
+MANIFEST = "manifest.json"
+LATEST = "latest"
+PREFIX = "step-"
+FORMAT = 1
+MANIFEST_MAX = 1 << 20  # bytes; a real manifest is a few KiB
+LATEST_MAX = 64         # bytes; "step-000000120-r1\n" is 18
+_NAME = re.compile(r"step-(\d+)(?:-r(\d+))?")
+_TMP_NAME = re.compile(r"\.tmp-step-\d+(?:-r\d+)?-[0-9a-f]{8}")  # an unfinished save's directory
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+class CheckpointError(HpcDdpError):
+    """A checkpoint is damaged, incomplete or refused; the message names the file."""
+
+
+class BeyondSchedule(CheckpointError):
+    """A checkpoint that verifies, at a step beyond the caller's `max_step`."""
+
+
+@dataclasses.dataclass
+class Loaded:
+    path: Path
+    manifest: dict[str, Any]
+    payloads: dict[str, Any]
+
+    @property
+    def step(self) -> int:
+        return int(self.manifest["step"])
+
+
+def state_sha256(state_dict: Mapping[str, torch.Tensor]) -> str:
+    """sha256 over the tensors' raw bytes, in key order (dtype-agnostic: bf16 works too)."""
+    digest = hashlib.sha256()
+    for key in state_dict:
+        value = state_dict[key]
+        if isinstance(value, torch.Tensor):
+            digest.update(value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _serialize(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def _hash_while(data: bytes, write: Callable[[], None]) -> str:
+    """sha256 of `data`, computed in a thread while `write()` runs: hashing and writing (fsync included)
+    both release the GIL, so the manifest costs little more than the write itself."""
+    digest: list[str] = []
+    worker = threading.Thread(target=lambda: digest.append(hashlib.sha256(data).hexdigest()))
+    worker.start()
+    try:
+        write()
+    finally:
+        worker.join()
+    if not digest:  # sha256 of bytes cannot fail short of memory; say so rather than IndexError
+        raise CheckpointError("hashing a checkpoint file failed (out of memory?)")
+    return digest[0]
+
+
+def _plain_name(fname: object) -> bool:
+    """One plain file name inside a checkpoint directory: no path, no link out, not the manifest."""
+    if not isinstance(fname, str) or fname in ("", ".", "..", MANIFEST) or "/" in fname or "\0" in fname:
+        return False
+    try:
+        return len(fname.encode()) <= 255
+    except UnicodeEncodeError:
+        return False
+
+
+def _shown(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _size(n: int) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # pragma: no cover
+
+
+class CheckpointManager:
+    """Save (rank 0) and load (every rank) checkpoints under `root`, keeping the newest `keep` (>= 2)."""
+
+    def __init__(self, root: str | os.PathLike, keep: int = 3, log: Callable[[str], None] = print):
+        if keep < 2:
+            raise ValueError("keep must be at least 2: the newest checkpoint may be the damaged one")
+        self.root, self.keep, self.log = Path(root), keep, log
+
+    # ---- saving ----
+
+    def save(self, step: int, payloads: Mapping[str, Any], meta: Mapping[str, Any]) -> Path:
+        """Write `payloads` (file name -> object for torch.save) as checkpoint `step`; return its path.
+
+        Raises ValueError for a step that is not an int >= 0 or a file name that is not one plain name,
+        and CheckpointError (one line) when the filesystem fails it: then nothing of this save is left
+        and `latest` still names the previous checkpoint."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"checkpoint step must be an int >= 0, not {_shown(step)}")
+        for fname in payloads:
+            if not _plain_name(fname):
+                raise ValueError(f"checkpoint file name {_shown(fname)} is not one plain file name "
+                                 f"(no '/', NUL, '.', '..', empty or {MANIFEST!r})")
+        self._make_root()
+        self._remove_unfinished()
+        self._clear_latest_slot()
+        name = self._free_name(step)
+        tmp = self.root / f".tmp-{name}-{uuid.uuid4().hex[:8]}"
+        final = self.root / name
+        writing = "its temporary directory"
+        try:
+            tmp.mkdir(mode=0o700)
+            files = {}
+            for fname, obj in payloads.items():
+                data = _serialize(obj)
+                writing = f"{fname}, {_size(len(data))}"
+                files[fname] = {"size": len(data),
+                                "sha256": _hash_while(data, lambda: _write_durable(tmp / fname, data))}
+                del data
+            manifest = {**meta, "format": FORMAT, "step": step, "created": time.time(), "files": files}
+            writing = MANIFEST
+            _write_durable(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
+            _fsync_dir(tmp)
+            writing = "the directory into place"
+            os.rename(tmp, final)
+        except BaseException as exc:  # a failed save leaves nothing; a kill (no cleanup) leaves .tmp-*
+            shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(exc, OSError):
+                raise self._save_failed(name, writing, exc) from None
+            raise
+        try:
+            _fsync_dir(self.root)
+            self._point_latest_to(name)
+        except OSError as exc:
+            # `latest` still names the previous checkpoint: take the new one away, so that what this
+            # error says (the previous checkpoint is the one kept) is what the next run finds
+            self._discard(final)
+            raise self._save_failed(name, f"{LATEST} (pointing it at {name})", exc) from None
+        self._prune(keep_name=name)
+        return final
+
+    def _make_root(self) -> None:
+        try:
+            self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        except OSError as exc:
+            try:
+                what = f"it is {file_kind(os.lstat(self.root).st_mode)}"
+            except OSError:
+                what = exc.strerror or str(exc)
+            raise CheckpointError(f"cannot use {self.root} as the checkpoint directory: {what}") from None
+
+    def _save_failed(self, name: str, writing: str, exc: OSError) -> CheckpointError:
+        previous = self._latest_name()
+        kept = f"the previous checkpoint {previous} is kept" if previous else "there is no earlier checkpoint"
+        try:
+            free = f"{_size(shutil.disk_usage(self.root).free)} free there"
+        except OSError:
+            free = "free space unknown"
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            what = "no space left on device" if exc.errno == errno.ENOSPC else "disk quota exceeded"
+            return CheckpointError(f"{what} saving checkpoint {name} in {self.root} (writing {writing}; {free}); "
+                                   f"{kept}", hint="free space on that filesystem, or checkpoint to a larger one")
+        return CheckpointError(f"saving checkpoint {name} in {self.root} failed writing {writing}: "
+                               f"{exc.strerror or exc}; {kept}")
+
+    def _clear_latest_slot(self) -> None:
+        """Make sure the rename in _point_latest_to can replace `latest`: see the module docstring."""
+        latest = self.root / LATEST
+        try:
+            if not stat.S_ISDIR(os.lstat(latest).st_mode):
+                return
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            raise CheckpointError(f"cannot check {latest}: {exc.strerror}") from None
+        try:
+            os.rmdir(latest)  # removes only an empty directory: nothing of anyone's is lost
+        except OSError as exc:
+            if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                raise CheckpointError(
+                    f"{latest} is a directory with files in it, where hpc-ddp keeps the name of the newest "
+                    f"checkpoint; not saving over it", hint="move that directory away, then run again") from None
+            raise CheckpointError(f"cannot remove the empty directory {latest}: {exc.strerror}") from None
+        self.log(f"hpc-ddp: removed the empty directory {latest}: the file naming the newest checkpoint goes there")
+
+    def _free_name(self, step: int) -> str:
+        """step-N, or step-N-rK when step N was saved before: nothing complete is ever replaced in place
+        (and nothing else of that name either: a dangling link or a file keeps its name too)."""
+        name, revision = f"{PREFIX}{step:09d}", 0
+        while os.path.lexists(self.root / name):
+            revision += 1
+            name = f"{PREFIX}{step:09d}-r{revision}"
+        return name
+
+    def _point_latest_to(self, name: str) -> None:
+        replace_durable(self.root / LATEST, (name + "\n").encode())
+
+    def _prune(self, keep_name: str) -> None:
+        """Delete all but the newest `keep` checkpoints this module made (see the module docstring)."""
+        ours = [path for path in self.checkpoints() if _holds_manifest(path)]
+        latest = self._latest_name()
+        for path in ours[:-self.keep]:
+            if path.name != keep_name and path.name != latest:
+                self._discard(path)
+
+    def _discard(self, path: Path) -> None:
+        """Delete a checkpoint dir: renamed to a temp name first, so no half-deleted dir keeps a step name."""
+        gone = self.root / f".tmp-old-{path.name}-{uuid.uuid4().hex[:8]}"
+        try:
+            os.rename(path, gone)
+        except OSError:
+            return
+        shutil.rmtree(gone, ignore_errors=True)
+
+    def _remove_unfinished(self) -> None:
+        """Remove `.tmp-*` (this module's temp naming) in the root; a symlink is unlinked, never followed."""
+        try:
+            entries = list(os.scandir(self.root))
+        except OSError:
+            return
+        for entry in entries:
+            if not entry.name.startswith(".tmp-"):
+                continue
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):  # gone already, or not ours to remove: the save goes on
+                    os.unlink(entry.path)
+
+    # ---- loading ----
+
+    def checkpoints(self) -> list[Path]:
+        """Checkpoint directories, oldest first (by step): real directories only, never a symlink."""
+        try:
+            entries = list(os.scandir(self.root))
+        except OSError:
+            return []
+        found = [(m, self.root / e.name) for e in entries
+                 if (m := _NAME.fullmatch(e.name)) and e.is_dir(follow_symlinks=False)]
+        return [p for m, p in sorted(found, key=lambda mp: (int(mp[0].group(1)), int(mp[0].group(2) or 0)))]
+
+    def _latest_name(self) -> str | None:
+        return self._read_latest()[0]
+
+    def _read_latest(self) -> tuple[str | None, str]:
+        """(the checkpoint name `latest` holds, or None; a line saying what is wrong with it otherwise).
+        Never follows a link or opens a non-file; quotes the content only when it is one of our names."""
+        path = self.root / LATEST
+        try:
+            raw = read_regular(path, limit=LATEST_MAX)
+        except FileNotFoundError:
+            return None, f"{path} is missing"
+        except (NotRegularFile, TooLarge) as exc:
+            return None, f"{path} {exc.strerror}"
+        except OSError as exc:
+            return None, f"{path} is unreadable ({exc.strerror})"
+        text = raw.decode("ascii", "replace").strip()
+        if _NAME.fullmatch(text):
+            return text, f"{path} names {text}, which is not a checkpoint directory here"
+        shown = repr(text) if _TMP_NAME.fullmatch(text) else f"{len(raw)} bytes, not shown"
+        return None, f"{path} does not name a checkpoint ({shown})"
+
+    def load_latest(self, files: tuple[str, ...] | None = None, max_step: int | None = None) -> Loaded | None:
+        """The newest checkpoint that verifies (the one `latest` names first), or None if there is none.
+
+        With `max_step`, a verified checkpoint whose step is beyond it raises BeyondSchedule (it is not
+        skipped): the caller's schedule and the run dir disagree, and a person has to decide."""
+        candidates = list(reversed(self.checkpoints()))
+        latest, why = self._read_latest()
+        if latest and (self.root / latest) in candidates:
+            candidates.remove(self.root / latest)
+            candidates.insert(0, self.root / latest)
+        elif candidates:
+            self.log(f"hpc-ddp: {why}; using the newest checkpoint found")
+        if candidates:
+            for place in (self.root.parent, self.root):
+                self._warn_if_others_can_write(place)
+        for path in candidates:
+            match = _NAME.fullmatch(path.name)
+            try:
+                return _load(path, files, max_step, name_step=int(match.group(1)) if match else None)
+            except BeyondSchedule:
+                raise
+            except CheckpointError as exc:
+                self.log(f"hpc-ddp: {exc}; trying the previous checkpoint")
+        if candidates:
+            self.log(f"hpc-ddp: no valid checkpoint among {len(candidates)} in {self.root}; starting from scratch")
+        return None
+
+    def _warn_if_others_can_write(self, place: Path) -> None:
+        try:
+            reason = others_can_write(place.stat(), os.getuid())
+        except OSError:
+            return
+        if reason:
+            self.log(f"hpc-ddp: warning: {place} {reason}: they could plant a checkpoint this run would resume "
+                     f"from. HINT: chmod go-w {place}")
+
+
+def _holds_manifest(path: Path) -> bool:
+    try:
+        return stat.S_ISREG(os.lstat(path / MANIFEST).st_mode)
+    except OSError:
+        return False
+
+
+def others_can_write(st: os.stat_result, uid: int) -> str | None:
+    """Why users other than `uid` can change what is in a directory with this stat, or None."""
+    if st.st_uid != uid:
+        return f"belongs to another user (uid {st.st_uid})"
+    if st.st_mode & 0o002:
+        return "is writable by every user"
+    if st.st_mode & 0o020:
+        return "is writable by its group"
+    return None
+
+
+def _open_dir(path: Path) -> int:
+    """A descriptor of the checkpoint directory `path` itself: a symlink there is refused, not followed."""
+    try:
+        return os.open(path, _DIR_FLAGS)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {path} does not exist") from None
+    except OSError as exc:
+        try:
+            kind = file_kind(os.lstat(path).st_mode)
+        except OSError:
+            kind = "a directory"
+        if kind != "a directory":
+            raise CheckpointError(f"checkpoint {path} is {kind}, not a directory (not followed)") from None
+        raise CheckpointError(f"checkpoint {path} cannot be opened ({exc.strerror})") from None
+
+
+def verify(path: Path) -> dict[str, Any]:
+    """The manifest of the checkpoint at `path`, after checking every file's size and sha256."""
+    fd = _open_dir(path)
+    try:
+        manifest = _read_manifest(path, fd)
+        for fname, want in manifest["files"].items():
+            _read_verified(path, fname, want, fd)
+        return manifest
+    finally:
+        os.close(fd)
+
+
+def _read_manifest(path: Path, dir_fd: int) -> dict[str, Any]:
+    try:
+        raw = read_regular(MANIFEST, limit=MANIFEST_MAX, dir_fd=dir_fd)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {path} has no {MANIFEST} (incomplete or not ours)") from None
+    except (NotRegularFile, TooLarge) as exc:
+        raise CheckpointError(f"checkpoint {path}: {MANIFEST} {exc.strerror}") from None
+    except OSError as exc:
+        raise CheckpointError(f"checkpoint {path}: {MANIFEST} is unreadable ({exc.strerror})") from None
+    try:
+        manifest = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError) as exc:  # RecursionError: "[[[[..." nested 100,000 deep
+        raise CheckpointError(f"checkpoint {path}: {MANIFEST} is unreadable ({_shown(str(exc))[1:-1]})") from None
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    step = manifest.get("step") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise CheckpointError(f"checkpoint {path}: {MANIFEST} is malformed (no files, or no step >= 0)")
+    for fname, entry in files.items():
+        if not _plain_name(fname):
+            raise CheckpointError(f"checkpoint {path}: {MANIFEST} is malformed: file name {_shown(fname)} is not "
+                                  f"one plain name in the checkpoint directory")
+        size = entry.get("size") if isinstance(entry, dict) else None
+        sha = entry.get("sha256") if isinstance(entry, dict) else None
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0 or not isinstance(sha, str) \
+                or not _SHA256.fullmatch(sha):
+            raise CheckpointError(f"checkpoint {path}: {MANIFEST} is malformed: the entry of {fname} needs a "
+                                  f"size >= 0 and a sha256")
+    return manifest
+
+
+def _read_verified(path: Path, fname: str, want: Mapping[str, Any], dir_fd: int) -> bytes:
+    file = path / fname
+    try:
+        st = os.stat(fname, dir_fd=dir_fd, follow_symlinks=False)
+        if stat.S_ISREG(st.st_mode) and st.st_size != want["size"]:  # found without reading the file
+            raise CheckpointError(f"checkpoint file {file} is damaged: {st.st_size} bytes, "
+                                  f"manifest says {want['size']}")
+        data = read_regular(fname, dir_fd=dir_fd)
+    except NotRegularFile as exc:
+        raise CheckpointError(f"checkpoint file {file} {exc.strerror}") from None
+    except OSError as exc:
+        raise CheckpointError(f"checkpoint file {file} is unreadable ({exc.strerror})") from None
+    if len(data) != want["size"]:
+        raise CheckpointError(f"checkpoint file {file} is damaged: {len(data)} bytes, manifest says {want['size']}")
+    if hashlib.sha256(data).hexdigest() != want["sha256"]:
+        raise CheckpointError(f"checkpoint file {file} is damaged: sha256 does not match the manifest")
+    return data
+
+
+def load(path: Path, files: tuple[str, ...] | None = None, max_step: int | None = None) -> Loaded:
+    """Verify every file of one checkpoint and load (weights only) those named in `files` (None: all).
+    With `max_step`, a checkpoint beyond it raises BeyondSchedule (after it verified)."""
+    return _load(path, files, max_step)
+
+
+def _load(path: Path, files: tuple[str, ...] | None, max_step: int | None, name_step: int | None = None) -> Loaded:
+    fd = _open_dir(path)
+    try:
+        manifest = _read_manifest(path, fd)
+        step = manifest["step"]
+        if name_step is not None and step != name_step:
+            raise CheckpointError(f"checkpoint {path}: {MANIFEST} says step {step}, the directory's name says "
+                                  f"{name_step} (not saved by hpc-ddp as it is)")
+        beyond = max_step is not None and step > max_step
+        payloads = {}
+        for fname, want in manifest["files"].items():
+            data = _read_verified(path, fname, want, fd)  # every file is verified, even those not unpickled
+            if beyond or (files is not None and fname not in files):
+                continue
+            try:
+                payloads[fname] = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            except pickle.UnpicklingError as exc:
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else "refused by the weights-only loader"
+                raise CheckpointError(f"checkpoint file {path / fname} was refused: it holds objects the weights-only "
+                                      f"loader does not allow (pickled code?): {first}") from None
+            except Exception as exc:  # corrupt zip structure etc., with a matching hash: not ours
+                raise CheckpointError(f"checkpoint file {path / fname} cannot be loaded: {exc}") from None
+    finally:
+        os.close(fd)
+    if beyond:
+        raise BeyondSchedule(f"checkpoint {path} is at step {step}, beyond this run's schedule of {max_step} steps: "
+                             f"resuming from it would end the run at once",
+                             hint="this run dir holds another schedule's checkpoints: start afresh with another "
+                                  "--run-dir, or restore the schedule they were saved under")
+    return Loaded(path, manifest, payloads)
+
+
+def resolve(path: Path) -> Path:
+    """A checkpoint directory, or a checkpoint root / run dir -> the newest valid checkpoint in it.
+    `path` itself may be a symlink (the user named it); nothing inside it is followed."""
+    path = Path(path)
+    if path.is_symlink():
+        path = path.resolve()
+    if os.path.lexists(path / MANIFEST):
+        return path
+    for root in (path, path / "checkpoints"):
+        if root.is_dir():
+            manager = CheckpointManager(root, log=lambda _msg: None)
+            found = manager.load_latest(files=())
+            if found:
+                return found.path
+    raise CheckpointError(f"no valid checkpoint at {path}")
+
+
+def inspect_checkpoint(path: Path) -> dict[str, Any]:
+    """What `hpc-ddp inspect` prints: step, epoch, model_sha256 (recomputed from model.pt), files."""
+    target = resolve(path)
+    loaded = load(target, files=("model.pt",))
+    if "model.pt" not in loaded.payloads:
+        raise CheckpointError(f"checkpoint {target} has no model.pt")
+    manifest = loaded.manifest
+    return {
+        "path": str(target), "step": manifest["step"], "epoch": manifest.get("epoch"),
+        "batch_in_epoch": manifest.get("batch_in_epoch"),
+        "model_sha256": state_sha256(loaded.payloads["model.pt"]),
+        "files": manifest["files"], "verified": verify(target) is not None,
+        "fingerprint": manifest.get("fingerprint"),
+    }

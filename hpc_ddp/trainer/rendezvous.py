@@ -1,0 +1,312 @@
+"""Rendezvous that fails fast and names who is missing: the trainer's own join, health check,
+heartbeat and exit, around torch.distributed.
+
+torch's env:// rendezvous waits up to 30 minutes for a rank that never started and then says only
+that it timed out. Here rank 0 hosts a TCPStore on MASTER_PORT (a taken port fails at once, naming
+it); every rank registers under its rank number and host, and all wait for the others with a bounded
+`rendezvous_timeout`, after which each names the ranks that did not join and where they were expected.
+The process group is then built on that store, and one small all-reduce (the health check) must
+complete on every rank before training starts. During training each rank bumps a heartbeat counter in
+the store, so when a collective fails, the survivors can say which rank stopped responding.
+A SIGTERM (or `stop()`) while the ranks are meeting ends the wait at once: nothing is trained yet, so
+there is nothing to save, and waiting out the rendezvous timeout would only delay the job's end.
+`Expected hosts` follow Slurm's block distribution: rank r runs on node r // tasks_per_node.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from hpc_ddp.job.distenv import DistEnv
+from hpc_ddp.common.errors import HpcDdpError
+from hpc_ddp.job.ports import PORT_HINT, taken_port_message
+
+__all__ = ["RendezvousError", "RendezvousStopped", "PeerLost", "expected_host", "describe_ranks", "join", "health_check",
+           "Heartbeat", "wait_for_all", "mark_left", "unresponsive", "explain_failure", "leave"]
+
+HEARTBEAT_S = 2.0
+LEFT_AFTER_OTHERS = "left after another rank's failure"  # a `left/<rank>` reason that blames nobody
+
+
+class RendezvousError(HpcDdpError):
+    """The ranks could not all meet (exit 1: not the user's input, but nothing to requeue either)."""
+
+
+class RendezvousStopped(RendezvousError):
+    """A stop signal came while the ranks were meeting. Exit 128 + SIGTERM, as if the signal had ended
+    the process: not a requeue (no step was trained, nothing was saved)."""
+
+    exit_code = 128 + signal.SIGTERM
+
+
+class PeerLost(HpcDdpError):
+    """A rank stopped responding during training."""
+
+
+def expected_host(env: DistEnv, rank: int) -> str:
+    node = rank // max(env.local_world_size, 1)
+    return env.hosts[node] if node < len(env.hosts) else f"node {node}"
+
+
+def describe_ranks(env: DistEnv, ranks: list[int], limit: int = 8) -> str:
+    """"rank 3 (hpcn2)" / "ranks 2 (hpcn2), 3 (hpcn2)", the first `limit` of them."""
+    shown = ", ".join(f"{r} ({expected_host(env, r)})" for r in ranks[:limit])
+    more = f" and {len(ranks) - limit} more" if len(ranks) > limit else ""
+    return f"rank{'s' if len(ranks) > 1 else ''} {shown}{more}"
+
+
+def _wait_for_server(addr: str, port: int, deadline: float, check: Callable[[], None] = lambda: None) -> None:
+    # Our own probe, so the timeout is the one configured (TCPStore's client retries for ~2.5x it).
+    while True:
+        check()
+        try:
+            socket.create_connection((addr, port), timeout=2).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def _scoped(store: dist.Store, env: DistEnv) -> dist.PrefixStore:
+    # Under torchrun the store is its agent's and outlives a restart: keep each attempt's keys apart.
+    return dist.PrefixStore(f"hpc-ddp/{env.job_id}/{env.restart_count}", store)
+
+
+def _store(env: DistEnv, timeout_s: float, host: str, check: Callable[[], None] = lambda: None) -> dist.TCPStore:
+    """Rank 0 listens; the others connect (waiting at most `timeout_s` for rank 0 to come up)."""
+    timeout = timedelta(seconds=timeout_s)
+    # Under torchrun its agent already serves a store on MASTER_PORT: every rank is a client of it.
+    if env.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        try:
+            return dist.TCPStore(env.master_addr, env.master_port, env.world_size, True, timeout,
+                                 wait_for_workers=False)
+        except dist.DistNetworkError as exc:
+            if "EADDRINUSE" in str(exc) or "in use" in str(exc):
+                raise RendezvousError(taken_port_message(env.master_port, host), hint=PORT_HINT) from None
+            raise RendezvousError(f"rank 0 on {host} cannot listen on MASTER_PORT {env.master_port}: {exc}",
+                                  hint=PORT_HINT) from None
+    try:
+        _wait_for_server(env.master_addr, env.master_port, time.monotonic() + timeout_s, check)
+        return dist.TCPStore(env.master_addr, env.master_port, env.world_size, False, timeout)
+    except (OSError, dist.DistError) as exc:
+        raise RendezvousError(
+            f"rank {env.rank} on {host} could not reach rank 0's rendezvous at {env.master_addr}:{env.master_port} "
+            f"within {timeout_s:g} s ({exc}): rank 0 ({expected_host(env, 0)}) did not start, died, or is unreachable",
+            hint="see rank 0's log (hpc-ddp logs JOB --rank 0); raise rendezvous_timeout if nodes start "
+                 "slowly") from None
+
+
+def _missing(store: dist.Store, env: DistEnv, prefix: str) -> list[int]:
+    return [r for r in range(env.world_size) if not store.check([f"{prefix}/{r}"])]
+
+
+def _wait_all(store: dist.Store, env: DistEnv, prefix: str, deadline: float,
+              check: Callable[[], None] = lambda: None) -> list[int]:
+    """Wait until every rank has set `prefix/<rank>`; the ranks still missing at the deadline."""
+    try:
+        while time.monotonic() < deadline:
+            check()
+            if int(store.add(f"{prefix}/count", 0)) >= env.world_size:
+                return []
+            time.sleep(0.05)
+        return _missing(store, env, prefix)
+    except dist.DistError:
+        raise RendezvousError(f"rank {env.rank}: {_store_gone(env)} while the ranks were meeting: it gave up or "
+                              "died first", hint="its log says why (hpc-ddp logs JOB --rank 0)") from None
+
+
+def _store_gone(env: DistEnv) -> str:
+    return (f"rank 0 ({expected_host(env, 0)}) is gone: its rendezvous store at {env.master_addr}:"
+            f"{env.master_port} stopped answering")
+
+
+def join(env: DistEnv, *, timeout_s: float, host: str | None = None,
+         stop: Callable[[], bool] | None = None) -> dist.Store:
+    """Meet every other rank within `timeout_s`, or raise naming the ranks that did not come; raise
+    RendezvousStopped at once on SIGTERM or when `stop()` says so. Rank 0's store server lives as long
+    as the returned store: keep it."""
+    host = host or socket.gethostname()
+    started = time.monotonic()
+    with _stoppable(env, host, stop) as check:
+        store = _scoped(_store(env, timeout_s, host, check), env)
+        store.set(f"joined/{env.rank}", host)
+        store.add("joined/count", 1)
+        missing = _wait_all(store, env, "joined", started + timeout_s, check)
+    if missing:
+        raise RendezvousError(
+            f"{describe_ranks(env, missing)} did not join the rendezvous within {timeout_s:g} s "
+            f"({env.world_size - len(missing)} of {env.world_size} ranks did)",
+            hint="see those ranks' logs (hpc-ddp logs JOB --rank N): they did not start, crashed or hung "
+                 "before training; raise rendezvous_timeout if staging or start-up is slow")
+    return store
+
+
+@contextlib.contextmanager
+def _stoppable(env: DistEnv, host: str, stop: Callable[[], bool] | None) -> Iterator[Callable[[], None]]:
+    """A `check()` for the wait loops that raises RendezvousStopped once SIGTERM arrived (or `stop()`).
+    The handler already installed (the trainer's stop flag) still gets the signal; with none of
+    Python's (the default action), the signal ends the process by itself and nothing is wrapped."""
+    got: list[int] = []
+    previous = signal.getsignal(signal.SIGTERM)
+    wrap = callable(previous) and threading.current_thread() is threading.main_thread()
+    if wrap:
+        def on_term(signum, frame):
+            got.append(signum)
+            previous(signum, frame)
+        signal.signal(signal.SIGTERM, on_term)
+
+    def check() -> None:
+        if got or (stop is not None and stop()):
+            why = "SIGTERM" if got else "a stop request"
+            raise RendezvousStopped(f"rank {env.rank} on {host}: stopped by {why} while the ranks were meeting; "
+                                    "no step was trained, so there is nothing to save")
+    try:
+        yield check
+    finally:
+        if wrap and signal.getsignal(signal.SIGTERM) is on_term:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def health_check(store: dist.Store, env: DistEnv, device: torch.device, timeout_s: float,
+                 connect: Callable[[], None] = lambda: None) -> None:
+    """`connect()` (building the process group: gloo connects every pair of ranks there) and one small
+    all-reduce over the real backend and device must finish within `timeout_s`."""
+    store.set(f"health/{env.rank}", "entered")
+    done = threading.Event()
+    threading.Thread(target=_health_watchdog, args=(store, env, timeout_s, done), daemon=True).start()
+    connect()
+    ones = torch.ones(1, device=device)
+    dist.all_reduce(ones)
+    total = int(ones.item())
+    done.set()
+    if total != env.world_size:
+        raise RendezvousError(f"health check: an all-reduce of ones over {env.world_size} ranks gave {total}",
+                              hint="the communication backend is broken on some node; try BACKEND=gloo to compare")
+
+
+def _health_watchdog(store: dist.Store, env: DistEnv, timeout_s: float, done: threading.Event) -> None:
+    # The all-reduce itself may block far longer (the collective timeout): say why, and leave.
+    if done.wait(timeout_s):
+        return
+    why = "every rank got that far, so the ranks cannot reach each other"
+    with contextlib.suppress(Exception):  # the store may be gone too; still leave
+        absent = _missing(store, env, "health")
+        if absent:
+            why = f"{describe_ranks(env, absent)} never reached it"
+    print(f"hpc-ddp: error: health check: connecting the ranks and a first all-reduce did not complete within "
+          f"{timeout_s:g} s: {why}\n"
+          "HINT: check those ranks' logs and the network between the nodes (NCCL_SOCKET_IFNAME / "
+          "GLOO_SOCKET_IFNAME)", file=sys.stderr, flush=True)
+    os._exit(1)
+
+
+class Heartbeat:
+    """A daemon thread that bumps `heartbeat/<rank>` every HEARTBEAT_S over its own store connection."""
+
+    def __init__(self, env: DistEnv, interval_s: float = HEARTBEAT_S):
+        self.env, self.interval_s = env, interval_s
+        self._stop = threading.Event()
+        self._store = _scoped(dist.TCPStore(env.master_addr, env.master_port, env.world_size, False,
+                                            timedelta(seconds=30)), env)
+        self._thread = threading.Thread(target=self._beat, name="hpc-ddp-heartbeat", daemon=True)
+
+    def start(self) -> "Heartbeat":
+        self._store.add(f"heartbeat/{self.env.rank}", 1)
+        self._thread.start()
+        return self
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self._store.add(f"heartbeat/{self.env.rank}", 1)
+            except Exception:  # noqa: BLE001 - rank 0 (the store) is gone; the collectives will say so
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def mark_left(store: dist.Store | None, env: DistEnv, why: str) -> None:
+    """Say in the store that this rank is leaving, and why, before its heartbeat stops: the others must
+    not take a rank that failed for its own reason, or finished, for one that hung."""
+    if store is not None:
+        with contextlib.suppress(Exception):  # the store may already be gone
+            store.set(f"left/{env.rank}", why[:300])
+
+
+def unresponsive(store: dist.Store, env: DistEnv, window_s: float = 2.5 * HEARTBEAT_S) -> list[int]:
+    """Ranks whose heartbeat did not move during `window_s` and that did not say they left.
+    Raises DistError if the store is gone."""
+    keys = [f"heartbeat/{r}" for r in range(env.world_size)]
+    before = [int(store.add(k, 0)) for k in keys]
+    time.sleep(window_s)
+    after = [int(store.add(k, 0)) for k in keys]
+    return [r for r in range(env.world_size)
+            if after[r] == before[r] and r != env.rank and not store.check([f"left/{r}"])]
+
+
+def _failed_ranks(store: dist.Store, env: DistEnv) -> list[str]:
+    out = []
+    for r in range(env.world_size):
+        if r != env.rank and store.check([f"left/{r}"]):
+            why = store.get(f"left/{r}").decode(errors="replace")
+            if why not in ("finished", LEFT_AFTER_OTHERS):
+                out.append(f"rank {r} ({expected_host(env, r)}) failed: {why}")
+    return out
+
+
+def explain_failure(store: dist.Store | None, env: DistEnv, window_s: float = 2.5 * HEARTBEAT_S) -> str | None:
+    """After a failed collective: which peer failed or is gone, as one line, or None if every other rank
+    is alive and well. The first rank to find out records its verdict; later ones repeat it rather than
+    blame ranks that have since left after finding out themselves."""
+    if store is None:
+        return None
+    try:
+        if store.check(["verdict"]):
+            return store.get("verdict").decode()
+        lost = unresponsive(store, env, window_s)
+        if store.check(["verdict"]):
+            return store.get("verdict").decode()
+        parts = _failed_ranks(store, env)
+        if lost:
+            parts.append(f"{describe_ranks(env, lost)} stopped responding (no heartbeat for {window_s:g} s): "
+                         f"{'they' if len(lost) > 1 else 'it'} died or hung")
+        if not parts:
+            return None
+        line = "; ".join(parts)
+        if int(store.add("verdict/claim", 1)) == 1:
+            store.set("verdict", line)
+        return line
+    except Exception:  # noqa: BLE001 - the store lives in rank 0's process: it is the one that went
+        return _store_gone(env)
+
+
+def leave(timeout_s: float = 10.0) -> None:
+    """Destroy the process group, but never wait more than `timeout_s`: with peers gone, destroying
+    can block, and a rank stuck here keeps the whole allocation alive."""
+    if not dist.is_initialized():
+        return
+    worker = threading.Thread(target=dist.destroy_process_group, daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+
+
+def wait_for_all(store: dist.Store, env: DistEnv, name: str, timeout_s: float) -> list[int]:
+    """Mark this rank as arrived at `name` and wait until every rank has; the ranks still missing after
+    `timeout_s` (empty when all came). For calls that must be collective (a checkpoint save), so a rank
+    that never comes is named instead of hanging a collective until its timeout."""
+    store.set(f"{name}/{env.rank}", "1")
+    store.add(f"{name}/count", 1)
+    return _wait_all(store, env, name, time.monotonic() + timeout_s)

@@ -1,0 +1,273 @@
+"""The built-in DDP trainer: `python -m hpc_ddp.trainer.train RUN_DIR/spec.json` on every rank (the per-rank
+runner starts it for job files with a [train] table), or `hpc-ddp train JOB.toml` directly.
+
+One loop over small parts: data (`data`), model (`models`), checkpoints (`checkpoint`), stop flag
+(`stopping`), records (`events`). Every rank's loss, stop flag and "checkpoint due" flag for a step
+ride on DDP's last gradient bucket (`reduce`), so all ranks log the same loss and stop or save at the
+same step without a second synchronisation per step. A stop (warning signal, SIGTERM) saves a
+checkpoint at that step and exits with REQUEUE_EXIT_CODE; the next attempt resumes from the same sample
+with the same RNG streams, so on CPU the resumed run ends bitwise identical to an uninterrupted one.
+
+Rehearsal knobs (environment): HPC_DDP_FAULT_STOP_AT=N[,M...] acts as if a stop signal arrived after step N;
+HPC_DDP_FAULT_KILL_AT=N[:R] SIGKILLs rank R (default 0) after step N (no checkpoint, like a node failure);
+HPC_DDP_FAULT_HANG_AT=N[:R] SIGSTOPs rank R after step N (a hung rank); HPC_DDP_FAULT_NO_JOIN=R keeps
+rank R from ever joining the rendezvous (a rank that never starts).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from hpc_ddp.data.loaders import build_data, shutdown_workers
+from hpc_ddp.common.errors import HpcDdpError
+from hpc_ddp.common.exitcodes import REQUEUE_EXIT_CODE
+from hpc_ddp.trainer.models import build_model
+from hpc_ddp.trainer.reduce import StepFlags, flags_hook
+from hpc_ddp.trainer.session import IncompatibleResume, Progress, Session
+from hpc_ddp.spec.jobspec import JobSpec
+from hpc_ddp.spec.trainconfig import FINGERPRINT_FIELDS, TrainConfig
+
+__all__ = ["run", "main", "Progress", "IncompatibleResume", "Trainer"]
+
+
+def fingerprint(cfg: TrainConfig) -> dict[str, Any]:
+    return {f: getattr(cfg, f) for f in FINGERPRINT_FIELDS}
+
+
+def _schedule(cfg: TrainConfig, total_steps: int):
+    def factor(step: int) -> float:
+        if cfg.warmup_steps and step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        if cfg.schedule == "constant":
+            return 1.0
+        progress = (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+    return factor
+
+
+class _Schedules:
+    """The scheduler and the GradScaler as one tracked state (the checkpoint's train_state.pt)."""
+
+    def __init__(self, scheduler, scaler):
+        self.scheduler, self.scaler = scheduler, scaler
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.scaler.load_state_dict(state["scaler"])
+
+
+class Trainer:
+    """The built-in loop, on the public Session API (session.py): the session owns the rendezvous, the
+    stop flag and deadline, checkpoints, RNG, progress and records; this owns data, model and the step."""
+
+    def __init__(self, cfg: TrainConfig, session: Session):
+        self.cfg, self.session = cfg, session
+        rank, world = session.rank, session.world_size
+        torch.manual_seed(cfg.seed + rank)
+        random.seed(cfg.seed + rank)
+        np.random.seed(cfg.seed + rank)
+        self.data = build_data(cfg, rank=rank, world_size=world, pin_memory=session.device.type == "cuda")
+        if self.data.root and cfg.data_dir and str(self.data.root) != cfg.data_dir:
+            session.log(f"hpc-ddp: reading the staged copy {self.data.root} of {cfg.data_dir}")
+        self.steps_per_epoch = self.data.micro_batches_per_epoch // cfg.grad_accum
+        total = self.steps_per_epoch * cfg.epochs
+        self.total_steps = min(total, cfg.max_steps) if cfg.max_steps else total
+        self.flags: StepFlags | None = None   # set by _model when DDP carries the step's flags
+        self.model = self._model()
+        self.optimizer = self._optimizer()
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _schedule(cfg, self.total_steps))
+        self.scaler = torch.amp.GradScaler(session.device.type, enabled=cfg.precision == "fp16")
+        self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
+        session.track(model=self.module, optimizer=self.optimizer,
+                      train_state=_Schedules(self.scheduler, self.scaler))
+        session.follow(self.data.sampler, batch_size=cfg.batch_size)
+        session.total_steps, session.epochs_total = self.total_steps, cfg.epochs
+
+    @property
+    def progress(self) -> Progress:
+        return self.session.progress
+
+    # ---- building ----
+
+    def _model(self) -> nn.Module:
+        cfg, session = self.cfg, self.session
+        model = build_model(cfg.model, num_classes=self.data.num_classes, in_channels=self.data.in_channels,
+                            image_size=self.data.image_size).to(session.device)
+        if cfg.sync_bn and session.distributed:
+            if session.device.type == "cuda":
+                model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+            else:
+                session.log("hpc-ddp: sync_bn needs GPUs (SyncBatchNorm has no CPU kernel); using plain BatchNorm")
+        if session.distributed:
+            # gradient_as_bucket_view=True (gradients as views of the all-reduce buckets, zeroed in place)
+            # was tried for issue 16 and not kept: no gain measurable above this VM's noise (bench/README.md).
+            model = DDP(model, device_ids=session.device_ids)
+            if session.device.type == "cpu":
+                # See reduce.py: the step's flags ride on the gradients, and rank-order sums give exact
+                # resume. Not on GPUs yet: NCCL keeps DDP's built-in all-reduce until the hook is measured there.
+                self.flags = StepFlags(ordered=session.world_size > 2)
+                model.register_comm_hook(self.flags, flags_hook)
+        return model
+
+    def _optimizer(self) -> torch.optim.Optimizer:
+        cfg, params = self.cfg, self.model.parameters()
+        if cfg.optimizer == "adamw":
+            return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+
+    @property
+    def module(self) -> nn.Module:
+        return self.model.module if isinstance(self.model, DDP) else self.model
+
+    # ---- the loop ----
+
+    def fit(self) -> int:
+        self.session.resume(total_steps=self.total_steps)
+        self.session.warn_if_handlers_replaced()
+        for _epoch in self.session.epochs(self.cfg.epochs):
+            if self._epoch():
+                return REQUEUE_EXIT_CODE
+            if self.progress.step >= self.total_steps and \
+                    self.progress.batch_in_epoch // self.cfg.grad_accum < self.steps_per_epoch:
+                break  # max_steps ends training mid-epoch: no end-of-epoch evaluation
+            self._end_epoch()
+        self.session.finish()
+        return 0
+
+    def _epoch(self) -> bool:
+        """One epoch from the resumed batch on; True when the ranks stopped (checkpointed) in it."""
+        p, cfg = self.progress, self.cfg
+        self.model.train()
+        steps_left = min(self.steps_per_epoch - p.batch_in_epoch // cfg.grad_accum, self.total_steps - p.step)
+        if steps_left <= 0:
+            return False
+        batches = iter(self.data.train)
+        samples = cfg.batch_size * cfg.grad_accum * self.session.world_size
+        for _ in range(steps_left):
+            self._step(batches)
+            summed = self.flags.incoming if self.flags is not None else None
+            if self.session.step(self._loss, batches=cfg.grad_accum, samples=samples, summed=summed,
+                                 lr=self.scheduler.get_last_lr()[0]):
+                return True
+        return False
+
+    def _step(self, batches) -> None:
+        cfg, total = self.cfg, 0.0
+        # On GPUs the loss stays on the device (float64, as the CPU's Python floats): reading it per
+        # micro-step would make the host wait for each forward. The flags carry it; step() reads them once.
+        on_device = self.session.device.type != "cpu"
+        for micro in range(cfg.grad_accum):
+            x, y = next(batches)
+            x, y = x.to(self.session.device, non_blocking=True), y.to(self.session.device, non_blocking=True)
+            last = micro == cfg.grad_accum - 1
+            sync = contextlib.nullcontext() if last or not isinstance(self.model, DDP) else self.model.no_sync()
+            with sync:
+                with torch.autocast(self.session.device.type, dtype=self.autocast_dtype or torch.float32,
+                                    enabled=self.autocast_dtype is not None):
+                    loss = nn.functional.cross_entropy(self.model(x), y) / cfg.grad_accum
+                total = total + (loss.detach().double() if on_device else loss.item())
+                if last:
+                    # This rank's flags, set before the synchronising backward that carries them (reduce.py).
+                    sent = self.session.flags(total)
+                    if self.flags is not None:
+                        self.flags.outgoing, self.flags.incoming = sent, None
+                self.scaler.scale(loss).backward()
+        self._loss = total
+        if cfg.clip_grad:
+            self.scaler.unscale_(self.optimizer)
+            nn.utils.clip_grad_norm_(self.model.parameters(), cfg.clip_grad)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+
+    def _end_epoch(self) -> None:
+        results = self.evaluate() if self.data.eval is not None else {}
+        if results:
+            self.session.log_metrics(**results)
+            self.session.log(f"hpc-ddp: epoch {self.progress.epoch + 1} eval loss {results['eval_loss']:.4f} "
+                             f"accuracy {results['eval_acc']:.2%}")
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        module, device = self.module, self.session.device  # not DDP: ranks may see different eval batch counts
+        module.eval()
+        totals = torch.zeros(3, dtype=torch.float64, device=device)
+        for x, y in self.data.eval:
+            x, y = x.to(device), y.to(device)
+            out = module(x).float()
+            totals += torch.tensor([nn.functional.cross_entropy(out, y, reduction="sum").item(),
+                                    (out.argmax(1) == y).sum().item(), len(y)], dtype=torch.float64, device=device)
+        if self.session.distributed:
+            torch.distributed.all_reduce(totals)
+        module.train()
+        loss, correct, count = totals.tolist()
+        return {"eval_loss": loss / max(count, 1), "eval_acc": correct / max(count, 1), "eval_samples": int(count)}
+
+    def close(self) -> None:
+        shutdown_workers(self.data.train)
+        shutdown_workers(self.data.eval)
+
+
+def run(spec: JobSpec, run_dir: Path, env=None) -> int:
+    """Train `spec.train` in this process (one rank); returns the exit code."""
+    cfg = spec.train
+    if cfg is None:
+        raise HpcDdpError("this job has no [train] table; the built-in trainer has nothing to do")
+    session = Session(run_dir, checkpoint_every_steps=cfg.checkpoint_every_steps,
+                      checkpoint_every_minutes=cfg.checkpoint_every_minutes, keep=cfg.keep_checkpoints,
+                      log_every=cfg.log_every, fingerprint=fingerprint(cfg), stop_lead_seconds=cfg.stop_lead_seconds,
+                      exit_on_stop=False, env=env, async_checkpoint=cfg.async_checkpoint, loggers=cfg.loggers)
+    with session.setup():
+        trainer = Trainer(cfg, session)
+        try:
+            return trainer.fit()
+        finally:
+            trainer.close()
+
+
+def _summary(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    from hpc_ddp.job.runner import load_spec
+
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        sys.exit("usage: python -m hpc_ddp.trainer.train RUN_DIR/spec.json")
+    spec_path = Path(args[0]).resolve()
+    try:
+        code = run(load_spec(spec_path), spec_path.parent)
+    except HpcDdpError as exc:
+        print(f"hpc-ddp train: error: {exc}", file=sys.stderr, flush=True)
+        code = exc.exit_code
+    except Exception:  # noqa: BLE001 - report it, then leave at once (below)
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Leave without interpreter shutdown: a loader worker or communication thread stuck after a failure
+    # must not keep a rank (and so the whole job) alive.
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,206 @@
+"""The requeue policy as a pure function of the events an attempt left behind."""
+
+import json
+
+import pytest
+
+from hpc_ddp.job import attempts
+from hpc_ddp.job.attempts import Attempt, Limits, attempts_from_events, decide_begin, decide_end
+
+LIMITS = Limits(max_requeues=2, max_preemptions=3)
+
+
+def ended(n, cause, start=None, trained=True, rc=75):
+    return Attempt(n, start, trainer=trained, exit_code=rc, cause=cause)
+
+
+def test_first_attempt_runs():
+    assert decide_begin([], None, LIMITS) == (True, "first attempt")
+
+
+@pytest.mark.parametrize("previous,start,ok,reason", [
+    ([ended(0, "preempted", None)], 10, True, "restart 1 after preempted"),
+    ([ended(0, "completed", rc=0)], 64, False, "already completed"),
+    ([ended(0, None, rc=1)], None, False, "failed (exit code 1)"),
+    ([Attempt(0, None, trainer=False)], None, True, "restart 1 after killed"),  # not the job's fault
+    ([Attempt(0, 5, trainer=True), Attempt(1, 5, trainer=True)], 5, True, "restart 2 after killed"),
+    ([Attempt(0, None, started_at=0.0, ended_at=100.0)], None, True, "restart 1 after killed"),  # a user script
+    ([ended(0, "preempted", None), ended(1, "preempted", 10)], 10, False, "no progress"),
+    ([ended(0, "preempted", 0)], 0, False, "no progress"),
+    ([ended(i, "preempted", i) for i in range(4)], 4, False, "preempted 4 times, more than max_preemptions=3"),
+    ([ended(i, "time_limit", i) for i in range(3)], 3, False, "time limit 3 times, more than max_requeues=2"),
+    ([ended(0, "time_limit", 0), ended(1, "preempted", 1), ended(2, "preempted", 2)], 3, True, "restart 3"),
+])
+def test_decide_begin(previous, start, ok, reason):
+    got_ok, got_reason = decide_begin(previous, start, LIMITS)
+    assert got_ok == ok and reason in got_reason
+
+
+@pytest.mark.parametrize("history,rc,requeue,reason", [
+    ([ended(0, "time_limit", 0)], 75, True, "time_limit: requeue 1 of at most 2"),
+    ([ended(i, "time_limit", i) for i in range(3)], 75, False, "3 requeues would exceed max_requeues=2"),
+    ([ended(0, "preempted", 0)], 75, True, "preempted: requeue 1 of at most 3"),
+    ([ended(0, None, 0)], 75, True, "preempted"),
+    ([ended(0, None, 0)], 0, False, "completed"),
+    ([ended(0, None, 0)], 2, False, "failed with exit code 2"),
+    ([ended(0, None, 0, trained=False)], 75, False, "before training started"),
+])
+def test_decide_end(history, rc, requeue, reason):
+    got, why = decide_end(history, rc, LIMITS)
+    assert got == requeue and reason in why
+
+
+def test_attempts_from_events():
+    events = [
+        {"event": "attempt_start", "attempt": 0, "checkpoint_step": None},
+        {"event": "start", "step": 0},
+        {"event": "signal", "cause": "time_limit", "step": 12},
+        {"event": "attempt_end", "attempt": 0, "exit_code": 75},
+        {"event": "attempt_start", "attempt": 1, "checkpoint_step": 12},
+        {"event": "resume", "step": 12},
+    ]
+    a0, a1 = attempts_from_events(events)
+    assert (a0.ended_cause, a0.trained, a0.start_step) == ("time_limit", True, None)
+    assert (a1.ended_cause, a1.trained, a1.start_step) == ("killed", True, 12)
+
+
+def test_begin_and_end_record_everything(tmp_path):
+    from hpc_ddp.spec.jobspec import Layer, Target, build_spec
+
+    spec = build_spec([Layer("c", {"max_preemptions": 1})], target=Target("script", "/t.py"), workdir="/", python="p")
+    (tmp_path / "spec.json").write_text(json.dumps(spec.to_dict()))
+    (tmp_path / "checkpoints").mkdir()
+    assert attempts.begin(tmp_path, 0, env={"SLURM_JOB_ID": "7"})[0]
+    (tmp_path / "checkpoints" / "latest").write_text("step-000000005-r1\n")
+    with open(tmp_path / "events.jsonl", "a") as fh:
+        fh.write(json.dumps({"event": "start"}) + "\n" + json.dumps({"event": "signal", "cause": "preempted"}) + "\n")
+    assert attempts.end(tmp_path, 0, 75, env={"SLURM_JOB_ID": "7"}) == (True, "preempted: requeue 1 of at most 1")
+    assert attempts.begin(tmp_path, 1, env={"SLURM_JOB_ID": "7"})[0]  # resumes from step 5
+    with open(tmp_path / "events.jsonl", "a") as fh:
+        fh.write(json.dumps({"event": "resume", "step": 5}) + "\n")
+    # killed from outside without an end record: the second preemption, more than max_preemptions=1
+    ok, reason = attempts.begin(tmp_path, 2, env={"SLURM_JOB_ID": "7"})
+    assert not ok and "preempted 2 times, more than max_preemptions=1" in reason
+    records = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert [r["event"] for r in records[-4:]] == ["attempt_start", "attempt_end", "attempt_end", "gave_up"]
+    assert records[-3]["cause"] == "killed" and records[-2]["cause"] == "not_admitted"
+    assert attempts.begin(tmp_path, 0, env={"SLURM_JOB_ID": "8"})[0]  # a new job of the same run dir may run
+
+
+def test_a_checkpointed_attempt_is_requeued_whatever_srun_reports(tmp_path):
+    from hpc_ddp.spec.jobspec import Layer, Target, build_spec
+
+    spec = build_spec([Layer("c", {})], target=Target("trainer", "/j.toml"), workdir="/", python="p")
+    (tmp_path / "spec.json").write_text(json.dumps(spec.to_dict()))
+    env = {"SLURM_JOB_ID": "9"}
+    assert attempts.begin(tmp_path, 0, env=env)[0]
+    with open(tmp_path / "events.jsonl", "a") as fh:
+        for event in ({"event": "start"}, {"event": "signal", "cause": "time_limit"}, {"event": "requeue_requested"}):
+            fh.write(json.dumps(event) + "\n")
+    assert attempts.end(tmp_path, 0, 143, env=env) == (True, "time_limit: requeue 1 of at most 10")
+
+
+# ---- a program signalled from outside is not a failed program (what Slurm shows; see attempts' docstring) ----
+
+def _show(state, reason="None", restarts=0, preempt="None", name="job.sh"):
+    """`scontrol show job` as the batch shell sees it at the attempt's end (the lines that matter)."""
+    return (f"JobId=3 JobName={name}\n   UserId=root(0) GroupId=root(0) MCS_label=N/A\n"
+            f"   JobState={state} Reason={reason} Dependency=(null)\n"
+            f"   Requeue=1 Restarts={restarts} BatchFlag=1 Reboot=0 ExitCode=0:0\n"
+            f"   PreemptEligibleTime=2026-11-23T12:47:55 PreemptTime={preempt}\n"
+            f"   Command=/x/job.sh\n   WorkDir=/x\n   StdOut=/x/out Restarts=7\n")
+
+
+SHOW_JOB = {  # measured on Slurm 22.05 (see the attempts module docstring)
+    "preempt_no_grace": _show("COMPLETING", restarts=1),
+    "preempt_grace": _show("RUNNING", preempt="2026-11-23T12:47:59"),
+    "admin_requeue": _show("COMPLETING", restarts=1),
+    "time_limit": _show("COMPLETING", reason="TimeLimit"),
+    "scancel": _show("COMPLETING"),
+    "own_crash": _show("RUNNING"),
+    # A job name or path that poses as Slurm's fields is not read as them.
+    "own_crash_odd_name": _show("RUNNING", name="a Restarts=5 PreemptTime=2026-01-01T00:00:00"),
+}
+
+
+@pytest.mark.parametrize("case,shell_signal,cause,by_slurm", [
+    ("preempt_no_grace", "TERM", "preempted", True),
+    ("preempt_grace", None, "preempted", False),     # the step got SIGTERM, the batch shell did not
+    ("admin_requeue", "TERM", "preempted", True),
+    ("time_limit", None, "time_limit", False),
+    ("scancel", "TERM", "cancelled", False),
+    ("own_crash", None, "failed", False),
+    ("own_crash_odd_name", None, "failed", False),
+])
+def test_outside_cause_from_slurm(case, shell_signal, cause, by_slurm):
+    job = attempts.parse_show_job(SHOW_JOB[case])
+    assert attempts.outside_cause(job, 0, shell_signal) == (cause, by_slurm)
+
+
+def test_outside_cause_without_slurm_trusts_the_shell_signal():
+    assert attempts.outside_cause(None, 0, "TERM") == ("preempted", False)
+    assert attempts.outside_cause(None, 0, None) == ("failed", False)
+    # A later attempt: Restarts counts every requeue, so only a count past this attempt's number means "again".
+    assert attempts.outside_cause(attempts.parse_show_job(_show("RUNNING", restarts=2)), 2, None) == ("failed", False)
+
+
+@pytest.mark.parametrize("history,rc,requeue,reason", [
+    ([ended(0, "preempted", trained=False, rc=143)], 143, True, "preempted: requeue 1 of at most 3"),
+    ([ended(i, "preempted", rc=143) for i in range(4)], 143, False, "4 requeues would exceed max_preemptions=3"),
+    ([ended(0, "time_limit", rc=143)], 143, True, "time_limit: requeue 1 of at most 2"),
+    ([ended(0, "cancelled", rc=143)], 143, False, "cancelled"),
+    ([ended(0, "failed", rc=143)], 143, False, "failed with exit code 143"),
+])
+def test_decide_end_outside(history, rc, requeue, reason):
+    got, why = decide_end(history, rc, LIMITS)
+    assert got == requeue and reason in why
+
+
+@pytest.mark.parametrize("previous,ok,reason", [
+    ([ended(0, "preempted", 5, rc=143)], True, "restart 1 after preempted"),  # no checkpoint moved: not its fault
+    ([ended(0, "cancelled", rc=143)], False, "cancelled"),
+    ([ended(0, "failed", rc=143)], False, "failed (exit code 143)"),
+])
+def test_decide_begin_after_outside_end(previous, ok, reason):
+    got_ok, got_reason = decide_begin(previous, 5, LIMITS)
+    assert got_ok == ok and reason in got_reason
+
+
+def _spec_dir(tmp_path, **keys):
+    from hpc_ddp.spec.jobspec import Layer, Target, build_spec
+
+    spec = build_spec([Layer("c", keys)], target=Target("script", "/t.py"), workdir="/", python="p")
+    (tmp_path / "spec.json").write_text(json.dumps(spec.to_dict()))
+    return tmp_path
+
+
+@pytest.mark.parametrize("case,shell_signal,word,cause", [
+    ("preempt_no_grace", "TERM", "requeued", "preempted"),
+    ("preempt_grace", "", "requeue", "preempted"),
+    ("scancel", "TERM", "stop", "cancelled"),
+    ("own_crash", "", "stop", "failed"),
+])
+def test_finish_asks_slurm_and_records_the_cause(tmp_path, case, shell_signal, word, cause):
+    run_dir = _spec_dir(tmp_path)
+    env = {"SLURM_JOB_ID": "3", "HPC_DDP_SHELL_SIGNAL": shell_signal}
+    assert attempts.begin(run_dir, 0, env=env)[0]
+    asked = []
+    outcome = attempts.finish(run_dir, 0, 143, env, ask_slurm=lambda job: asked.append(job) or
+                              attempts.parse_show_job(SHOW_JOB[case]))
+    assert asked == ["3"] and outcome.word == word
+    records = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    end = next(r for r in records if r["event"] == "attempt_end")
+    assert end["cause"] == cause and end["exit_code"] == 143
+    # The next attempt of the same job is admitted after a preemption, refused after a cancel or crash.
+    assert attempts.begin(run_dir, 1, env=env)[0] == (cause == "preempted")
+
+
+def test_a_user_script_preempted_over_and_over_stops_at_the_cap(tmp_path):
+    run_dir = _spec_dir(tmp_path, max_preemptions=2)
+    env = {"SLURM_JOB_ID": "11"}
+    for n in range(3):
+        assert attempts.begin(run_dir, n, env=env)[0]
+        show = _show("RUNNING", restarts=n, preempt="2026-11-23T12:47:59")
+        outcome = attempts.finish(run_dir, n, 143, env, ask_slurm=lambda _job, s=show: attempts.parse_show_job(s))
+        assert outcome.requeue == (n < 2), outcome
+    assert "more than max_preemptions=2" in outcome.reason or "exceed max_preemptions=2" in outcome.reason

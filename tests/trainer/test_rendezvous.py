@@ -1,0 +1,171 @@
+"""The bounded rendezvous: taken ports, missing ranks, silent peers and a hanging exit, in one process
+(threads stand in for ranks; the TCPStore is real)."""
+
+import socket
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+
+from hpc_ddp.trainer import rendezvous
+from hpc_ddp.launch.classify import classify_failure
+from hpc_ddp.job.distenv import DistEnv
+from hpc_ddp.job.ports import first_free_port, port_in_use
+
+
+def _env(rank: int, world: int, port: int, per_node: int = 1) -> DistEnv:
+    hosts = tuple(f"node{i}" for i in range(-(-world // per_node)))
+    return DistEnv(rank=rank, local_rank=rank % per_node, world_size=world, local_world_size=per_node,
+                   node_rank=rank // per_node, num_nodes=len(hosts), master_addr="127.0.0.1", master_port=port,
+                   hosts=hosts, job_id="7", restart_count=0, source="test")
+
+
+@pytest.fixture
+def port():
+    return first_free_port(31000 + threading.get_ident() % 500)
+
+
+@pytest.fixture
+def listener(port):
+    with socket.socket() as s:
+        s.bind(("", port))
+        s.listen()
+        yield port
+
+
+def test_port_in_use_sees_a_listener_and_first_free_port_skips_it(listener):
+    assert port_in_use(listener)
+    assert first_free_port(listener) == listener + 1 or port_in_use(listener + 1)
+    assert first_free_port(listener) != listener
+
+
+def test_a_taken_port_fails_at_once_naming_it_and_the_fix(listener):
+    started = time.monotonic()
+    with pytest.raises(rendezvous.RendezvousError) as err:
+        rendezvous.join(_env(0, 2, listener), timeout_s=30, host="login1")
+    assert time.monotonic() - started < 5
+    assert f"MASTER_PORT {listener} is already in use on login1" in err.value.message
+    assert "--master-port" in err.value.hint
+
+
+def test_missing_ranks_are_named_with_their_expected_hosts(port):
+    seen = []
+
+    def rank_1():
+        with pytest.raises(rendezvous.RendezvousError) as err:
+            rendezvous.join(_env(1, 4, port, per_node=2), timeout_s=2)
+        seen.append(err.value.message)
+
+    helper = threading.Thread(target=rank_1)
+    started = time.monotonic()
+    helper.start()
+    with pytest.raises(rendezvous.RendezvousError) as err:
+        rendezvous.join(_env(0, 4, port, per_node=2), timeout_s=2)
+    helper.join()
+    assert 1.5 < time.monotonic() - started < 10
+    expected = "ranks 2 (node1), 3 (node1) did not join the rendezvous within 2 s (2 of 4 ranks did)"
+    assert expected in err.value.message and seen and expected in seen[0]  # every waiting rank says the same
+
+
+def test_everyone_joins_and_gets_a_working_store(port):
+    stores = [None, None]
+
+    def go(rank):
+        stores[rank] = rendezvous.join(_env(rank, 2, port), timeout_s=10)
+
+    threads = [threading.Thread(target=go, args=(r,)) for r in (1, 0)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(stores) and stores[1].get("joined/0") == socket.gethostname().encode()
+    stores[0].set("x", "1")
+    assert stores[1].get("x") == b"1"
+
+
+def test_a_rank_that_cannot_reach_rank_0_says_so_within_its_timeout(port):
+    started = time.monotonic()
+    with pytest.raises(rendezvous.RendezvousError) as err:
+        rendezvous.join(_env(3, 4, port, per_node=2), timeout_s=1.5, host="node1")
+    assert time.monotonic() - started < 6
+    assert f"rank 3 on node1 could not reach rank 0's rendezvous at 127.0.0.1:{port} within 1.5 s" in err.value.message
+    assert "rank 0 (node0) did not start, died, or is unreachable" in err.value.message
+
+
+def test_a_silent_rank_is_named_and_beating_ranks_are_not(port):
+    server = dist.TCPStore("127.0.0.1", port, 3, True, wait_for_workers=False)
+    store = rendezvous._scoped(server, _env(0, 3, port))
+    alive = rendezvous.Heartbeat(_env(1, 3, port), interval_s=0.1).start()
+    store.add("heartbeat/2", 1)  # rank 2 beat once, then went quiet
+    try:
+        assert rendezvous.unresponsive(store, _env(0, 3, port), window_s=0.5) == [2]
+        line = rendezvous.explain_failure(store, _env(0, 3, port), window_s=0.5)
+        assert line.startswith("rank 2 (node2) stopped responding (no heartbeat for 0.5 s)")
+    finally:
+        alive.stop()
+
+
+def test_a_store_that_is_gone_means_rank_0_is_gone(port):
+    server = dist.TCPStore("127.0.0.1", port, 2, True, wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", port, 2, False)
+    del server
+    line = rendezvous.explain_failure(client, _env(1, 2, port))
+    assert line.startswith("rank 0 (node0) is gone: its rendezvous store at 127.0.0.1:")
+
+
+def test_leave_does_not_wait_for_a_hanging_destroy(monkeypatch):
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: time.sleep(60))
+    started = time.monotonic()
+    rendezvous.leave(timeout_s=0.3)
+    assert time.monotonic() - started < 2
+
+
+@pytest.mark.parametrize("text,kind", [
+    ("hpc-ddp train: error: rank 0: rank 3 (hpcn2) stopped responding (no heartbeat for 5 s): it died", "rank_lost"),
+    ("rank 0 (hpcn1) is gone: its rendezvous store at hpcn1:21234 stopped answering", "rank_lost"),
+    ("rank 1 (hpcn1) did not join the rendezvous within 20 s", "rendezvous_timeout"),
+    ("Traceback (most recent call last):\n  File \"x.py\", line 1\nValueError: bad", "user_code_exception"),
+    ("slurmstepd: error: *** JOB 5 ON hpcn1 CANCELLED AT 2026 DUE TO TIME LIMIT ***", "time_limit"),
+    ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate", "out_of_memory"),
+])
+def test_failures_are_classified(text, kind):
+    assert classify_failure([text])[0] == kind
+
+
+def test_a_rank_that_left_with_an_error_is_named_for_it_and_one_that_finished_is_not(port):
+    server = dist.TCPStore("127.0.0.1", port, 4, True, wait_for_workers=False)
+    store = rendezvous._scoped(server, _env(0, 4, port))
+    alive = rendezvous.Heartbeat(_env(3, 4, port), interval_s=0.1).start()
+    for r in (1, 2):
+        store.add(f"heartbeat/{r}", 1)
+    rendezvous.mark_left(store, _env(1, 4, port), "ValueError: bad shard")
+    rendezvous.mark_left(store, _env(2, 4, port), "finished")
+    try:
+        line = rendezvous.explain_failure(store, _env(0, 4, port), window_s=0.5)
+        assert line == "rank 1 (node1) failed: ValueError: bad shard"
+    finally:
+        alive.stop()
+
+
+def test_the_first_verdict_is_repeated_by_ranks_that_find_out_later(port):
+    server = dist.TCPStore("127.0.0.1", port, 3, True, wait_for_workers=False)
+    store = rendezvous._scoped(server, _env(0, 3, port))
+    store.add("heartbeat/2", 1)
+    first = rendezvous.explain_failure(store, _env(1, 3, port), window_s=0.3)
+    assert first.startswith("ranks 0 (node0), 2 (node2) stopped responding")
+    # Rank 1 has left after finding out; a later rank must not blame it (or re-wait).
+    rendezvous.mark_left(store, _env(1, 3, port), rendezvous.LEFT_AFTER_OTHERS)
+    started = time.monotonic()
+    assert rendezvous.explain_failure(store, _env(0, 3, port), window_s=5) == first
+    assert time.monotonic() - started < 1
+
+
+def test_ranks_still_waiting_when_rank_0_gives_up_say_so(port):
+    server = dist.TCPStore("127.0.0.1", port, 3, True, wait_for_workers=False)
+    client = rendezvous._scoped(dist.TCPStore("127.0.0.1", port, 3, False), _env(1, 3, port))
+    del server
+    with pytest.raises(rendezvous.RendezvousError) as err:
+        rendezvous._wait_all(client, _env(1, 3, port), "joined", time.monotonic() + 5)
+    assert "rank 1: rank 0 (node0) is gone" in err.value.message and "gave up or died first" in err.value.message

@@ -1,0 +1,219 @@
+"""The public API for users' own loops (hpc_ddp.trainer.session), in one process: the public surface, stop ->
+checkpoint -> exit 75 -> exact resume, and misuse that must end in one clear error with nothing lost.
+Multi-rank behaviour runs end to end in tests/e2e/test_user_scripts.py."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import hpc_ddp
+from hpc_ddp.trainer.checkpoint import BeyondSchedule
+from hpc_ddp.job.distenv import from_environ
+from hpc_ddp.trainer.session import Diverged, IncompatibleResume, Session, UsageError
+
+PUBLIC = {"start", "Session", "Progress", "ResumableSampler", "CheckpointManager", "CheckpointError",
+          "capture_rng", "restore_rng", "REQUEUE_EXIT_CODE", "UsageError", "IncompatibleResume", "Diverged"}
+
+
+def test_the_public_surface_is_listed_and_resolves():
+    assert PUBLIC <= set(hpc_ddp.__all__)
+    for name in hpc_ddp.__all__:
+        assert getattr(hpc_ddp, name) is not None, name
+    assert hpc_ddp.REQUEUE_EXIT_CODE == 75
+    assert hpc_ddp.start.__doc__ and hpc_ddp.Session.step.__doc__ and hpc_ddp.Session.resume.__doc__
+
+
+def test_importing_hpc_ddp_does_not_import_torch():
+    code = "import sys, hpc_ddp; assert 'torch' not in sys.modules; hpc_ddp.start; assert 'torch' in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+class Data(torch.utils.data.Dataset):
+    def __init__(self, n=64):
+        g = torch.Generator().manual_seed(1)
+        self.x, self.y = torch.randn(n, 4, generator=g), torch.randn(n, 1, generator=g)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i] + 0.01 * torch.randn(4), self.y[i]  # draws from the RNG: resume must restore it
+
+
+def session(run_dir, **settings) -> Session:
+    return Session(run_dir, env=from_environ({}, pid=1), **settings).setup()
+
+
+def train(run_dir, *, stop_at=None, epochs=3, **settings):
+    """The README's loop at world size 1; returns the final weights (or raises SystemExit at stop_at)."""
+    run = session(run_dir, **settings)
+    try:
+        torch.manual_seed(0)
+        model = nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        data = Data()
+        loader = run.loader(data, batch_size=8)
+        run.track(model=model, optimizer=opt)
+        run.resume(total_steps=epochs * 8)
+        for _epoch in run.epochs(epochs):
+            for x, y in loader:
+                loss = nn.functional.mse_loss(model(x), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                if run.progress.step + 1 == stop_at:
+                    run.stop.request("test")  # as the warning signal would
+                run.step(loss)
+        run.finish()
+        return {k: v.clone() for k, v in model.state_dict().items()}
+    finally:
+        run.close()
+
+
+@pytest.mark.parametrize("stop_at", [3, 8, 9, 23])  # mid-epoch, at an epoch's end, just after, the last step
+def test_stop_checkpoints_exits_75_and_resumes_bitwise(tmp_path, stop_at):
+    whole = train(tmp_path / "whole")
+    with pytest.raises(SystemExit) as stopped:
+        train(tmp_path / "cut", stop_at=stop_at)
+    assert stopped.value.code == hpc_ddp.REQUEUE_EXIT_CODE
+    resumed = train(tmp_path / "cut")
+    assert all(torch.equal(whole[k], resumed[k]) for k in whole)
+    events = [e["event"] for e in hpc_ddp.common.events.read_jsonl(tmp_path / "cut" / "events.jsonl")]
+    assert events.count("resume") == 1 and events[-1] == "finish" and "requeue_requested" in events
+
+
+def test_status_and_inspect_read_a_user_loop_run(tmp_path):
+    from hpc_ddp.trainer.checkpoint import inspect_checkpoint
+    from hpc_ddp.launch.status import run_status
+
+    train(tmp_path, log_every=1)
+    info = inspect_checkpoint(tmp_path)
+    assert info["step"] == 24 and info["model_sha256"]
+    status = run_status(tmp_path, None, None, commands=None)
+    assert status["state"] == "COMPLETED" and status["step"] == 24 and status["total_steps"] == 24
+
+
+def test_periodic_checkpoints_and_keep(tmp_path):
+    train(tmp_path, checkpoint_every_steps=5, keep=2)
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith("step-"))
+    assert names == ["step-000000020", "step-000000024"]
+
+
+def test_state_that_holds_code_is_refused_before_anything_is_written(tmp_path):
+    run = session(tmp_path)
+    try:
+        run.track(model=nn.Linear(2, 1), extra={"schedule": lambda step: 0.5})
+        with pytest.raises(UsageError, match=r"extra\['schedule'\] is a builtins.function"):
+            run.save()
+        assert not list((tmp_path / "checkpoints").glob("*"))
+    finally:
+        run.close()
+
+
+@pytest.mark.parametrize("objects,match", [
+    ({"model": object()}, "has no state_dict"),
+    ({"session": {}}, "cannot name a checkpoint file"),
+    ({"a/b": {}}, "cannot name a checkpoint file"),
+])
+def test_track_refuses_what_it_cannot_checkpoint(tmp_path, objects, match):
+    run = session(tmp_path)
+    try:
+        with pytest.raises(UsageError, match=match):
+            run.track(**objects)
+    finally:
+        run.close()
+
+
+def test_a_checkpoint_from_another_world_size_is_refused_with_the_fix(tmp_path):
+    run = session(tmp_path)
+    run.track(model=nn.Linear(2, 1))
+    run.fingerprint["world_size"] = 4  # as if 4 ranks had saved it
+    run.save()
+    run.close()
+    again = session(tmp_path)
+    again.track(model=nn.Linear(2, 1))
+    with pytest.raises(IncompatibleResume, match=r"saved by 4 ranks, this run has 1.*same nodes x GPUs \(4 ranks\)"):
+        again.resume()
+    again.close()
+    assert list((tmp_path / "checkpoints").glob("step-*"))  # nothing lost
+
+
+def test_a_checkpoint_beyond_the_schedule_or_missing_a_state_is_refused(tmp_path):
+    run = session(tmp_path)
+    run.track(model=nn.Linear(2, 1))
+    run.progress.step = 999
+    run.save()
+    run.close()
+    again = session(tmp_path)
+    again.track(model=nn.Linear(2, 1))
+    with pytest.raises(BeyondSchedule, match="at step 999, beyond this run's schedule of 10 steps"):
+        again.resume(total_steps=10)
+    again.close()
+    other = session(tmp_path)
+    other.track(model=nn.Linear(2, 1), optimizer=torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.1))
+    with pytest.raises(IncompatibleResume, match="track\\(\\) the same names"):
+        other.resume()
+    other.close()
+
+
+def test_a_nan_loss_stops_without_a_checkpoint(tmp_path):
+    run = session(tmp_path)
+    try:
+        with pytest.raises(Diverged, match="the loss is nan at step 1"):
+            run.step(float("nan"))
+        assert not (tmp_path / "checkpoints").exists() or not list((tmp_path / "checkpoints").glob("step-*"))
+    finally:
+        run.close()
+
+
+def test_no_run_dir_names_the_fix(monkeypatch):
+    monkeypatch.delenv("HPC_DDP_RUN_DIR", raising=False)
+    with pytest.raises(UsageError, match="launch with `hpc-ddp submit`, or pass start\\(run_dir=...\\)"):
+        Session(env=from_environ({}, pid=1))
+
+
+def test_an_uncaught_misuse_in_a_script_is_one_line(tmp_path):
+    script = tmp_path / "misuse.py"
+    script.write_text("import hpc_ddp\nrun = hpc_ddp.start()\nrun.track(model=object())\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          env={"HPC_DDP_RUN_DIR": str(tmp_path / "run"), "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "hpc-ddp: error: track(): model=object has no state_dict()/load_state_dict() "
+        "HINT: track modules, optimizers, schedulers, or a dict of tensors and numbers"]
+
+
+def test_loader_workers_the_user_built_survive_slurms_sigterm(tmp_path):
+    """Slurm signals every process of a step: a DataLoader worker killed by it would crash the loop
+    instead of letting it checkpoint. start() makes every worker ignore the stop signals."""
+    script = tmp_path / "workers.py"
+    script.write_text(
+        "import os, signal, time, torch, hpc_ddp\n"
+        "run = hpc_ddp.start()\n"
+        "class D(torch.utils.data.Dataset):\n"
+        "    def __len__(self): return 64\n"
+        "    def __getitem__(self, i): time.sleep(0.02); return os.getpid()\n"
+        "it = iter(torch.utils.data.DataLoader(D(), batch_size=2, num_workers=2))\n"
+        "for pid in set(next(it).tolist()): os.kill(pid, signal.SIGTERM)\n"
+        "time.sleep(0.3)\n"
+        "print(len([b for b in it]))\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          env={"HPC_DDP_RUN_DIR": str(tmp_path / "run"), "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "31"
+
+
+def test_a_loss_on_a_device_is_not_read_by_the_host_before_the_step(tmp_path):
+    """On GPUs the flags are built where the loss is (no host sync); a meta tensor stands in for a CUDA one:
+    reading its value on the host would raise."""
+    run = session(tmp_path, checkpoint_every_steps=1)
+    try:
+        sent = run.flags(torch.tensor(0.5, device="meta"))
+        assert sent.device.type == "meta" and sent.shape == (3,) and sent.dtype == torch.float64
+        cpu = run.flags(torch.tensor(0.5))
+        assert cpu.tolist() == [0.5, 0.0, 1.0]
+    finally:
+        run.close()
