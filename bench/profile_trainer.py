@@ -36,7 +36,8 @@ CHILD = r"""
 import time; marks = [("process start", time.time())]
 import cProfile, json, os, pstats, sys
 from pathlib import Path
-from hpc_ddp.job.runner import prepare, load_spec
+from hpc_ddp.job.runner import prepare
+from hpc_ddp.spec.jobspec import load_spec
 spec_path, out, mode = sys.argv[1], sys.argv[2], sys.argv[3]
 argv, env = prepare(spec_path)
 os.environ.update(env)
@@ -166,7 +167,7 @@ def main() -> None:
     a = p.parse_args()
     from hpc_ddp.data.datagen import write_mnist
     from hpc_ddp.launch.executors.local import rank_envs
-    from hpc_ddp.job.runner import load_spec
+    from hpc_ddp.spec.jobspec import load_spec
 
     with tempfile.TemporaryDirectory(prefix="hpc-ddp-profile-") as tmp:
         work = Path(tmp)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from hpc_ddp.data.datagen import write_mnist
 from hpc_ddp.common.events import read_jsonl
+from hpc_ddp.common.rundir import RunDir
 
 REPO = Path(__file__).resolve().parent.parent
 RUN_DIR = REPO / "runs" / "demo"
@@ -31,7 +32,7 @@ def _say(text: str) -> None:
 
 def _interrupt_when_halfway(proc: subprocess.Popen, total_steps_hint: int) -> int | None:
     """Send SIGUSR2 to the executor (which forwards it to every rank) once training is under way."""
-    metrics = RUN_DIR / "metrics.jsonl"
+    metrics = RunDir(RUN_DIR).metrics
     while proc.poll() is None:
         steps = [r["step"] for r in read_jsonl(metrics) if "loss" in r]
         if steps and steps[-1] >= total_steps_hint:
@@ -64,8 +65,8 @@ def main() -> int:
 
 
 def _report() -> None:
-    evals = [r for r in read_jsonl(RUN_DIR / "metrics.jsonl") if "eval_acc" in r]
-    events = read_jsonl(RUN_DIR / "events.jsonl")
+    evals = [r for r in read_jsonl(RunDir(RUN_DIR).metrics) if "eval_acc" in r]
+    events = read_jsonl(RunDir(RUN_DIR).events)
     resumes = [e for e in events if e["event"] == "resume"]
     info = json.loads(subprocess.run([sys.executable, "-m", "hpc_ddp", "inspect", "--json", str(RUN_DIR)],
                                      capture_output=True, text=True, check=True).stdout)

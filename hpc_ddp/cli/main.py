@@ -21,6 +21,7 @@ from hpc_ddp.common.errors import HpcDdpError, SpecError, UserError
 from hpc_ddp.launch.executors import choose_executor, get_executor
 from hpc_ddp.common.procs import SubprocessCommands
 from hpc_ddp.spec.jobspec import JobSpec, Layer, Target, build_spec
+from hpc_ddp.common.rundir import RunDir
 
 
 class Cli(click.Group):
@@ -224,7 +225,7 @@ def _existing_run_dir(run_dir: Path, ref: str) -> Path:
     """A run dir hpc-ddp made: a directory with its spec.json. Anything else is named, exit 2."""
     try:
         is_dir = run_dir.is_dir()
-        has_spec = is_dir and (run_dir / "spec.json").is_file()
+        has_spec = is_dir and RunDir(run_dir).spec.is_file()
     except OSError as exc:
         raise UserError(f"cannot read run dir {str(run_dir)!r}: {exc.strerror or exc}") from None
     if not is_dir:
@@ -360,7 +361,6 @@ def doctor(**params) -> None:
 def render(to_stdout: bool, **params) -> None:
     """Write the sbatch script (and spec) into the run dir without submitting it."""
     from hpc_ddp.launch.executors.base import write_run_dir
-    from hpc_ddp.launch.render import SCRIPT_NAME
 
     spec = _build({**params, "executor": "sbatch"})
     executor, now = _executor_for(spec, quiet=True)
@@ -369,8 +369,9 @@ def render(to_stdout: bool, **params) -> None:
         click.echo(plan.script, nl=False)
         return
     run_dir = write_run_dir(plan)
-    (run_dir / SCRIPT_NAME).write_text(plan.script or "")
-    click.echo(f"Wrote {run_dir / SCRIPT_NAME}; submit it with: cd {shlex.quote(str(run_dir))} && sbatch {SCRIPT_NAME}")
+    script = RunDir(run_dir).script
+    script.write_text(plan.script or "")
+    click.echo(f"Wrote {script}; submit it with: cd {shlex.quote(str(run_dir))} && sbatch {script.name}")
 
 
 @cli.command("env")
@@ -424,7 +425,8 @@ def _write_spec(spec: JobSpec, run_dir: Path) -> None:
 @click.option("--json", "as_json", is_flag=True)
 def inspect(checkpoint: str, as_json: bool) -> None:
     """Verify a checkpoint (a step-N dir, a checkpoints dir or a run dir) and show step, epoch, model hash."""
-    from hpc_ddp.trainer.checkpoint import LATEST, MANIFEST, PREFIX, CheckpointError, inspect_checkpoint
+    from hpc_ddp.common.rundir import CHECKPOINT_PREFIX, LATEST
+    from hpc_ddp.trainer.checkpoint import MANIFEST, CheckpointError, inspect_checkpoint
 
     path = Path(checkpoint)
     try:
@@ -432,7 +434,7 @@ def inspect(checkpoint: str, as_json: bool) -> None:
     except CheckpointError:
         # A damaged checkpoint stays exit 1; a path that never held one (/etc, a file) is the user's slip.
         ours = path.is_dir() and ((path / MANIFEST).exists() or (path / LATEST).exists() or
-                                  (path / "checkpoints").is_dir() or any(path.glob(f"{PREFIX}*")))
+                                  RunDir(path).checkpoints.is_dir() or any(path.glob(f"{CHECKPOINT_PREFIX}*")))
         if ours:
             raise
         raise UserError(f"{checkpoint!r} is not a checkpoint, a checkpoints dir or a run dir",
@@ -485,10 +487,10 @@ def timeline(job: str | None, output: str | None) -> None:
     from hpc_ddp.launch.timeline import build_timeline, draw, save_png, summarize, summary_line
 
     run_dir, job_id, _ = _resolve(job)
-    out = _png_output(output) or run_dir / "timeline.png"
+    out = _png_output(output) or RunDir(run_dir).picture("timeline")
     if out.parent == run_dir and not os.access(run_dir, os.W_OK):
         raise UserError(f"cannot write {str(out)!r}: the run dir is not writable", hint="give -o PNG")
-    tl = build_timeline(records(run_dir / "events.jsonl"), records(run_dir / "metrics.jsonl"), _submitted(run_dir))
+    tl = build_timeline(records(RunDir(run_dir).events), records(RunDir(run_dir).metrics), _submitted(run_dir))
     if not tl.spans:
         raise UserError(f"{run_dir} has no attempt or training records yet (events.jsonl)",
                         hint="give the run dir of a job that has started")
@@ -604,13 +606,13 @@ def cancel(job: str) -> None:
             click.echo(f"hpc-ddp: job {job_id} is already being cancelled; waiting for it", err=True)
         else:
             who = _signal_local(run_dir, _signal.SIGINT)
-            JsonLines(run_dir / "events.jsonl").write({"event": "cancelled", "job_id": job_id, "by": "hpc-ddp cancel"})
+            JsonLines(RunDir(run_dir).events).write({"event": "cancelled", "job_id": job_id, "by": "hpc-ddp cancel"})
         if not _wait_gone(who, 60):
             click.echo(f"Asked job {job_id} to stop ({run_dir}); its ranks are still checkpointing")
             return
     else:
         _scancel([job_id or job])
-        JsonLines(run_dir / "events.jsonl").write({"event": "cancelled", "job_id": job_id, "by": "hpc-ddp cancel"})
+        JsonLines(RunDir(run_dir).events).write({"event": "cancelled", "job_id": job_id, "by": "hpc-ddp cancel"})
     click.echo(f"Cancelled job {job_id} ({run_dir})")
 
 
@@ -620,7 +622,7 @@ def _local_cancel_pending(run_dir: Path, job_id: str | None) -> bool:
     from hpc_ddp.launch.status import _current_job
 
     return any(e.get("event") == "cancelled" and e.get("job_id") == job_id
-               for e in _current_job(read_jsonl(run_dir / "events.jsonl")))
+               for e in _current_job(read_jsonl(RunDir(run_dir).events)))
 
 
 def _wait_gone(who, timeout: float) -> bool:
@@ -642,12 +644,12 @@ def preempt(job: str, sig: str | None) -> None:
     checkpoint at the next step and the job requeues itself."""
     import signal as _signal
 
-    from hpc_ddp.job.runner import load_spec
+    from hpc_ddp.spec.jobspec import load_spec
 
     run_dir, job_id, executor = _resolve(job)
     from hpc_ddp.spec.jobspec import SIGNALS
 
-    name = (sig or load_spec(run_dir / "spec.json").signal).upper().removeprefix("SIG")
+    name = (sig or load_spec(RunDir(run_dir).spec).signal).upper().removeprefix("SIG")
     if name not in SIGNALS:
         raise UserError(f"--signal {sig!r} is not one of {', '.join(SIGNALS)}")
     if executor == "local":
@@ -660,10 +662,9 @@ def preempt(job: str, sig: str | None) -> None:
 def _local_executor(run_dir: Path):
     """The executor process that local.pid names, checked to be that very process (its start time and
     command line), never a process that took its pid later."""
-    from hpc_ddp.launch.executors.local import PID_FILE
     from hpc_ddp.common.procs import read_pid_file
 
-    who, _, why = read_pid_file(run_dir / PID_FILE)
+    who, _, why = read_pid_file(RunDir(run_dir).local_pid)
     if who is None:
         raise UserError(f"no local job is running for {run_dir} ({why})")
     return who

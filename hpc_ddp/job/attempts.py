@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import subprocess
 import sys
 import time
@@ -43,6 +42,7 @@ from typing import Any
 from hpc_ddp.common.durable import read_regular
 from hpc_ddp.common.events import JsonLines, read_jsonl
 from hpc_ddp.common.exitcodes import REQUEUE_EXIT_CODE
+from hpc_ddp.common.rundir import LATEST, RunDir, checkpoint_step
 
 __all__ = ["Attempt", "Limits", "attempts_from_events", "decide_begin", "decide_end", "latest_checkpoint_step",
            "outside_cause", "parse_show_job"]
@@ -88,11 +88,10 @@ class Attempt:
 def latest_checkpoint_step(run_dir: Path) -> int | None:
     """The step `checkpoints/latest` names, without importing torch (the trainer verifies it on load)."""
     try:  # a FIFO or a link to /dev/zero in place of `latest` must not hang or flood this
-        name = read_regular(run_dir / "checkpoints" / "latest", limit=64).decode().strip()
+        name = read_regular(RunDir(run_dir).checkpoints / LATEST, limit=64).decode().strip()
     except (OSError, ValueError):
         return None
-    m = re.match(r"^step-(\d+)(?:-r\d+)?$", name)
-    return int(m.group(1)) if m else None
+    return checkpoint_step(name)
 
 
 def attempts_from_events(events: Sequence[dict[str, Any]], job_id: str | None = None) -> list[Attempt]:
@@ -243,17 +242,17 @@ def slurm_job(job_id: str | None, run=subprocess.run) -> dict[str, str] | None:
 # ---- the edge: what the batch script and the local executor call ----
 
 def _limits(run_dir: Path) -> Limits:
-    from hpc_ddp.job.runner import load_spec
+    from hpc_ddp.spec.jobspec import load_spec
 
-    spec = load_spec(run_dir / "spec.json")
+    spec = load_spec(RunDir(run_dir).spec)
     return Limits(spec.max_requeues, spec.max_preemptions)
 
 
 def begin(run_dir: Path, attempt: int, env: dict[str, str] | None = None) -> tuple[bool, str]:
     env = dict(os.environ if env is None else env)
-    events = JsonLines(run_dir / "events.jsonl")
+    events = JsonLines(RunDir(run_dir).events)
     job_id = env.get("SLURM_JOB_ID") or env.get("HPC_DDP_JOB_ID")
-    previous = attempts_from_events(read_jsonl(run_dir / "events.jsonl"), job_id)
+    previous = attempts_from_events(read_jsonl(RunDir(run_dir).events), job_id)
     step = latest_checkpoint_step(run_dir)
     ok, reason = decide_begin(previous, step, _limits(run_dir))
     events.write({"event": "attempt_start", "attempt": attempt, "job_id": job_id,
@@ -290,9 +289,9 @@ def finish(run_dir: Path, attempt: int, exit_code: int, env: Mapping[str, str] |
     """Record how attempt `attempt` ended and decide whether the job runs again.
     `env` may carry HPC_DDP_SHELL_SIGNAL: a signal the batch shell (or local executor) received."""
     env = dict(os.environ if env is None else env)
-    events = JsonLines(run_dir / "events.jsonl")
+    events = JsonLines(RunDir(run_dir).events)
     job_id = env.get("SLURM_JOB_ID") or env.get("HPC_DDP_JOB_ID")
-    attempts = attempts_from_events(read_jsonl(run_dir / "events.jsonl"), job_id)
+    attempts = attempts_from_events(read_jsonl(RunDir(run_dir).events), job_id)
     if not attempts:
         attempts = [Attempt(attempt, None)]
     last = attempts[-1]

@@ -8,7 +8,6 @@ signals from Slurm go straight to it. Everything but `main` is pure.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 import signal
@@ -17,12 +16,13 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
+from hpc_ddp.common.machine import physical_gpus
 from hpc_ddp.job.distenv import DistEnv, from_environ
 from hpc_ddp.common.errors import EnvError, HpcDdpError
 from hpc_ddp.job.ports import PORT_HINT, port_in_use, taken_port_message
-from hpc_ddp.spec.jobspec import JobSpec
+from hpc_ddp.spec.jobspec import JobSpec, load_spec
 
-__all__ = ["select_gpus", "rank_environment", "run_id_for", "program_argv", "load_spec", "main"]
+__all__ = ["select_gpus", "rank_environment", "run_id_for", "program_argv", "main"]
 
 _NO_GPU = ("", "-1", "NoDevFiles", "none")
 
@@ -117,16 +117,6 @@ def program_argv(spec: JobSpec, dist: DistEnv, python: str, spec_path: str = "sp
     return argv
 
 
-def load_spec(path: str | os.PathLike) -> JobSpec:
-    try:
-        return JobSpec.from_dict(json.loads(Path(path).read_text()))
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise HpcDdpError(f"cannot load the job spec {str(path)!r}: {exc}") from None
-
-
-def _nvidia_driver_loaded() -> bool:
-    gpus = Path("/proc/driver/nvidia/gpus")
-    return gpus.is_dir() and any(gpus.iterdir())
 
 
 # torchrun-style variables that a Slurm step may have inherited from the submitting shell (sbatch
@@ -151,7 +141,7 @@ def prepare(spec_path: str) -> tuple[list[str], dict[str, str]]:
     dist = from_environ(base, pid=os.getpid())
     run_dir = str(Path(spec_path).resolve().parent)
     env = dict(base)
-    env.update(rank_environment(spec, dist, base, run_dir, nvidia_driver=_nvidia_driver_loaded()))
+    env.update(rank_environment(spec, dist, base, run_dir, nvidia_driver=physical_gpus() > 0))
     _check_master_port(dist, int(env["MASTER_PORT"]))
     if spec.datasets:
         from hpc_ddp.job.stagejob import dataset_env, scratch_dir, stage_for_job

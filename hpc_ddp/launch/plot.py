@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from hpc_ddp.common.errors import UserError
-from hpc_ddp.common.events import read_jsonl
+from hpc_ddp.common.rundir import RunDir
 
 __all__ = ["plot_run", "figure"]
 
@@ -16,7 +16,7 @@ def plot_run(run_dir: Path, output: Path | None = None) -> Path:
     import matplotlib.pyplot as plt
 
     fig = figure(run_dir)
-    path = output or run_dir / "training.png"
+    path = output or RunDir(run_dir).picture("training")
     try:
         fig.savefig(path)
     finally:
@@ -33,8 +33,8 @@ def figure(run_dir: Path):
 
     from hpc_ddp.launch.status import records
 
-    metrics = records(run_dir / "metrics.jsonl")
-    events = records(run_dir / "events.jsonl")
+    metrics = records(RunDir(run_dir).metrics)
+    events = records(RunDir(run_dir).events)
     train = [m for m in metrics if isinstance(m.get("loss"), (int, float)) and isinstance(m.get("step"), int)]
     evals = [m for m in metrics if isinstance(m.get("eval_acc"), (int, float)) and isinstance(m.get("step"), int)]
     if not train:

@@ -33,7 +33,7 @@ from hpc_ddp.slurm.cluster import Cluster, Node, Partition, Unavailable, limit_t
 from hpc_ddp.common.errors import HpcDdpError
 from hpc_ddp.launch.executors import LOAD_SLURM, Machine, fallback_problem, site_note
 from hpc_ddp.common.procs import CommandRunner, slurm_unreachable
-from hpc_ddp.launch.render import SCRIPT_NAME
+from hpc_ddp.common.rundir import SCRIPT
 from hpc_ddp.slurm.slurmtime import format_time
 from hpc_ddp.spec.jobspec import JobSpec, Target
 
@@ -391,9 +391,9 @@ _REFUSAL_HINTS = [
 def sbatch_test_only(commands: CommandRunner, script: str) -> Finding:
     """Ask sbatch whether it would queue `script` (accounts, QoS, limits we cannot see), queueing nothing."""
     with tempfile.TemporaryDirectory(prefix="hpc-ddp-preflight-") as tmp:
-        Path(tmp, SCRIPT_NAME).write_text(script)
+        Path(tmp, SCRIPT).write_text(script)
         try:
-            done = commands.run(["sbatch", "--test-only", SCRIPT_NAME], cwd=tmp, timeout=30)
+            done = commands.run(["sbatch", "--test-only", SCRIPT], cwd=tmp, timeout=30)
         except HpcDdpError as exc:
             return _warning(f"sbatch --test-only did not run: {exc.message}")
     said = one_line(done.stderr + "\n" + done.stdout)

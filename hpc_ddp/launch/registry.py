@@ -10,6 +10,7 @@ from typing import Any
 
 from hpc_ddp.common.errors import UserError
 from hpc_ddp.common.events import JsonLines, read_jsonl
+from hpc_ddp.common.rundir import RunDir
 
 __all__ = ["registry_path", "register", "runs", "find_run"]
 
@@ -35,7 +36,7 @@ def find_run(ref: str, env: Mapping[str, str] = os.environ) -> tuple[Path, str |
     """(run dir, job id, executor) for a job id or a run dir."""
     path = Path(ref).expanduser()
     if path.is_dir():
-        subs = read_jsonl(path / "submissions.jsonl")
+        subs = read_jsonl(RunDir(path).submissions)
         last = subs[-1] if subs else {}
         return path.resolve(), last.get("job_id"), last.get("executor")
     for record in reversed(runs(env)):

@@ -30,12 +30,11 @@ from hpc_ddp.common.errors import SpecError
 from hpc_ddp.common.exitcodes import REQUEUE_EXIT_CODE
 from hpc_ddp.slurm.slurmtime import format_time
 from hpc_ddp.spec.jobspec import JobSpec
+from hpc_ddp.common import rundir
+from hpc_ddp.common.rundir import RunDir
 
-__all__ = ["check_custom_script", "directives", "refuse_secrets", "render_sbatch", "runner_command", "SCRIPT_NAME",
-           "SPEC_NAME"]
+__all__ = ["check_custom_script", "directives", "refuse_secrets", "render_sbatch", "runner_command"]
 
-SCRIPT_NAME = "job.sbatch"
-SPEC_NAME = "spec.json"
 DEFAULT_TEMPLATE = "sbatch.sh.j2"
 
 
@@ -55,14 +54,14 @@ def directives(spec: JobSpec) -> list[str]:
         value = getattr(spec, key)
         if value:
             out.append(f"--{key}={value}")
-    out += ["--output=logs/slurm-%j.out", "--open-mode=append", "--requeue",
+    out += [f"--output={rundir.SLURM_OUTPUT}", "--open-mode=append", "--requeue",
             f"--signal={spec.signal}@{spec.signal_lead}"]
     return out + list(spec.sbatch_args)
 
 
 def runner_command(spec: JobSpec, run_dir: str) -> list[str]:
     """What each rank starts: the per-rank runner, which then execs the user's program."""
-    return [spec.python, "-m", "hpc_ddp.job.runner", str(Path(run_dir) / SPEC_NAME)]
+    return [spec.python, "-m", "hpc_ddp.job.runner", str(RunDir(run_dir).spec)]
 
 
 def render_sbatch(spec: JobSpec, run_dir: str, *, generated_at: str, command_line: str,
@@ -76,7 +75,8 @@ def render_sbatch(spec: JobSpec, run_dir: str, *, generated_at: str, command_lin
             spec=spec, run_dir=run_dir, directives=directives(spec),
             runner=runner_command(spec, run_dir), requeue_exit_code=REQUEUE_EXIT_CODE,
             version=__version__, generated_at=generated_at, command_line=scrub(command_line),
-            script_name=SCRIPT_NAME, program=scrub(spec.target.describe()),
+            script_name=rundir.SCRIPT, attempt_logs=rundir.attempt_logs("$SLURM_JOB_ID", "$ATTEMPT"),
+            rank_log=rundir.RANK_LOG.format(rank="%t"), program=scrub(spec.target.describe()),
             time_limit=format_time(spec.time) if spec.time else "none",
         )
     except jinja2.TemplateNotFound as exc:

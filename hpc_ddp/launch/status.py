@@ -25,6 +25,7 @@ from hpc_ddp.job.attempts import attempts_from_events, latest_checkpoint_step
 from hpc_ddp.launch.classify import classify_failure
 from hpc_ddp.common.events import read_jsonl
 from hpc_ddp.common.procs import CommandRunner
+from hpc_ddp.common.rundir import RunDir
 
 __all__ = ["run_status", "scheduler_state", "accounting", "parse_sacct", "SACCT_FIELDS", "log_files", "new_log_lines", "format_status", "Eta", "estimate_eta",
            "recent_step_seconds", "progress_line", "LIVE"]
@@ -96,7 +97,7 @@ def _local_state(run_dir: Path) -> dict[str, Any]:
     line), not whichever took its pid after it was killed."""
     from hpc_ddp.common.procs import read_pid_file
 
-    who, _, _ = read_pid_file(run_dir / "local.pid")
+    who, _, _ = read_pid_file(RunDir(run_dir).local_pid)
     return {"state": "RUNNING", "source": "local", "pid": who.pid} if who else {}
 
 
@@ -113,13 +114,7 @@ def _current_job(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def log_files(run_dir: Path, rank: int | None = None) -> list[tuple[int, int, Path]]:
     """(attempt, rank, path) for every per-rank log, in attempt then rank order."""
-    found = []
-    for path in run_dir.glob("logs/job-*/attempt-*/rank-*.log"):
-        attempt = int(path.parent.name.removeprefix("attempt-"))
-        r = int(path.stem.removeprefix("rank-"))
-        if rank is None or r == rank:
-            found.append((attempt, r, path))
-    return sorted(found, key=lambda t: (t[0], t[1], str(t[2])))
+    return RunDir(run_dir).rank_logs(rank)
 
 
 def new_log_lines(run_dir: Path, rank: int | None, offsets: dict[str, int], *,
@@ -146,14 +141,14 @@ def _failure(run_dir: Path) -> dict[str, str] | None:
         return None
     last_attempt = files[-1][0]
     texts = [p.read_text(errors="replace")[-200_000:] for a, _, p in files if a == last_attempt]
-    texts += [p.read_text(errors="replace")[-50_000:] for p in run_dir.glob("logs/slurm-*.out")]
+    texts += [p.read_text(errors="replace")[-50_000:] for p in RunDir(run_dir).slurm_outputs()]
     found = classify_failure(texts)
     return {"kind": found[0], "detail": secrets.current()(found[1])} if found else None
 
 
 def run_status(run_dir: Path, job_id: str | None, executor: str | None, commands: CommandRunner) -> dict[str, Any]:
-    events = records(run_dir / "events.jsonl")
-    every_metric = records(run_dir / "metrics.jsonl")
+    events = records(RunDir(run_dir).events)
+    every_metric = records(RunDir(run_dir).metrics)
     metrics = [m for m in every_metric if "loss" in m and isinstance(m.get("step"), int)]
     attempts = attempts_from_events(events)
     sched = _local_state(run_dir) if executor == "local" else (
@@ -234,7 +229,7 @@ def _submitted(run_dir: Path) -> dict[str, float]:
     here = str(run_dir.resolve())
     found = {str(r.get("job_id")): r["time"] for r in runs() if isinstance(r, dict)
              and str(Path(str(r.get("run_dir"))).resolve()) == here and isinstance(r.get("time"), (int, float))}
-    for sub in records(run_dir / "submissions.jsonl"):
+    for sub in records(RunDir(run_dir).submissions):
         if isinstance(sub.get("time"), (int, float)):
             found.setdefault(str(sub.get("job_id")), sub["time"])
     return found
@@ -242,10 +237,10 @@ def _submitted(run_dir: Path) -> dict[str, float]:
 
 def _spec(run_dir: Path):
     from hpc_ddp.common.errors import HpcDdpError
-    from hpc_ddp.job.runner import load_spec
+    from hpc_ddp.spec.jobspec import load_spec
 
     try:
-        return load_spec(run_dir / "spec.json")
+        return load_spec(RunDir(run_dir).spec)
     except HpcDdpError:  # a script run without hpc-ddp has none: no time limit to plan for
         return None
 

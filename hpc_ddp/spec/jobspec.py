@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
+import os
 import re
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 from typing import Any
 
-from hpc_ddp.common.errors import SpecError
+from hpc_ddp.common.errors import HpcDdpError, SpecError
 from hpc_ddp.slurm.slurmtime import parse_time
 from hpc_ddp.spec.trainconfig import MAX_BATCH, MAX_EPOCHS, TrainConfig, parse_train
 from hpc_ddp.spec.values import choice, count, flag, number
@@ -430,3 +432,11 @@ def _check_whole(values: dict[str, Any], merged: dict[str, tuple[Any, str]], tar
     if values.get("template") and values.get("executor") == "submitit":
         raise SpecError("a custom sbatch template cannot be used with the submitit executor",
                         hint="use --executor sbatch, or drop the template")
+
+
+def load_spec(path: str | os.PathLike) -> JobSpec:
+    """The spec a run dir's spec.json holds (what every rank, the policy and the CLI read back)."""
+    try:
+        return JobSpec.from_dict(json.loads(Path(path).read_text()))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise HpcDdpError(f"cannot load the job spec {str(path)!r}: {exc}") from None

@@ -77,17 +77,16 @@ from hpc_ddp.common.durable import NotRegularFile, TooLarge, file_kind, read_reg
 from hpc_ddp.common.durable import fsync_dir as _fsync_dir
 from hpc_ddp.common.durable import write_durable as _write_durable
 from hpc_ddp.common.errors import HpcDdpError
+from hpc_ddp.common.rundir import CHECKPOINT_NAME as _NAME
+from hpc_ddp.common.rundir import LATEST, RunDir, checkpoint_name
 
 __all__ = ["CheckpointManager", "CheckpointError", "BeyondSchedule", "Loaded", "state_sha256", "verify",
            "inspect_checkpoint", "load", "resolve"]
 
 MANIFEST = "manifest.json"
-LATEST = "latest"
-PREFIX = "step-"
 FORMAT = 1
 MANIFEST_MAX = 1 << 20  # bytes; a real manifest is a few KiB
 LATEST_MAX = 64         # bytes; "step-000000120-r1\n" is 18
-_NAME = re.compile(r"step-(\d+)(?:-r(\d+))?")
 _TMP_NAME = re.compile(r"\.tmp-step-\d+(?:-r\d+)?-[0-9a-f]{8}")  # an unfinished save's directory
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
@@ -273,10 +272,10 @@ class CheckpointManager:
     def _free_name(self, step: int) -> str:
         """step-N, or step-N-rK when step N was saved before: nothing complete is ever replaced in place
         (and nothing else of that name either: a dangling link or a file keeps its name too)."""
-        name, revision = f"{PREFIX}{step:09d}", 0
+        name, revision = checkpoint_name(step), 0
         while os.path.lexists(self.root / name):
             revision += 1
-            name = f"{PREFIX}{step:09d}-r{revision}"
+            name = checkpoint_name(step, revision)
         return name
 
     def _point_latest_to(self, name: str) -> None:
@@ -525,7 +524,7 @@ def resolve(path: Path) -> Path:
         path = path.resolve()
     if os.path.lexists(path / MANIFEST):
         return path
-    for root in (path, path / "checkpoints"):
+    for root in (path, RunDir(path).checkpoints):
         if root.is_dir():
             manager = CheckpointManager(root, log=lambda _msg: None)
             found = manager.load_latest(files=())

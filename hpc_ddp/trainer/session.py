@@ -69,6 +69,7 @@ from hpc_ddp.trainer.loggers import Loggers
 from hpc_ddp.common.exitcodes import REQUEUE_EXIT_CODE
 from hpc_ddp.trainer.rngstate import capture_rng, restore_rng
 from hpc_ddp.trainer.stopping import StopFlag
+from hpc_ddp.common.rundir import RunDir
 
 __all__ = ["Session", "start", "Progress", "UsageError", "IncompatibleResume", "Diverged"]
 
@@ -125,14 +126,14 @@ class Session:
         self.progress = Progress()
         self.total_steps: int | None = None
         self.epochs_total: int | None = None
-        self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", keep=keep, log=self.log)
+        self.checkpoints = CheckpointManager(RunDir(self.run_dir).checkpoints, keep=keep, log=self.log)
         # Periodic saves snapshot to host memory and write in the background (asyncsave.py); rank 0 only.
         self.async_checkpoint = async_checkpoint
         self._writer = BackgroundWriter(log=self.log) if async_checkpoint else None
         self._snapshots = Snapshotter()
         self._in_flight: Snapshot | None = None
-        self.events = JsonLines(self.run_dir / "events.jsonl", enabled=self.is_main)
-        self.metrics = JsonLines(self.run_dir / "metrics.jsonl", enabled=self.is_main)
+        self.events = JsonLines(RunDir(self.run_dir).events, enabled=self.is_main)
+        self.metrics = JsonLines(RunDir(self.run_dir).metrics, enabled=self.is_main)
         # TensorBoard / W&B (loggers.py): fed what metrics.jsonl gets, by rank 0.
         self.loggers = Loggers(loggers if self.is_main else (), self.run_dir, log=self.log)
         self.device = torch.device("cpu")
@@ -625,12 +626,12 @@ def _run_dir(given: str | os.PathLike | None) -> Path:
 
 def _spec_in(run_dir: Path) -> Any:
     """The job's spec where hpc-ddp wrote one (its timeouts and signal), else None."""
-    from hpc_ddp.job.runner import load_spec
+    from hpc_ddp.spec.jobspec import load_spec
 
-    if not (run_dir / "spec.json").is_file():
+    if not RunDir(run_dir).spec.is_file():
         return None
     try:
-        return load_spec(run_dir / "spec.json")
+        return load_spec(RunDir(run_dir).spec)
     except HpcDdpError:
         return None
 

@@ -246,7 +246,7 @@ def _summary(exc: BaseException) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from hpc_ddp.job.runner import load_spec
+    from hpc_ddp.spec.jobspec import load_spec
 
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:

@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from hpc_ddp.common.errors import UserError
+from hpc_ddp.common.machine import NVIDIA_GPUS_DIR, nvidia_gpu_entries, usable_cpus
 from hpc_ddp.launch.executors.base import Executor, Plan, Submission
 
 if TYPE_CHECKING:
@@ -133,15 +134,12 @@ def count_nvidia_gpus(entries: Sequence[str] | None, smi_lines: Sequence[str] | 
 # ---- the edge: look at this machine (no torch: the CLI must stay light) ----
 
 def probe_machine(environ: Mapping[str, str] | None = None, exists: Callable[[str], bool] = os.path.exists,
-                  gpu_dir: str = "/proc/driver/nvidia/gpus") -> Machine:
+                  gpu_dir: str = NVIDIA_GPUS_DIR) -> Machine:
     environ = os.environ if environ is None else environ
-    try:
-        entries: list[str] | None = os.listdir(gpu_dir)
-    except OSError:  # no NVIDIA driver, or not Linux: ask nvidia-smi where there is one
-        entries = None
+    entries = nvidia_gpu_entries(gpu_dir)  # None: no driver's directory; ask nvidia-smi where there is one
     smi = _nvidia_smi_lines() if entries is None else None
     gpus = visible_gpus(count_nvidia_gpus(entries, smi), environ.get("CUDA_VISIBLE_DEVICES"))
-    return Machine(gpus, _usable_cpus(), slurm_site_signs(environ, exists))
+    return Machine(gpus, usable_cpus(), slurm_site_signs(environ, exists))
 
 
 def _nvidia_smi_lines() -> list[str] | None:
@@ -154,13 +152,6 @@ def _nvidia_smi_lines() -> list[str] | None:
         return None
     return done.stdout.splitlines() if done.returncode == 0 else None
 
-
-def _usable_cpus() -> int:
-    # The cores this process may run on (taskset, cgroup cpusets), not the machine's total.
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not Linux
-        return os.cpu_count() or 1
 
 
 def get_executor(name: str, **kwargs) -> Executor:

@@ -8,8 +8,8 @@ import os
 from pathlib import Path
 from typing import Protocol
 
-from hpc_ddp.launch.render import SPEC_NAME
 from hpc_ddp.spec.jobspec import JobSpec
+from hpc_ddp.common.rundir import RunDir
 
 __all__ = ["Plan", "Submission", "Executor", "write_run_dir"]
 
@@ -55,13 +55,13 @@ def write_run_dir(plan: Plan) -> Path:
     It is created readable by the user alone instead; everything else hpc-ddp writes is masked."""
     run_dir = Path(plan.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)  # checkpoints and logs: the user's alone
-    (run_dir / "logs").mkdir(exist_ok=True, mode=0o700)
-    _write_private(run_dir / SPEC_NAME, json.dumps(plan.spec.to_dict(), indent=2) + "\n")
+    RunDir(run_dir).logs.mkdir(exist_ok=True, mode=0o700)
+    _write_private(RunDir(run_dir).spec, json.dumps(plan.spec.to_dict(), indent=2) + "\n")
     return run_dir
 
 
 def record_submission(sub: Submission) -> None:
-    path = Path(sub.run_dir) / "submissions.jsonl"
+    path = RunDir(sub.run_dir).submissions
     with open(path, "a") as fh:
         fh.write(json.dumps(sub.to_json()) + "\n")
 

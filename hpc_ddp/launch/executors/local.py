@@ -36,10 +36,12 @@ from hpc_ddp.common.procs import die_with_parent_preexec, write_pid_file
 from hpc_ddp.launch.render import runner_command
 from hpc_ddp.spec.jobspec import JobSpec
 from hpc_ddp.launch.executors.base import Plan, Submission, record_submission, write_run_dir
+from hpc_ddp.common import rundir
+from hpc_ddp.common.machine import physical_gpus
+from hpc_ddp.common.rundir import RANK_LOG, RunDir
 
 _GRACE_S = 10
 KILL_WAIT_S = 30  # Slurm's default KillWait: SIGTERM at the limit, SIGKILL this much later
-PID_FILE = "local.pid"
 CANCELLED_EXIT_CODE = 130  # as a shell reports a job stopped by Ctrl-C
 _FORWARDED = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGHUP)
 
@@ -129,8 +131,8 @@ def _plan_body(spec: JobSpec, run_dir: str, job_id: str, envs: list[dict[str, st
     spec_json = json.dumps(spec.to_dict())  # ASCII only: json escapes every control character
     body = ["set -uo pipefail", f"RUN_DIR={q(run_dir)}", f"cd -- {q(spec.workdir)} || return",
             "# spec.json: what every rank loads (the runner builds the program's argv from it); yours alone.",
-            f"(umask 077 && mkdir -p -- \"$RUN_DIR/logs\" && printf '%s\\n' {q(spec_json)} > \"$RUN_DIR/spec.json\" "
-            "&& chmod 600 -- \"$RUN_DIR/spec.json\") || return",
+            f"(umask 077 && mkdir -p -- \"$RUN_DIR/{rundir.LOGS}\" && printf '%s\\n' {q(spec_json)} > \"$RUN_DIR/{rundir.SPEC}\" "
+            f"&& chmod 600 -- \"$RUN_DIR/{rundir.SPEC}\") || return",
             f"{attempt_env} {python} -m hpc_ddp.job.attempts begin \"$RUN_DIR\" 0 || return",
             "mkdir -p -- " + " ".join(q(d) for d in dict.fromkeys(env["TMPDIR"] for env in envs)) + " || return",
             "pids=()"]
@@ -205,14 +207,14 @@ class LocalExecutor:
     def plan(self, spec: JobSpec, run_dir: str) -> Plan:
         # The port attempt 0 starts from (submit moves on to the next free one if it is taken).
         port = spec.master_port or port_for_job(f"{self.job_id}-0")
-        envs = rank_envs(spec, self.job_id, port, _physical_gpus(), run_dir=run_dir)
+        envs = rank_envs(spec, self.job_id, port, physical_gpus(), run_dir=run_dir)
         return Plan("local", spec, run_dir, None,
                     summary=plan_script(spec, run_dir, self.job_id, envs, secrets.current()))
 
     def submit(self, plan: Plan) -> Submission:
         run_dir = write_run_dir(plan)
         spec = plan.spec
-        pid_file = run_dir / PID_FILE
+        pid_file = RunDir(run_dir).local_pid
         # Before the pid file names us: `hpc-ddp cancel` may signal as soon as it exists.
         previous = self.cancel.install()
         try:
@@ -243,12 +245,12 @@ class LocalExecutor:
                 return attempts.NOT_ADMITTED_EXIT_CODE
             if self.cancel.requested:
                 return self._cancelled(run_dir, attempt, CANCELLED_EXIT_CODE, began=True)
-            log_dir = run_dir / "logs" / f"job-{self.job_id}" / f"attempt-{attempt}"
+            log_dir = RunDir(run_dir).attempt_logs(self.job_id, attempt)
             log_dir.mkdir(parents=True, exist_ok=True)
             # A port the user chose is used as given, so a taken one fails fast as it would on Slurm.
             port = spec.master_port or first_free_port(port_for_job(f"{self.job_id}-{attempt}"))
             deadline = time.time() + spec.time if spec.time else None
-            envs = rank_envs(spec, self.job_id, port, _physical_gpus(), attempt, deadline, str(run_dir))
+            envs = rank_envs(spec, self.job_id, port, physical_gpus(), attempt, deadline, str(run_dir))
             for env in envs:
                 Path(env["TMPDIR"]).mkdir(parents=True, exist_ok=True)
             received: list[str] = []
@@ -271,7 +273,7 @@ class LocalExecutor:
     def _cancelled(self, run_dir: Path, attempt: int, rc: int | None, began: bool = False) -> int:
         """Record the cancel as the end of the job (`status` says CANCELLED); the requeue policy is not
         asked: a cancelled job is never restarted, however it stopped."""
-        events = JsonLines(run_dir / "events.jsonl")
+        events = JsonLines(RunDir(run_dir).events)
         if began:
             events.write({"event": "attempt_end", "attempt": attempt, "exit_code": rc, "cause": "cancelled"})
         events.write({"event": "gave_up", "attempt": attempt, "reason": "cancelled by the user", "cause": "cancelled"})
@@ -316,10 +318,6 @@ def _say(message: str) -> None:
     print(f"hpc-ddp: {message}", file=sys.stderr, flush=True)
 
 
-def _physical_gpus() -> int:
-    gpus = Path("/proc/driver/nvidia/gpus")
-    return len(list(gpus.iterdir())) if gpus.is_dir() else 0
-
 
 def _run_ranks(argv: list[str], envs: list[dict[str, str]], log_dir: Path, *, echo: bool, cwd: str,
                timeline: list[tuple[float, int]] | None = None, cancel: _Cancel | None = None,
@@ -333,7 +331,7 @@ def _run_ranks(argv: list[str], envs: list[dict[str, str]], log_dir: Path, *, ec
         procs.append(subprocess.Popen(argv, env={**os.environ, **extra}, cwd=cwd, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_us))
     pumps = [threading.Thread(target=_pump, daemon=True,
-                              args=(proc, log_dir / f"rank-{rank}.log", f"[rank {rank}] ", echo, scrubber))
+                              args=(proc, log_dir / RANK_LOG.format(rank=rank), f"[rank {rank}] ", echo, scrubber))
              for rank, proc in enumerate(procs)]
     for pump in pumps:
         pump.start()

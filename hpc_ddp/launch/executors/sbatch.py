@@ -6,7 +6,8 @@ from pathlib import Path
 
 from hpc_ddp.common.errors import SubmitError, UserError
 from hpc_ddp.common.procs import CommandRunner, SubprocessCommands, slurm_unreachable
-from hpc_ddp.launch.render import SCRIPT_NAME, render_sbatch
+from hpc_ddp.common.rundir import SCRIPT, RunDir
+from hpc_ddp.launch.render import render_sbatch
 from hpc_ddp.spec.jobspec import JobSpec
 from hpc_ddp.launch.executors.base import Plan, Submission, record_submission, write_run_dir
 
@@ -29,11 +30,11 @@ class SbatchExecutor:
 
     def submit(self, plan: Plan) -> Submission:
         run_dir = write_run_dir(plan)
-        script_path = run_dir / SCRIPT_NAME
+        script_path = RunDir(run_dir).script
         script_path.write_text(plan.script or "")
         script_path.chmod(0o700)
         # sbatch runs in the run dir: the script's relative log paths resolve there, on every requeue too.
-        done = self.commands.run(["sbatch", "--parsable", SCRIPT_NAME], cwd=str(run_dir))
+        done = self.commands.run(["sbatch", "--parsable", SCRIPT], cwd=str(run_dir))
         if done.returncode != 0:
             message = " ".join((done.stderr.strip() or done.stdout.strip() or f"exit code {done.returncode}").splitlines())
             if slurm_unreachable(message):  # Slurm itself is down: not the user's mistake
@@ -48,4 +49,4 @@ class SbatchExecutor:
 
 
 def script_path(run_dir: str) -> Path:
-    return Path(run_dir) / SCRIPT_NAME
+    return RunDir(run_dir).script

@@ -16,7 +16,8 @@ from pathlib import Path
 from hpc_ddp.common import secrets
 from hpc_ddp.common.errors import SubmitError
 from hpc_ddp.common.exitcodes import REQUEUE_EXIT_CODE
-from hpc_ddp.launch.render import SPEC_NAME, refuse_secrets
+from hpc_ddp.common.rundir import RunDir
+from hpc_ddp.launch.render import refuse_secrets
 from hpc_ddp.spec.jobspec import JobSpec
 from hpc_ddp.launch.executors.base import Plan, Submission, record_submission, write_run_dir
 
@@ -85,9 +86,8 @@ class RankTask:
             if not ok:
                 print(f"hpc-ddp: not running attempt {attempt}: {reason}", flush=True)
                 return attempts.NOT_ADMITTED_EXIT_CODE
-        log_dir = run_dir / "logs" / f"job-{env.get('HPC_DDP_JOB_ID', 'unknown')}" / f"attempt-{attempt}"
-        log_dir.mkdir(parents=True, exist_ok=True)
-        log_path = log_dir / f"rank-{rank}.log"
+        log_path = RunDir(run_dir).rank_log(env.get("HPC_DDP_JOB_ID", "unknown"), attempt, rank)
+        log_path.parent.mkdir(parents=True, exist_ok=True)
         print(f"hpc-ddp: rank {rank} output goes to {log_path}", flush=True)
         self._note_sigterm()
         with open(log_path, "ab") as log:
@@ -157,23 +157,23 @@ class SubmititExecutor:
         # submitit writes setup lines and sbatch options into its own script: refuse secrets, as render does.
         refuse_secrets([*spec.setup, *spec.sbatch_args], spec, scrub)
         params = submitit_parameters(spec)
-        lines = [f"# submitit executor: SlurmExecutor(folder={run_dir + '/submitit/%j'!r}, python={spec.python!r})",
+        lines = [f"# submitit executor: SlurmExecutor(folder={str(RunDir(run_dir).submitit / '%j')!r}, python={spec.python!r})",
                  "update_parameters("]
         lines += [f"    {k}={v!r}," for k, v in params.items()]
-        lines += [")", f"submit(RankTask({str(Path(run_dir) / SPEC_NAME)!r}))  # each rank runs: {spec.target.describe()}"]
+        lines += [")", f"submit(RankTask({str(RunDir(run_dir).spec)!r}))  # each rank runs: {spec.target.describe()}"]
         return Plan("submitit", spec, run_dir, None, summary=scrub("\n".join(lines) + "\n"))
 
     def submit(self, plan: Plan) -> Submission:
         import submitit
 
         run_dir = write_run_dir(plan)
-        executor = submitit.SlurmExecutor(folder=str(run_dir / "submitit" / "%j"), python=plan.spec.python,
+        executor = submitit.SlurmExecutor(folder=str(RunDir(run_dir).submitit / "%j"), python=plan.spec.python,
                                           max_num_timeout=plan.spec.max_requeues)
         executor.update_parameters(**submitit_parameters(plan.spec))
         old_cwd = os.getcwd()
         try:
             os.chdir(plan.spec.workdir)  # the tasks start where the user submitted from
-            job = executor.submit(RankTask(str(run_dir / SPEC_NAME)))
+            job = executor.submit(RankTask(str(RunDir(run_dir).spec)))
         except Exception as exc:  # submitit wraps sbatch failures in its own exception types
             raise SubmitError(f"submitit could not submit the job: {exc}".splitlines()[0]) from None
         finally:

@@ -1,0 +1,136 @@
+"""The run dir's layout: every file and folder hpc-ddp keeps for one run, named here and nowhere else
+(as submitit's JobPaths owns its job folder). Every runtime reads and writes the run dir through this:
+the CLI and executors on the login node, the batch script (its paths are rendered from here), the
+requeue policy and the runner on compute nodes, the checkpointer in every training process.
+
+    RUN_DIR/
+      spec.json                 the frozen job spec every rank loads (the user's alone, 0600)
+      job.sbatch                the batch script (sbatch executor)
+      submissions.jsonl         one record per submission (job id, executor)
+      events.jsonl              what happened: attempts, why each ended, requeues, resumes, stops
+      metrics.jsonl             what training measured, step by step
+      local.pid                 the local executor's identity while it runs
+      logs/slurm-<job>.out      the batch shell's output
+      logs/job-<job>/attempt-<n>/rank-<r>.log   every rank's output, per job and attempt
+      checkpoints/step-<N>[-r<k>]/ and checkpoints/latest
+      submitit/<job>/           submitit's own files
+      training.png, timeline.png
+
+Pure: names and paths only; nothing here touches the filesystem except `rank_logs` (a glob).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+__all__ = ["RunDir", "SPEC", "SCRIPT", "EVENTS", "METRICS", "SUBMISSIONS", "LOCAL_PID", "CHECKPOINTS", "LATEST",
+           "CHECKPOINT_PREFIX", "CHECKPOINT_NAME", "checkpoint_name", "attempt_logs", "RANK_LOG", "SLURM_OUTPUT"]
+
+SPEC = "spec.json"
+SCRIPT = "job.sbatch"
+SUBMISSIONS = "submissions.jsonl"
+EVENTS = "events.jsonl"
+METRICS = "metrics.jsonl"
+LOCAL_PID = "local.pid"
+LOGS = "logs"
+SUBMITIT = "submitit"
+CHECKPOINTS = "checkpoints"
+LATEST = "latest"                      # inside CHECKPOINTS: the name of the newest complete checkpoint
+CHECKPOINT_PREFIX = "step-"
+# step-N, or step-N-rK when step N was saved again (nothing complete is ever replaced in place).
+CHECKPOINT_NAME = re.compile(r"step-(\d+)(?:-r(\d+))?")
+RANK_LOG = "rank-{rank}.log"           # {rank}: a number, or srun's %t
+SLURM_OUTPUT = f"{LOGS}/slurm-%j.out"  # relative: sbatch runs in the run dir
+
+
+def checkpoint_name(step: int, revision: int = 0) -> str:
+    return f"{CHECKPOINT_PREFIX}{step:09d}" + (f"-r{revision}" if revision else "")
+
+
+def checkpoint_step(name: str) -> int | None:
+    """The step a checkpoint directory's name says, or None for any other name."""
+    m = CHECKPOINT_NAME.fullmatch(name)
+    return int(m.group(1)) if m else None
+
+
+def attempt_logs(job_id: str, attempt: int | str) -> str:
+    """logs/job-<job>/attempt-<n>, relative to the run dir. The batch script passes shell words
+    ("$SLURM_JOB_ID", "$ATTEMPT") to get the same path rendered."""
+    return f"{LOGS}/job-{job_id}/attempt-{attempt}"
+
+
+@dataclasses.dataclass(frozen=True)
+class RunDir:
+    """One run dir's paths."""
+
+    path: Path
+
+    def __init__(self, path: str | Path):
+        object.__setattr__(self, "path", Path(path))
+
+    def __fspath__(self) -> str:
+        return str(self.path)
+
+    @property
+    def spec(self) -> Path:
+        return self.path / SPEC
+
+    @property
+    def script(self) -> Path:
+        return self.path / SCRIPT
+
+    @property
+    def submissions(self) -> Path:
+        return self.path / SUBMISSIONS
+
+    @property
+    def events(self) -> Path:
+        return self.path / EVENTS
+
+    @property
+    def metrics(self) -> Path:
+        return self.path / METRICS
+
+    @property
+    def local_pid(self) -> Path:
+        return self.path / LOCAL_PID
+
+    @property
+    def logs(self) -> Path:
+        return self.path / LOGS
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / CHECKPOINTS
+
+    @property
+    def submitit(self) -> Path:
+        return self.path / SUBMITIT
+
+    def picture(self, what: str) -> Path:
+        """training.png, timeline.png: the default place of a plot of this run."""
+        return self.path / f"{what}.png"
+
+    def attempt_logs(self, job_id: str, attempt: int) -> Path:
+        return self.path / attempt_logs(job_id, attempt)
+
+    def rank_log(self, job_id: str, attempt: int, rank: int) -> Path:
+        return self.attempt_logs(job_id, attempt) / RANK_LOG.format(rank=rank)
+
+    def rank_logs(self, rank: int | None = None) -> list[tuple[int, int, Path]]:
+        """(attempt, rank, path) of every per-rank log, in attempt then rank order."""
+        found = []
+        for path in self.path.glob(f"{attempt_logs('*', '*')}/{RANK_LOG.format(rank='*')}"):
+            try:
+                attempt = int(path.parent.name.removeprefix("attempt-"))
+                r = int(path.stem.removeprefix("rank-"))
+            except ValueError:  # a file of another shape that the glob also matched
+                continue
+            if rank is None or r == rank:
+                found.append((attempt, r, path))
+        return sorted(found, key=lambda t: (t[0], t[1], str(t[2])))
+
+    def slurm_outputs(self) -> list[Path]:
+        return sorted(self.logs.glob(Path(SLURM_OUTPUT).name.replace("%j", "*")))
