@@ -13,20 +13,7 @@ import json
 import subprocess
 import time
 
-from .common import (
-    PLAIN,
-    PY,
-    Row,
-    Target,
-    Workspace,
-    compare,
-    free_port,
-    interleaved,
-    metrics,
-    say,
-    trainer_job,
-    wait,
-)
+from .common import PLAIN, PY, Row, Target, Workspace, compare, free_port, interleaved, metrics, say, trainer_job, wait
 
 SECTION = "startup"
 
@@ -66,7 +53,7 @@ def cold_imports() -> dict[str, float]:
     """How long `import torch` and the CLI's imports take in a fresh interpreter (what every launch pays)."""
     out = {}
     for name, code in (("python", "pass"), ("import torch", "import torch"),
-                       ("import hpc_ddp.cli.main", "import hpc_ddp.cli.main")):
+                       ("import hpc_ddp.cli", "import hpc_ddp.cli")):
         started = time.perf_counter()
         subprocess.run([PY, "-c", code], check=True)
         out[name] = round(time.perf_counter() - started, 3)

@@ -16,9 +16,9 @@ procs). Importing this package does not import torch: the API names above load i
 
 __version__ = "0.1.0"
 
-from hpc_ddp.job.distenv import DistEnv, from_environ  # noqa: E402
 from hpc_ddp.common.errors import EnvError, HpcDdpError, SpecError, SubmitError, UserError  # noqa: E402
 from hpc_ddp.common.exitcodes import REQUEUE_EXIT_CODE  # noqa: E402
+from hpc_ddp.job.distenv import DistEnv, from_environ  # noqa: E402
 from hpc_ddp.spec.jobspec import JobSpec, Target  # noqa: E402
 
 # name -> module that defines it; imported on first access (PEP 562), so the CLI stays torch-free.

@@ -1,3 +1,3 @@
-from hpc_ddp.cli.main import main
+from hpc_ddp.cli import main
 
 main()

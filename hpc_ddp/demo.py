@@ -17,9 +17,9 @@ import sys
 import time
 from pathlib import Path
 
-from hpc_ddp.data.datagen import write_mnist
 from hpc_ddp.common.events import read_jsonl
 from hpc_ddp.common.rundir import RunDir
+from hpc_ddp.data.datagen import write_mnist
 
 REPO = Path(__file__).resolve().parent.parent
 RUN_DIR = REPO / "runs" / "demo"
@@ -56,7 +56,7 @@ def main() -> int:
               "the job checkpoints, exits 75 and is restarted", flush=True)
     rc = proc.wait()
     if rc != 0:
-        print(f"demo: training failed with exit code {rc}; logs in {RUN_DIR / 'logs'}", file=sys.stderr)
+        print(f"demo: training failed with exit code {rc}; logs in {RunDir(RUN_DIR).logs}", file=sys.stderr)
         return rc
     subprocess.run([sys.executable, "-m", "hpc_ddp", "plot", str(RUN_DIR)], cwd=REPO, check=True,
                    stdout=subprocess.DEVNULL)
@@ -76,10 +76,10 @@ def _report() -> None:
               f"from {Path(e['path']).name}")
     print(f"final eval accuracy: {evals[-1]['eval_acc']:.1%} (chance: 10%) after {info['step']} steps")
     print(f"run dir:     {RUN_DIR}")
-    print(f"checkpoints: {RUN_DIR / 'checkpoints'} (latest: {Path(info['path']).name}, "
+    print(f"checkpoints: {RunDir(RUN_DIR).checkpoints} (latest: {Path(info['path']).name}, "
           f"model_sha256 {info['model_sha256'][:16]}...)")
-    print(f"metrics:     {RUN_DIR / 'metrics.jsonl'}")
-    print(f"events:      {RUN_DIR / 'events.jsonl'}")
+    print(f"metrics:     {RunDir(RUN_DIR).metrics}")
+    print(f"events:      {RunDir(RUN_DIR).events}")
     print(f"plot:        {RUN_DIR / 'training.png'}")
 
 

@@ -61,6 +61,10 @@ def attempt_logs(job_id: str, attempt: int | str) -> str:
     return f"{LOGS}/job-{job_id}/attempt-{attempt}"
 
 
+def _under(name: str) -> property:
+    return property(lambda self: self.path / name, doc=f"RUN_DIR/{name}")
+
+
 @dataclasses.dataclass(frozen=True)
 class RunDir:
     """One run dir's paths."""
@@ -73,41 +77,15 @@ class RunDir:
     def __fspath__(self) -> str:
         return str(self.path)
 
-    @property
-    def spec(self) -> Path:
-        return self.path / SPEC
-
-    @property
-    def script(self) -> Path:
-        return self.path / SCRIPT
-
-    @property
-    def submissions(self) -> Path:
-        return self.path / SUBMISSIONS
-
-    @property
-    def events(self) -> Path:
-        return self.path / EVENTS
-
-    @property
-    def metrics(self) -> Path:
-        return self.path / METRICS
-
-    @property
-    def local_pid(self) -> Path:
-        return self.path / LOCAL_PID
-
-    @property
-    def logs(self) -> Path:
-        return self.path / LOGS
-
-    @property
-    def checkpoints(self) -> Path:
-        return self.path / CHECKPOINTS
-
-    @property
-    def submitit(self) -> Path:
-        return self.path / SUBMITIT
+    spec = _under(SPEC)
+    script = _under(SCRIPT)
+    submissions = _under(SUBMISSIONS)
+    events = _under(EVENTS)
+    metrics = _under(METRICS)
+    local_pid = _under(LOCAL_PID)
+    logs = _under(LOGS)
+    checkpoints = _under(CHECKPOINTS)
+    submitit = _under(SUBMITIT)
 
     def picture(self, what: str) -> Path:
         """training.png, timeline.png: the default place of a plot of this run."""

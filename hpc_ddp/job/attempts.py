@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_ddp.common.durable import read_regular
+from hpc_ddp.common.errors import report
 from hpc_ddp.common.events import JsonLines, read_jsonl
 from hpc_ddp.common.exitcodes import REQUEUE_EXIT_CODE
 from hpc_ddp.common.rundir import LATEST, RunDir, checkpoint_step
@@ -348,9 +349,8 @@ def main(argv: list[str] | None = None) -> int:
             print(outcome.word, flush=True)
             print(f"hpc-ddp: attempt {args[2]} ended: {outcome.reason}", file=sys.stderr, flush=True)
             return 0
-    except (OSError, ValueError) as exc:
-        print(f"hpc-ddp attempts: error: {exc}", file=sys.stderr)
-        return 1
+    except Exception as exc:  # noqa: BLE001 - the batch log gets one line (a traceback for a bug)
+        return report(exc, "hpc-ddp attempts", traceback_for_bugs=True)
     print("usage: python -m hpc_ddp.job.attempts begin RUN_DIR ATTEMPT | end RUN_DIR ATTEMPT EXIT_CODE", file=sys.stderr)
     return 2
 

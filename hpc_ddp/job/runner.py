@@ -16,9 +16,10 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
+from hpc_ddp.common import rundir
+from hpc_ddp.common.errors import EnvError, report
 from hpc_ddp.common.machine import physical_gpus
 from hpc_ddp.job.distenv import DistEnv, from_environ
-from hpc_ddp.common.errors import EnvError, HpcDdpError
 from hpc_ddp.job.ports import PORT_HINT, port_in_use, taken_port_message
 from hpc_ddp.spec.jobspec import JobSpec, load_spec
 
@@ -104,7 +105,7 @@ def rank_environment(spec: JobSpec, dist: DistEnv, env: Mapping[str, str], run_d
     return out
 
 
-def program_argv(spec: JobSpec, dist: DistEnv, python: str, spec_path: str = "spec.json") -> list[str]:
+def program_argv(spec: JobSpec, dist: DistEnv, python: str, spec_path: str = rundir.SPEC) -> list[str]:
     target = spec.target
     if target.kind == "script":
         argv = [python, target.value, *target.args]
@@ -164,9 +165,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit("usage: python -m hpc_ddp.job.runner RUN_DIR/spec.json")
     try:
         program, env = prepare(args[0])
-    except HpcDdpError as exc:
-        print(f"hpc-ddp runner: error: {exc}", file=sys.stderr)
-        sys.exit(exc.exit_code)
+    except Exception as exc:  # noqa: BLE001 - the rank's log gets one line (a traceback for a bug)
+        sys.exit(report(exc, "hpc-ddp runner", traceback_for_bugs=True))
     sys.stdout.flush()
     _ignore_warning_signal(load_spec(args[0]))
     os.execve(program[0], program, env)

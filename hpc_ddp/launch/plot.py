@@ -38,7 +38,7 @@ def figure(run_dir: Path):
     train = [m for m in metrics if isinstance(m.get("loss"), (int, float)) and isinstance(m.get("step"), int)]
     evals = [m for m in metrics if isinstance(m.get("eval_acc"), (int, float)) and isinstance(m.get("step"), int)]
     if not train:
-        raise UserError(f"{run_dir / 'metrics.jsonl'} has no training records yet")
+        raise UserError(f"{RunDir(run_dir).metrics} has no training records yet")
     fig, ax_loss = plt.subplots(figsize=(9, 4.5), dpi=110)
     for i, segment in enumerate(_segments(train)):
         # One line per stretch of steps: a resume goes back to its checkpoint's step, and a line drawn

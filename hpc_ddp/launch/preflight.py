@@ -25,20 +25,20 @@ import math
 import os
 import re
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from hpc_ddp.slurm.cluster import Cluster, Node, Partition, Unavailable, limit_text, mem_mb, one_line, read_cluster
-from hpc_ddp.common.errors import HpcDdpError
-from hpc_ddp.launch.executors import LOAD_SLURM, Machine, fallback_problem, site_note
+from hpc_ddp.common.errors import HpcDdpError, UserError
 from hpc_ddp.common.procs import CommandRunner, slurm_unreachable
 from hpc_ddp.common.rundir import SCRIPT
+from hpc_ddp.launch.executors import LOAD_SLURM, Machine, fallback_problem, site_note
+from hpc_ddp.slurm.cluster import Cluster, Node, Partition, Unavailable, limit_text, mem_mb, one_line, read_cluster
 from hpc_ddp.slurm.slurmtime import format_time
 from hpc_ddp.spec.jobspec import JobSpec, Target
 
 __all__ = ["Host", "Finding", "Report", "NO_TARGET", "parse_mounts", "check", "check_fallback", "job_paths",
-           "run_preflight", "sbatch_test_only"]
+           "run_preflight", "sbatch_test_only", "gate", "doctor_report"]
 
 _LOCAL_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
 _MEMORY_FS = {"tmpfs", "ramfs"}
@@ -429,3 +429,30 @@ def run_preflight(spec: JobSpec, commands: CommandRunner, host: Host, *, paths: 
     if test_script is not None and cluster is not None and not any(f.level == "error" for f in findings):
         findings.append(sbatch_test_only(commands, test_script))
     return Report(cluster, tuple(findings))
+
+
+def gate(report: Report, warn: Callable[[str], None]) -> None:
+    """Before a submission: warnings are passed to `warn` and it goes on; errors stop it before anything
+    queues. The last error is the exit line, so a single problem reads as one line like any other."""
+    for finding in report.findings:
+        if finding.level == "warning" or finding in report.errors[:-1]:
+            warn(finding.line())
+    if report.errors:
+        last = report.errors[-1]
+        more = f" (and {len(report.errors) - 1} more above)" if len(report.errors) > 1 else ""
+        raise UserError(f"{last.message}{more}; nothing was submitted",
+                        hint=f"{last.hint + '; or ' if last.hint else ''}skip these checks with --no-preflight")
+
+
+def doctor_report(spec: JobSpec, queues: bool, commands: CommandRunner, host: Host, run_dir: str) -> Report:
+    """What `hpc-ddp doctor` checks: for an executor whose jobs queue, the job against the cluster (and
+    sbatch --test-only); otherwise only the shell, and this machine when the job would land here unasked."""
+    if not queues:
+        from hpc_ddp.launch.executors import probe_machine
+
+        here = [] if spec.executor else check_fallback(spec, probe_machine())
+        return Report(None, tuple(here + check(spec, None, host)))
+    from hpc_ddp.launch.render import render_sbatch
+
+    script = render_sbatch(spec, run_dir, generated_at="", command_line="hpc-ddp doctor")
+    return run_preflight(spec, commands, host, paths=job_paths(spec, run_dir), test_script=script)

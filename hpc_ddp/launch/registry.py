@@ -1,18 +1,22 @@
 """A small registry of this user's runs, so `hpc-ddp list/status/logs/cancel JOB_ID` work from any
-directory: one JSON line per submission in $XDG_DATA_HOME/hpc-ddp/runs.jsonl (default ~/.local/share)."""
+directory: one JSON line per submission in $XDG_DATA_HOME/hpc-ddp/runs.jsonl (default ~/.local/share).
+`resolve` turns what a command was given (a job id, a run dir, nothing) into the Run it means."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from hpc_ddp.common.errors import UserError
 from hpc_ddp.common.events import JsonLines, read_jsonl
 from hpc_ddp.common.rundir import RunDir
+from hpc_ddp.launch.executors.base import Run
+from hpc_ddp.launch.rundirs import existing_run_dir
+from hpc_ddp.spec.jobspec import JobSpec
 
-__all__ = ["registry_path", "register", "runs", "find_run"]
+__all__ = ["registry_path", "register", "record_run", "runs", "find_run", "resolve"]
 
 
 def registry_path(env: Mapping[str, str] = os.environ) -> Path:
@@ -44,3 +48,26 @@ def find_run(ref: str, env: Mapping[str, str] = os.environ) -> tuple[Path, str |
             return Path(record["run_dir"]), ref, record.get("executor")
     raise UserError(f"no run dir or known job {ref!r}",
                     hint="give the run dir, or a job id from `hpc-ddp list`")
+
+
+def record_run(spec: JobSpec, run_dir: str, job_id: str, executor: str,
+               warn: Callable[[str], None]) -> None:
+    """Record a submission; a registry that cannot be written (a read-only home) is a warning, never a
+    reason to lose the submission."""
+    try:
+        register({"job_id": job_id, "executor": executor, "run_dir": run_dir, "name": spec.job_name,
+                  "nodes": spec.nodes, "gpus": spec.gpus})
+    except OSError as exc:
+        warn(f"could not record the run in the registry: {exc}")
+
+
+def resolve(ref: str | None, env: Mapping[str, str] = os.environ) -> Run:
+    """The run a command names: a job id, a run dir, or (None) the most recent run; its run dir must
+    still be one hpc-ddp made."""
+    if ref is None:
+        recent = runs(env)
+        if not recent:
+            raise UserError("no runs recorded yet", hint="give a job id or a run dir")
+        ref = recent[-1]["run_dir"]
+    run_dir, job_id, executor = find_run(ref, env)
+    return Run(existing_run_dir(Path(run_dir), ref), job_id, executor)

@@ -25,13 +25,12 @@ from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from hpc_ddp import __version__
-from hpc_ddp.common import secrets
+from hpc_ddp.common import rundir, secrets
 from hpc_ddp.common.errors import SpecError
 from hpc_ddp.common.exitcodes import REQUEUE_EXIT_CODE
+from hpc_ddp.common.rundir import RunDir
 from hpc_ddp.slurm.slurmtime import format_time
 from hpc_ddp.spec.jobspec import JobSpec
-from hpc_ddp.common import rundir
-from hpc_ddp.common.rundir import RunDir
 
 __all__ = ["check_custom_script", "directives", "refuse_secrets", "render_sbatch", "runner_command"]
 

@@ -21,14 +21,16 @@ from pathlib import Path
 from typing import Any
 
 from hpc_ddp.common import secrets
-from hpc_ddp.job.attempts import attempts_from_events, latest_checkpoint_step
-from hpc_ddp.launch.classify import classify_failure
 from hpc_ddp.common.events import read_jsonl
 from hpc_ddp.common.procs import CommandRunner
 from hpc_ddp.common.rundir import RunDir
+from hpc_ddp.job.attempts import attempts_from_events, latest_checkpoint_step
+from hpc_ddp.launch.classify import classify_failure
+from hpc_ddp.launch.executors.base import Run
 
 __all__ = ["run_status", "scheduler_state", "accounting", "parse_sacct", "SACCT_FIELDS", "log_files", "new_log_lines", "format_status", "Eta", "estimate_eta",
-           "recent_step_seconds", "progress_line", "LIVE"]
+           "recent_step_seconds", "progress_line", "LIVE",
+           "current_job", "submitted_at", "records", "with_accounting", "format_runs"]
 
 _ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "PREEMPTED", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
           "DEADLINE")
@@ -92,16 +94,8 @@ def scheduler_state(job_id: str, commands: CommandRunner) -> dict[str, Any]:
     return {}
 
 
-def _local_state(run_dir: Path) -> dict[str, Any]:
-    """RUNNING while the executor that wrote local.pid runs: that very process (start time, command
-    line), not whichever took its pid after it was killed."""
-    from hpc_ddp.common.procs import read_pid_file
 
-    who, _, _ = read_pid_file(RunDir(run_dir).local_pid)
-    return {"state": "RUNNING", "source": "local", "pid": who.pid} if who else {}
-
-
-def _current_job(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def current_job(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The records of the newest job in the run dir (from its first attempt): a job submitted again to
     resume is judged on its own, not on why the one before it stopped."""
     starts = [e for e in events if e.get("event") == "attempt_start"]
@@ -151,11 +145,12 @@ def run_status(run_dir: Path, job_id: str | None, executor: str | None, commands
     every_metric = records(RunDir(run_dir).metrics)
     metrics = [m for m in every_metric if "loss" in m and isinstance(m.get("step"), int)]
     attempts = attempts_from_events(events)
-    sched = _local_state(run_dir) if executor == "local" else (
-        scheduler_state(job_id, commands) if job_id and commands.which("squeue") else {})
+    from hpc_ddp.launch.executors import executor_for_run
+
+    sched = executor_for_run(executor, commands).state(Run(run_dir, job_id, executor))
     total = next((e.get("total_steps") for e in events if e.get("event") == "start"), None)
     step = metrics[-1]["step"] if metrics else None
-    current = _current_job(events)
+    current = current_job(events)
     gave_up = next((e["reason"] for e in reversed(current) if e.get("event") == "gave_up"), None)
     state = _overall_state(sched, current, gave_up)
     line, eta = _time_accounting(run_dir, events, every_metric, job_id, step, total)
@@ -194,7 +189,7 @@ def _time_accounting(run_dir: Path, events: list[dict[str, Any]], metrics: list[
     """The timeline's one-line summary and the ETA of the job's current attempt."""
     from hpc_ddp.launch.timeline import build_timeline, summarize, summary_line
 
-    timeline = build_timeline(events, metrics, _submitted(run_dir))
+    timeline = build_timeline(events, metrics, submitted_at(run_dir))
     summary = summarize(timeline)
     spec = _spec(run_dir)
     current = timeline.spans[-1] if timeline.spans else None
@@ -222,7 +217,7 @@ def _after(record: dict[str, Any], t: float) -> bool:
     return isinstance(record.get("time"), (int, float)) and record["time"] >= t
 
 
-def _submitted(run_dir: Path) -> dict[str, float]:
+def submitted_at(run_dir: Path) -> dict[str, float]:
     """job id -> when it was submitted: submissions.jsonl, else this user's registry of runs."""
     from hpc_ddp.launch.registry import runs
 
@@ -379,3 +374,34 @@ def format_status(s: dict[str, Any]) -> Iterator[str]:
     if s["last_event"]:
         e = s["last_event"]
         yield "last event       " + ", ".join(f"{k}={v}" for k, v in e.items() if k != "time")
+
+
+def with_accounting(runs: list[dict[str, Any]], commands: CommandRunner) -> list[dict[str, Any]]:
+    """Registry records with what Slurm's accounting says of each queued job (state, elapsed time, exit
+    code) under "slurm", in one sacct call; unchanged without accounting."""
+    from hpc_ddp.launch.executors import executor_for_run
+
+    ids = [str(r["job_id"]) for r in runs if _queued(r, executor_for_run) and str(r.get("job_id", "")).isdigit()]
+    acct = accounting(ids, commands)
+    for r in runs:
+        last = (acct.get(str(r.get("job_id"))) or [None])[-1]
+        if last:
+            r["slurm"] = {"state": last["state"], "elapsed": last["elapsed"], "exit_code": last["exitcode"]}
+    return runs
+
+
+def _queued(record: dict[str, Any], executor_for_run) -> bool:
+    try:
+        return executor_for_run(record.get("executor")).queues
+    except ValueError:  # a registry line from another version, naming an executor we do not have
+        return False
+
+
+def format_runs(runs: list[dict[str, Any]]) -> Iterator[str]:
+    """`hpc-ddp list`: one line per run, newest last."""
+    if not runs:
+        yield "no runs yet"
+    for r in runs:
+        slurm = r.get("slurm") or {}
+        yield (f"{str(r.get('job_id')):28} {r.get('executor', '?'):8} {slurm.get('state', '-'):10} "
+               f"{slurm.get('elapsed', '-'):>10} {r.get('name', ''):20} {r.get('run_dir')}")

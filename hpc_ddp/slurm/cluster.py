@@ -12,8 +12,8 @@ import re
 from collections.abc import Mapping
 
 from hpc_ddp.common.errors import HpcDdpError, SpecError
-from hpc_ddp.slurm.nodelist import compress_hostlist
 from hpc_ddp.common.procs import CommandRunner
+from hpc_ddp.slurm.nodelist import compress_hostlist
 from hpc_ddp.slurm.slurmtime import format_time, parse_time
 
 __all__ = ["Node", "Partition", "Cluster", "Unavailable", "SINFO_ARGV", "parse_sinfo", "gres_gpus", "mem_mb",

@@ -1,6 +1,7 @@
-"""Reading the user's files into spec layers: job files (TOML) and the cluster profiles file.
+"""Reading what the user gave into spec layers: the command line, job files (TOML) and the cluster
+profiles file, with their precedence (flag > job file > profile > defaults) in `spec_from_command`.
 
-The edge between the filesystem and the pure `spec` module: every read error becomes a one-line
+The edge between the filesystem and the pure `jobspec` module: every read error becomes a one-line
 SpecError that names the file.
 """
 
@@ -13,14 +14,14 @@ from pathlib import Path
 from typing import Any
 
 from hpc_ddp.common.errors import SpecError
-from hpc_ddp.spec.jobspec import PROFILE_KEYS, SPEC_KEYS, Layer, Target
+from hpc_ddp.spec.jobspec import PROFILE_KEYS, SPEC_KEYS, JobSpec, Layer, Target, build_spec, split_stage
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
 
-__all__ = ["read_toml", "job_file_layer", "profile_layer", "profiles_path", "resolve_target"]
+__all__ = ["read_toml", "job_file_layer", "profile_layer", "profiles_path", "resolve_target", "spec_from_command"]
 
 JOB_FILE_SUFFIXES = (".toml",)
 
@@ -132,3 +133,55 @@ def _resolve_paths(table: Mapping[str, Any], base: Path, keys: tuple[str, ...]) 
         if isinstance(value, str) and value and not os.path.isabs(value):
             out[key] = str((base / value).resolve())
     return out
+
+
+def spec_from_command(words: tuple[str, ...], module: str | None, flags: Mapping[str, Any], *, cwd: Path,
+                      environ: Mapping[str, str], python: str, default_target: Target | None = None) -> JobSpec:
+    """The spec a command line asks for. `words`: TARGET and its arguments (a script, a job file, or the
+    module's arguments with -m); `flags`: the spec options given. A job file's own script, module and
+    args name the target; the profile is the flag's, else the job file's, else HPC_DDP_PROFILE's."""
+    head, args = (None, list(words)) if module else (words[0] if words else None, list(words[1:]))
+    args = args[1:] if args[:1] == ["--"] else args
+    flags = dict(flags)
+    if "datasets" in flags:  # --stage paths are relative to where the command runs
+        flags["datasets"] = [_absolute_stage(item, cwd) for item in flags["datasets"]]
+    layers: list[Layer] = []
+    if head and is_job_file(head):
+        job_path = (cwd / head).resolve()
+        job_layer = job_file_layer(job_path)
+        target = _job_target(job_layer, job_path, tuple(args), cwd)
+        job_values = {k: v for k, v in job_layer.values.items() if k not in ("script", "module", "args")}
+        layers.append(Layer(job_layer.origin, job_values, job_layer.allowed))
+    elif default_target is not None and not (head or module):
+        target = default_target
+    else:
+        target = resolve_target(head, module, tuple(args), cwd)
+    profile = flags.get("profile") or next((ly.values.get("profile") for ly in layers), None) \
+        or environ.get("HPC_DDP_PROFILE")
+    if profile:
+        layers.insert(0, profile_layer(str(profile), profiles_path(environ)))
+        flags.setdefault("profile", profile)
+    layers.append(Layer("command line", flags, is_cli=True))
+    return build_spec(layers, target=target, workdir=str(cwd), python=python)
+
+
+def _absolute_stage(item: str, cwd: Path) -> str:
+    src, name = split_stage(item)
+    resolved = src if os.path.isabs(src) else str((cwd / src).resolve())
+    return f"{resolved}:{name}" if name or item.endswith(":") else resolved
+
+
+def _job_target(layer: Layer, job_path: Path, extra_args: tuple[str, ...], cwd: Path) -> Target:
+    values = layer.values
+    if not isinstance(values.get("args", []), list):
+        raise SpecError(f"{layer.origin}: args must be a list of strings")
+    args = tuple(values.get("args", ())) + extra_args
+    if values.get("script") or values.get("module"):
+        return resolve_target(values.get("script"), values.get("module"), args, cwd)
+    if "train" in values:
+        if extra_args:
+            raise SpecError(f"{' '.join(extra_args)!r} after the job file would be ignored by the built-in trainer",
+                            hint="put options before the job file: hpc-ddp submit --nodes 2 JOB.toml")
+        return Target("trainer", str(job_path), tuple(values.get("args", ())))
+    raise SpecError(f"{layer.origin} names nothing to run",
+                    hint="add script = \"train.py\", module = \"pkg.train\" or a [train] table to it")

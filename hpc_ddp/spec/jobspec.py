@@ -278,6 +278,12 @@ def _sbatch_arg(raw: str) -> str:
     return value
 
 
+def split_stage(item: str) -> tuple[str, str]:
+    """--stage SRC[:NAME] -> (SRC, NAME or ""): the last colon names the copy."""
+    src, sep, name = item.rpartition(":")
+    return (src, name) if sep else (item, "")
+
+
 def _datasets(raw: Any) -> tuple[tuple[str, str], ...]:
     """A table {name = "path"} (job file) or a list of "SRC[:NAME]" (--stage) -> ((name, path), ...)."""
     if isinstance(raw, dict):
@@ -285,8 +291,7 @@ def _datasets(raw: Any) -> tuple[tuple[str, str], ...]:
     else:
         pairs = []
         for item in _lines(raw):
-            src, sep, name = item.rpartition(":") if ":" in item else (item, "", "")
-            src = src if sep else item
+            src, name = split_stage(item)
             pairs.append((name or PurePosixPath(src).name.split(".")[0], src))
     out = []
     for name, path in pairs:

@@ -39,8 +39,8 @@ from typing import Any
 
 import torch
 
-from hpc_ddp.trainer.checkpoint import CheckpointError
 from hpc_ddp.common.errors import HpcDdpError
+from hpc_ddp.trainer.checkpoint import CheckpointError
 
 __all__ = ["Snapshot", "Snapshotter", "BackgroundWriter"]
 

@@ -54,22 +54,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-
-from hpc_ddp.trainer import rendezvous
-from hpc_ddp.trainer.asyncsave import BackgroundWriter, Snapshot, Snapshotter
-from hpc_ddp.trainer.checkpoint import CheckpointManager, Loaded, state_sha256
 from torch.utils.data import DataLoader
 
+from hpc_ddp.common.errors import HpcDdpError, UserError, report
+from hpc_ddp.common.events import JsonLines
+from hpc_ddp.common.exitcodes import REQUEUE_EXIT_CODE
+from hpc_ddp.common.rundir import RunDir
 from hpc_ddp.data.loaders import ResumableSampler, SeededSamples, ignore_stop_signals, shield_loader_workers
 from hpc_ddp.job.deadline import job_deadline, stop_lead
 from hpc_ddp.job.distenv import DistEnv, from_environ
-from hpc_ddp.common.errors import HpcDdpError, UserError
-from hpc_ddp.common.events import JsonLines
+from hpc_ddp.trainer import rendezvous
+from hpc_ddp.trainer.asyncsave import BackgroundWriter, Snapshot, Snapshotter
+from hpc_ddp.trainer.checkpoint import CheckpointManager, Loaded, state_sha256
 from hpc_ddp.trainer.loggers import Loggers
-from hpc_ddp.common.exitcodes import REQUEUE_EXIT_CODE
 from hpc_ddp.trainer.rngstate import capture_rng, restore_rng
 from hpc_ddp.trainer.stopping import StopFlag
-from hpc_ddp.common.rundir import RunDir
 
 __all__ = ["Session", "start", "Progress", "UsageError", "IncompatibleResume", "Diverged"]
 
@@ -705,13 +704,13 @@ def _one_line_errors() -> None:
 
     def hook(kind, exc, tb):
         if isinstance(exc, HpcDdpError):
-            print(f"hpc-ddp: error: {exc}", file=sys.stderr, flush=True)
+            code = report(exc)
             # The exit code must be the error's (2 for misuse), which only _exit can set from here; run
             # the exit handlers first (the session's close, a logger's finish), as a normal exit would.
             atexit._run_exitfuncs()
             sys.stdout.flush()
             sys.stderr.flush()
-            os._exit(exc.exit_code)
+            os._exit(code)
         previous(kind, exc, tb)
     hook._hpc_ddp = True  # type: ignore[attr-defined]
     sys.excepthook = hook

@@ -29,14 +29,14 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from hpc_ddp.data.loaders import build_data, shutdown_workers
-from hpc_ddp.common.errors import HpcDdpError
+from hpc_ddp.common.errors import HpcDdpError, report
 from hpc_ddp.common.exitcodes import REQUEUE_EXIT_CODE
+from hpc_ddp.data.loaders import build_data, shutdown_workers
+from hpc_ddp.spec.jobspec import JobSpec
+from hpc_ddp.spec.trainconfig import FINGERPRINT_FIELDS, TrainConfig
 from hpc_ddp.trainer.models import build_model
 from hpc_ddp.trainer.reduce import StepFlags, flags_hook
 from hpc_ddp.trainer.session import IncompatibleResume, Progress, Session
-from hpc_ddp.spec.jobspec import JobSpec
-from hpc_ddp.spec.trainconfig import FINGERPRINT_FIELDS, TrainConfig
 
 __all__ = ["run", "main", "Progress", "IncompatibleResume", "Trainer"]
 
@@ -254,14 +254,8 @@ def main(argv: list[str] | None = None) -> None:
     spec_path = Path(args[0]).resolve()
     try:
         code = run(load_spec(spec_path), spec_path.parent)
-    except HpcDdpError as exc:
-        print(f"hpc-ddp train: error: {exc}", file=sys.stderr, flush=True)
-        code = exc.exit_code
-    except Exception:  # noqa: BLE001 - report it, then leave at once (below)
-        import traceback
-
-        traceback.print_exc()
-        code = 1
+    except Exception as exc:  # noqa: BLE001 - report it, then leave at once (below)
+        code = report(exc, "hpc-ddp train", traceback_for_bugs=True)
     sys.stdout.flush()
     sys.stderr.flush()
     # Leave without interpreter shutdown: a loader worker or communication thread stuck after a failure

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from hpc_ddp.cli.main import cli
+from hpc_ddp.cli import cli
+from hpc_ddp.common.procs import Completed, FakeCommands
 from hpc_ddp.launch.executors import choose_executor
 from hpc_ddp.launch.executors.sbatch import SbatchExecutor
-from hpc_ddp.common.procs import Completed, FakeCommands
 from hpc_ddp.spec.jobspec import Layer, Target, build_spec
 
 
@@ -276,7 +276,7 @@ def test_bad_targets(project, args, message):
 
 
 def test_light_commands_do_not_import_torch(project):
-    code = ("import sys\nfrom click.testing import CliRunner\nfrom hpc_ddp.cli.main import cli\n"
+    code = ("import sys\nfrom click.testing import CliRunner\nfrom hpc_ddp.cli import cli\n"
             "r = CliRunner()\n"
             "for args in (['--help'], ['env', '--json'], ['submit', '--dry-run', '--nodes', '2', 'train.py'],"
             " ['submit', '--help'], ['list']):\n"

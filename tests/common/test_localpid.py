@@ -14,7 +14,13 @@ from pathlib import Path
 import pytest
 
 from hpc_ddp.common.procs import ProcessIdentity, die_with_parent_preexec, read_pid_file, signal_process, write_pid_file
-from hpc_ddp.launch.status import _current_job, _local_state, _overall_state
+from hpc_ddp.launch.executors.base import Run
+from hpc_ddp.launch.executors.local import LocalExecutor
+from hpc_ddp.launch.status import _overall_state, current_job
+
+
+def _local_state(run_dir: Path) -> dict:
+    return LocalExecutor().state(Run(run_dir, None, "local"))
 
 
 def _sleep() -> subprocess.Popen:
@@ -152,7 +158,7 @@ CANCEL = [{"event": "attempt_end", "attempt": 0, "exit_code": 75, "cause": "canc
       {"event": "attempt_end", "attempt": 0, "exit_code": 0}], "COMPLETED"),
 ])
 def test_overall_state(events, state):
-    current = _current_job(events)
+    current = current_job(events)
     gave_up = next((e["reason"] for e in reversed(current) if e.get("event") == "gave_up"), None)
     assert _overall_state({}, current, gave_up) == state
 

@@ -11,18 +11,18 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from hpc_ddp.cli import cli
 from hpc_ddp.common import secrets
-from hpc_ddp.cli.main import cli
 from hpc_ddp.common.errors import SpecError
 from hpc_ddp.common.events import JsonLines
+from hpc_ddp.common.procs import FakeCommands
+from hpc_ddp.common.secrets import MASK, Scrubber, is_secret_name, scrub, secret_env, secret_values
 from hpc_ddp.launch.executors.base import Plan, write_run_dir
 from hpc_ddp.launch.executors.local import LocalExecutor
 from hpc_ddp.launch.executors.submitit_exec import SubmititExecutor
-from hpc_ddp.common.procs import FakeCommands
 from hpc_ddp.launch.render import render_sbatch
-from hpc_ddp.common.secrets import MASK, Scrubber, is_secret_name, scrub, secret_env, secret_values
-from hpc_ddp.spec.jobspec import PROFILE_KEYS, JobSpec, Layer, Target, build_spec
 from hpc_ddp.launch.status import new_log_lines, run_status
+from hpc_ddp.spec.jobspec import PROFILE_KEYS, JobSpec, Layer, Target, build_spec
 
 GH = "ghp_" + "Ab1" * 12                       # a GitHub token: caught by its name and its shape
 WANDB = "0123456789abcdef" * 2 + "fedcba98"    # 40 hex: caught by its name only

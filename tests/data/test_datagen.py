@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from hpc_ddp.data import datagen
 from hpc_ddp.common.errors import UserError
+from hpc_ddp.data import datagen
 
 torch = pytest.importorskip("torch")
 torchvision = pytest.importorskip("torchvision")

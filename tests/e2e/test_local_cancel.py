@@ -297,11 +297,11 @@ def test_a_sigterm_while_a_rank_never_joins_ends_that_attempt_in_seconds(ws):
 def test_ctrl_c_between_two_attempts_starts_no_other(ws, monkeypatch):
     """The SIGINT arrives just after attempt 0 ended and its requeue was decided (in-process, so the
     moment is exact)."""
+    from hpc_ddp.common.procs import FakeCommands
     from hpc_ddp.job import attempts
     from hpc_ddp.launch.executors import local
-    from hpc_ddp.spec.jobspec import Layer, Target, build_spec
     from hpc_ddp.launch.status import run_status
-    from hpc_ddp.common.procs import FakeCommands
+    from hpc_ddp.spec.jobspec import Layer, Target, build_spec
 
     monkeypatch.chdir(ws)
     spec = build_spec([Layer("t", {"nodes": 1, "tasks_per_node": 2})], target=Target("script", str(ws / "job.py")),

@@ -8,11 +8,19 @@ import sys
 
 import pytest
 
-from hpc_ddp.data.datagen import write_mnist
 from hpc_ddp.common.events import read_jsonl
+from hpc_ddp.data.datagen import write_mnist
 
-from .helpers import (hpc_ddp, job_field, last_step, release_when_requeued, run_through_requeues, submit_json,
-                      wait_for_job, wait_until)
+from .helpers import (
+    hpc_ddp,
+    job_field,
+    last_step,
+    release_when_requeued,
+    run_through_requeues,
+    submit_json,
+    wait_for_job,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slurm]
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from hpc_ddp.data.datagen import write_mnist
 from hpc_ddp.common.events import read_jsonl
+from hpc_ddp.data.datagen import write_mnist
 
 from .helpers import hpc_ddp
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from hpc_ddp.data.datagen import write_mnist
 from hpc_ddp.common.events import read_jsonl
+from hpc_ddp.data.datagen import write_mnist
 
 from .helpers import hpc_ddp, job_field, last_step, submit_json, wait_until
 

@@ -1,7 +1,7 @@
 import pytest
 
-from hpc_ddp.job.distenv import PORT_BASE, PORT_SPAN, from_environ, port_for_job
 from hpc_ddp.common.errors import EnvError
+from hpc_ddp.job.distenv import PORT_BASE, PORT_SPAN, from_environ, port_for_job
 
 SLURM_STEP = {
     "SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_PROCID": "5", "SLURM_LOCALID": "1",

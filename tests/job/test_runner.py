@@ -4,8 +4,8 @@ import sys
 
 import pytest
 
-from hpc_ddp.job.distenv import from_environ
 from hpc_ddp.common.errors import EnvError
+from hpc_ddp.job.distenv import from_environ
 from hpc_ddp.job.runner import gpu_visible, program_argv, rank_environment, select_gpus
 from hpc_ddp.spec.jobspec import Layer, Target, build_spec
 

@@ -17,13 +17,31 @@ import pytest
 from click.testing import CliRunner
 
 import hpc_ddp.launch.executors as executors
-from hpc_ddp.cli.main import cli
+from hpc_ddp.cli import cli
+from hpc_ddp.common.secrets import Scrubber
 from hpc_ddp.job.distenv import port_for_job
-from hpc_ddp.launch.executors import LOAD_SLURM, Machine, NoSlurm, choose_executor, count_nvidia_gpus, fallback_problem, probe_machine, refuse_fallback, slurm_site_signs, visible_gpus
-from hpc_ddp.launch.executors.local import PLAN_FIRST_LINE, LocalExecutor, bash_word, comment_text, node_scratch, rank_envs
+from hpc_ddp.launch.executors import (
+    LOAD_SLURM,
+    Machine,
+    NoSlurm,
+    choose_executor,
+    count_nvidia_gpus,
+    fallback_problem,
+    probe_machine,
+    refuse_fallback,
+    slurm_site_signs,
+    visible_gpus,
+)
+from hpc_ddp.launch.executors.local import (
+    PLAN_FIRST_LINE,
+    LocalExecutor,
+    bash_word,
+    comment_text,
+    node_scratch,
+    rank_envs,
+)
 from hpc_ddp.launch.preflight import check_fallback
 from hpc_ddp.launch.render import runner_command
-from hpc_ddp.common.secrets import Scrubber
 from hpc_ddp.spec.jobspec import Layer, Target, build_spec
 
 LAPTOP = Machine(gpus=0, cpus=2)

@@ -8,10 +8,10 @@ import sys
 import pytest
 from click.testing import CliRunner
 
-from hpc_ddp.cli.main import cli
-from hpc_ddp.slurm.cluster import Cluster, Node, Partition, gres_gpus, mem_mb, parse_sinfo
-from hpc_ddp.launch.preflight import Host, check, job_paths, parse_mounts, run_preflight, sbatch_test_only
+from hpc_ddp.cli import cli
 from hpc_ddp.common.procs import Completed, FakeCommands
+from hpc_ddp.launch.preflight import Host, check, job_paths, parse_mounts, run_preflight, sbatch_test_only
+from hpc_ddp.slurm.cluster import Cluster, Node, Partition, gres_gpus, mem_mb, parse_sinfo
 from hpc_ddp.spec.jobspec import Layer, Target, build_spec
 
 # Like the test Slurm (tests/cluster/slurm-up.sh), with a third partition: a GPU node with a typed gres,
@@ -307,7 +307,7 @@ def test_dry_run_does_not_ask_the_cluster(project):
 
 
 def test_doctor_does_not_import_torch(project):
-    code = ("import sys\nfrom click.testing import CliRunner\nfrom hpc_ddp.cli.main import cli\n"
+    code = ("import sys\nfrom click.testing import CliRunner\nfrom hpc_ddp.cli import cli\n"
             "res = CliRunner().invoke(cli, ['doctor', 'train.py'])\nassert res.exit_code == 0, res.output\n"
             "print(','.join(m for m in ('torch', 'submitit') if m in sys.modules) or 'clean')\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=project, timeout=60)

@@ -6,11 +6,10 @@ import os
 
 import pytest
 from click.testing import CliRunner
-
-from hpc_ddp.cli.main import cli
-from hpc_ddp.launch.status import eta_text, estimate_eta, recent_step_seconds
-
 from test_timeline import T0, preempted_run
+
+from hpc_ddp.cli import cli
+from hpc_ddp.launch.status import estimate_eta, eta_text, recent_step_seconds
 
 NOW = T0 + 1000
 

@@ -2,7 +2,8 @@ import shutil
 import subprocess
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hpc_ddp.common.errors import EnvError
 from hpc_ddp.slurm.nodelist import compress_hostlist, expand_hostlist, expand_tasks_per_node

@@ -23,12 +23,12 @@ import torch
 from torch import nn
 
 import hpc_ddp
+from hpc_ddp.common.events import read_jsonl
+from hpc_ddp.spec.trainconfig import parse_train
 from hpc_ddp.trainer import checkpoint as ckpt
 from hpc_ddp.trainer.asyncsave import BackgroundWriter, Snapshotter
 from hpc_ddp.trainer.checkpoint import CheckpointError, CheckpointManager, verify
-from hpc_ddp.common.events import read_jsonl
 from hpc_ddp.trainer.session import Session
-from hpc_ddp.spec.trainconfig import parse_train
 
 REPO = Path(__file__).resolve().parents[2]
 

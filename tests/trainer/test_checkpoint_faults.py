@@ -23,8 +23,8 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from hpc_ddp.trainer import checkpoint as ckpt
 from hpc_ddp.common import durable
+from hpc_ddp.trainer import checkpoint as ckpt
 from hpc_ddp.trainer.checkpoint import CheckpointError, CheckpointManager, inspect_checkpoint, verify
 
 pytestmark = pytest.mark.timeout(60)  # a hang (a FIFO opened for reading) fails the row, not the session
@@ -137,7 +137,7 @@ def test_non_regular_file_in_a_checkpoint_is_skipped(root: Path, secret: Path, f
 
 
 def test_fifo_model_does_not_hang_the_cli(root: Path) -> None:
-    from hpc_ddp.cli.main import cli
+    from hpc_ddp.cli import cli
 
     plant(root / step_name(3) / "model.pt", "fifo", root)
     result = CliRunner().invoke(cli, ["inspect", str(root / step_name(3))])

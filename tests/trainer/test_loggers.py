@@ -8,10 +8,10 @@ import types
 import pytest
 
 from hpc_ddp.job.distenv import from_environ
-from hpc_ddp.trainer.loggers import Loggers, numeric
 from hpc_ddp.job.runner import rank_environment, run_id_for
 from hpc_ddp.spec.jobspec import Layer, Target, build_spec
 from hpc_ddp.spec.trainconfig import parse_train
+from hpc_ddp.trainer.loggers import Loggers, numeric
 
 STEP = {"SLURM_JOB_ID": "12", "SLURM_STEP_ID": "0", "SLURM_PROCID": "3", "SLURM_LOCALID": "1",
         "SLURM_NODEID": "1", "SLURM_STEP_NUM_TASKS": "4", "SLURM_STEP_NODELIST": "n[1-2]",

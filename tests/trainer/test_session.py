@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 import hpc_ddp
-from hpc_ddp.trainer.checkpoint import BeyondSchedule
 from hpc_ddp.job.distenv import from_environ
+from hpc_ddp.trainer.checkpoint import BeyondSchedule
 from hpc_ddp.trainer.session import Diverged, IncompatibleResume, Session, UsageError
 
 PUBLIC = {"start", "Session", "Progress", "ResumableSampler", "CheckpointManager", "CheckpointError",
@@ -86,8 +86,8 @@ def test_stop_checkpoints_exits_75_and_resumes_bitwise(tmp_path, stop_at):
 
 
 def test_status_and_inspect_read_a_user_loop_run(tmp_path):
-    from hpc_ddp.trainer.checkpoint import inspect_checkpoint
     from hpc_ddp.launch.status import run_status
+    from hpc_ddp.trainer.checkpoint import inspect_checkpoint
 
     train(tmp_path, log_every=1)
     info = inspect_checkpoint(tmp_path)

@@ -9,12 +9,12 @@ import sys
 import pytest
 import torch
 
-from hpc_ddp.data.loaders import ResumableSampler, SeededSamples
 from hpc_ddp.common.errors import SpecError
-from hpc_ddp.trainer.models import build_model
+from hpc_ddp.data.loaders import ResumableSampler, SeededSamples
 from hpc_ddp.spec.jobspec import Layer, Target, build_spec
-from hpc_ddp.trainer.stopping import StopFlag
 from hpc_ddp.spec.trainconfig import TrainConfig, parse_train
+from hpc_ddp.trainer.models import build_model
+from hpc_ddp.trainer.stopping import StopFlag
 
 
 @pytest.mark.parametrize("table,message", [
@@ -134,8 +134,8 @@ def test_train_command_single_process_and_inspect(tmp_path):
     {"precision": "fp32", "schedule": "constant", "warmup_steps": 2, "max_steps": 3},
 ])
 def test_training_variants_run_in_process(tmp_path, train):
-    from hpc_ddp.job.distenv import from_environ
     from hpc_ddp.common.events import read_jsonl
+    from hpc_ddp.job.distenv import from_environ
     from hpc_ddp.trainer.train import run
 
     table = {"dataset": "fake", "fake_size": 64, "image_size": 8, "model": "cnn", "batch_size": 8,

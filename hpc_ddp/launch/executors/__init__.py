@@ -2,7 +2,8 @@
 `plan(spec, run_dir)` is pure and is what `--dry-run` shows; `submit(plan)` is the side effect.
 Executors load lazily, so planning an sbatch job never imports submitit or torch.
 
-Also owns which executor a submission gets (`choose_executor`) and the guard on the implicit fallback:
+Also owns which executor a submission gets (`choose_executor`, `resolve_executor`), which executor
+manages a submitted run (`executor_for_run`), and the guard on the implicit fallback:
 without Slurm's commands on PATH and no --executor given, a job runs on this machine, so it runs only if
 this machine can hold it (`fallback_problem`, judged against a `Machine`); anything bigger is refused
 (`refuse_fallback`), since a user who forgot `module load slurm` must not start 32 processes on a
@@ -20,12 +21,13 @@ from typing import TYPE_CHECKING
 
 from hpc_ddp.common.errors import UserError
 from hpc_ddp.common.machine import NVIDIA_GPUS_DIR, nvidia_gpu_entries, usable_cpus
-from hpc_ddp.launch.executors.base import Executor, Plan, Submission
+from hpc_ddp.launch.executors.base import Executor, Plan, Run, Submission
 
 if TYPE_CHECKING:
     from hpc_ddp.spec.jobspec import JobSpec
 
-__all__ = ["Executor", "Plan", "Submission", "get_executor", "choose_executor", "NAMES", "Machine", "NoSlurm",
+__all__ = ["Executor", "Plan", "Run", "Submission", "get_executor", "choose_executor", "resolve_executor",
+           "executor_for_run", "NAMES", "Machine", "NoSlurm",
            "fallback_problem", "refuse_fallback", "probe_machine", "slurm_site_signs", "visible_gpus",
            "SLURM_CONF_PLACES", "LOAD_SLURM"]
 
@@ -57,6 +59,17 @@ def choose_executor(requested: str | None, sbatch_found: bool) -> tuple[str, str
     if sbatch_found:
         return "sbatch", "Slurm's sbatch was found"
     return "local", NO_SBATCH
+
+
+def resolve_executor(spec: JobSpec, sbatch_found: bool) -> tuple[str, str]:
+    """`choose_executor` for `spec`, refusing the implicit fallback where this machine cannot hold the
+    job: a user who forgot `module load slurm` must not start 8 training processes on a login node."""
+    name, why = choose_executor(spec.executor, sbatch_found)
+    if why == NO_SBATCH:
+        refusal = refuse_fallback(spec, probe_machine())
+        if refusal is not None:
+            raise refusal
+    return name, why
 
 
 # ---- the guard (pure) ----
@@ -152,6 +165,12 @@ def _nvidia_smi_lines() -> list[str] | None:
         return None
     return done.stdout.splitlines() if done.returncode == 0 else None
 
+
+
+def executor_for_run(name: str | None, commands=None) -> Executor:
+    """The executor that manages a run submitted with executor `name` (runs from before the registry
+    recorded it were sbatch's)."""
+    return get_executor(name or "sbatch", commands=commands)
 
 
 def get_executor(name: str, **kwargs) -> Executor:

@@ -1,17 +1,23 @@
-"""The executor protocol and the two values that cross it: Plan (pure) and Submission (what happened)."""
+"""The executor protocol and the values that cross it: Plan (pure), Submission (what happened) and Run
+(a submitted job, as the registry or its run dir recalls it).
+
+An executor does the whole job for its kind of run: plan it, submit it, then say how it is (`state`),
+cancel it and signal it. Commands ask the executor the run was submitted with (`executor_for_run`),
+never switch on its name."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
-from hpc_ddp.spec.jobspec import JobSpec
 from hpc_ddp.common.rundir import RunDir
+from hpc_ddp.spec.jobspec import JobSpec
 
-__all__ = ["Plan", "Submission", "Executor", "write_run_dir"]
+__all__ = ["Plan", "Submission", "Run", "Executor", "write_run_dir", "record_submission"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,12 +45,39 @@ class Submission:
         return dataclasses.asdict(self)
 
 
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """A submitted run: its dir, its job id (None before one is known) and the executor's name."""
+
+    run_dir: Path
+    job_id: str | None
+    executor: str | None
+
+    @property
+    def paths(self) -> RunDir:
+        return RunDir(self.run_dir)
+
+
 class Executor(Protocol):
     name: str
+    # Its jobs wait in a Slurm queue: they are checked against the cluster before they are submitted
+    # (preflight), and Slurm's accounting knows them.
+    queues: bool
 
     def plan(self, spec: JobSpec, run_dir: str) -> Plan: ...
 
-    def submit(self, plan: Plan) -> Submission: ...
+    def submit(self, plan: Plan, on_job_id: Callable[[str], None] | None = None) -> Submission:
+        """Start the job. `on_job_id` is called as soon as the job has an id (before a local run starts,
+        which may last hours), so the run can be found while it runs."""
+
+    def state(self, run: Run) -> dict[str, Any]:
+        """What the scheduler says about the run now ({'state', 'reason', 'source', ...}); {} if nothing."""
+
+    def cancel(self, run: Run) -> str:
+        """Stop the run for good (the ranks checkpoint first where they can); a line saying what was done."""
+
+    def signal(self, run: Run, name: str) -> None:
+        """Send signal `name` (USR2, TERM, ...) to every rank of the run."""
 
 
 def write_run_dir(plan: Plan) -> Path:

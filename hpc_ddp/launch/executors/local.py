@@ -26,19 +26,19 @@ import threading
 import time
 from pathlib import Path
 
-from hpc_ddp.job import attempts
-from hpc_ddp.common import secrets
-from hpc_ddp.job.distenv import port_for_job
-from hpc_ddp.common.events import JsonLines
+from hpc_ddp.common import rundir, secrets
+from hpc_ddp.common.errors import UserError
+from hpc_ddp.common.events import JsonLines, read_jsonl
 from hpc_ddp.common.exitcodes import REQUEUE_EXIT_CODE
+from hpc_ddp.common.machine import physical_gpus
+from hpc_ddp.common.procs import die_with_parent_preexec, read_pid_file, signal_process, write_pid_file
+from hpc_ddp.common.rundir import RANK_LOG, RunDir
+from hpc_ddp.job import attempts
+from hpc_ddp.job.distenv import port_for_job
 from hpc_ddp.job.ports import first_free_port
-from hpc_ddp.common.procs import die_with_parent_preexec, write_pid_file
+from hpc_ddp.launch.executors.base import Plan, Run, Submission, record_submission, write_run_dir
 from hpc_ddp.launch.render import runner_command
 from hpc_ddp.spec.jobspec import JobSpec
-from hpc_ddp.launch.executors.base import Plan, Submission, record_submission, write_run_dir
-from hpc_ddp.common import rundir
-from hpc_ddp.common.machine import physical_gpus
-from hpc_ddp.common.rundir import RANK_LOG, RunDir
 
 _GRACE_S = 10
 KILL_WAIT_S = 30  # Slurm's default KillWait: SIGTERM at the limit, SIGKILL this much later
@@ -198,11 +198,12 @@ def comment_text(text: str) -> str:
 
 class LocalExecutor:
     name = "local"
+    queues = False
 
     def __init__(self, *, echo: bool = True, job_id: str | None = None, **_ignored):
         self.echo = echo
         self.job_id = job_id or f"local-{os.getpid()}-{int(time.time())}"
-        self.cancel = _Cancel()
+        self.ctrl_c = _Cancel()  # SIGINTs to this process, counted while it runs the ranks
 
     def plan(self, spec: JobSpec, run_dir: str) -> Plan:
         # The port attempt 0 starts from (submit moves on to the next free one if it is taken).
@@ -211,12 +212,14 @@ class LocalExecutor:
         return Plan("local", spec, run_dir, None,
                     summary=plan_script(spec, run_dir, self.job_id, envs, secrets.current()))
 
-    def submit(self, plan: Plan) -> Submission:
+    def submit(self, plan: Plan, on_job_id=None) -> Submission:
+        if on_job_id is not None:  # before it runs: it may run for hours
+            on_job_id(self.job_id)
         run_dir = write_run_dir(plan)
         spec = plan.spec
         pid_file = RunDir(run_dir).local_pid
         # Before the pid file names us: `hpc-ddp cancel` may signal as soon as it exists.
-        previous = self.cancel.install()
+        previous = self.ctrl_c.install()
         try:
             write_pid_file(pid_file, self.job_id)
             record_submission(Submission("local", self.job_id, str(run_dir), None, state="RUNNING"))
@@ -227,7 +230,7 @@ class LocalExecutor:
         finally:
             if previous is not None:
                 signal.signal(signal.SIGINT, previous)
-        state = "COMPLETED" if rc == 0 else "CANCELLED" if self.cancel.requested else \
+        state = "COMPLETED" if rc == 0 else "CANCELLED" if self.ctrl_c.requested else \
             "CHECKPOINTED" if rc == REQUEUE_EXIT_CODE else "FAILED"
         sub = Submission("local", self.job_id, str(run_dir), None, state=state, returncode=rc)
         record_submission(sub)
@@ -237,13 +240,13 @@ class LocalExecutor:
         argv = runner_command(spec, str(run_dir))
         attempt = 0
         while True:
-            if self.cancel.requested:  # during the gap between two attempts: start no other
+            if self.ctrl_c.requested:  # during the gap between two attempts: start no other
                 return self._cancelled(run_dir, attempt, None)
             ok, reason = attempts.begin(run_dir, attempt, env={"HPC_DDP_JOB_ID": self.job_id})
             if not ok:
                 _say(f"not starting attempt {attempt}: {reason}")
                 return attempts.NOT_ADMITTED_EXIT_CODE
-            if self.cancel.requested:
+            if self.ctrl_c.requested:
                 return self._cancelled(run_dir, attempt, CANCELLED_EXIT_CODE, began=True)
             log_dir = RunDir(run_dir).attempt_logs(self.job_id, attempt)
             log_dir.mkdir(parents=True, exist_ok=True)
@@ -255,8 +258,8 @@ class LocalExecutor:
                 Path(env["TMPDIR"]).mkdir(parents=True, exist_ok=True)
             received: list[str] = []
             rc = _run_ranks(argv, envs, log_dir, echo=self.echo, cwd=spec.workdir,
-                            timeline=_timeline(spec, deadline), cancel=self.cancel, received=received)
-            if self.cancel.requested and rc != 0:  # a run that completed all the same completed
+                            timeline=_timeline(spec, deadline), cancel=self.ctrl_c, received=received)
+            if self.ctrl_c.requested and rc != 0:  # a run that completed all the same completed
                 return self._cancelled(run_dir, attempt, rc, began=True)
             # A SIGTERM from outside (what Slurm sends at preemption) is not the program's failure, as the
             # batch shell's trap tells the policy on Slurm.
@@ -281,6 +284,65 @@ class LocalExecutor:
             if rc == REQUEUE_EXIT_CODE else ""
         _say(f"cancelled{saved}")
         return CANCELLED_EXIT_CODE
+
+
+    # ---- watching and managing a run of this executor (from another process: `hpc-ddp status`, ...) ----
+
+    def state(self, run: Run) -> dict:
+        """RUNNING while the executor that wrote local.pid runs: that very process (start time, command
+        line), not whichever took its pid after it was killed."""
+        who, _, _ = read_pid_file(run.paths.local_pid)
+        return {"state": "RUNNING", "source": "local", "pid": who.pid} if who else {}
+
+    def cancel(self, run: Run) -> str:
+        """SIGINT to the executor: every rank checkpoints and stops, no attempt starts after it. Asked
+        again while that goes on, it only waits: a second SIGINT would kill ranks that are still saving
+        (Ctrl-C twice does that)."""
+        if _cancel_pending(run):
+            who = _running_executor(run)
+            _say(f"job {run.job_id} is already being cancelled; waiting for it")
+        else:
+            who = _signal_executor(run, signal.SIGINT)
+            JsonLines(run.paths.events).write({"event": "cancelled", "job_id": run.job_id, "by": "hpc-ddp cancel"})
+        if not _wait_gone(who, 60):
+            return f"Asked job {run.job_id} to stop ({run.run_dir}); its ranks are still checkpointing"
+        return f"Cancelled job {run.job_id} ({run.run_dir})"
+
+    def signal(self, run: Run, name: str) -> None:
+        _signal_executor(run, getattr(signal, f"SIG{name}"))  # it forwards the signal to every rank
+
+
+def _cancel_pending(run: Run) -> bool:
+    """`hpc-ddp cancel` already signalled this run of the job (since its latest first attempt)."""
+    from hpc_ddp.launch.status import current_job
+
+    return any(e.get("event") == "cancelled" and e.get("job_id") == run.job_id
+               for e in current_job(read_jsonl(run.paths.events)))
+
+
+def _running_executor(run: Run):
+    """The executor process that local.pid names, checked to be that very process (its start time and
+    command line), never a process that took its pid later."""
+    who, _, why = read_pid_file(run.paths.local_pid)
+    if who is None:
+        raise UserError(f"no local job is running for {run.run_dir} ({why})")
+    return who
+
+
+def _signal_executor(run: Run, signum: int):
+    who = _running_executor(run)
+    if not signal_process(who, signum):
+        raise UserError(f"no local job is running for {run.run_dir} (process {who.pid} has just ended)")
+    return who
+
+
+def _wait_gone(who, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while who.alive():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
 
 
 class _Cancel:

@@ -7,16 +7,17 @@ from pathlib import Path
 from hpc_ddp.common.errors import SubmitError, UserError
 from hpc_ddp.common.procs import CommandRunner, SubprocessCommands, slurm_unreachable
 from hpc_ddp.common.rundir import SCRIPT, RunDir
+from hpc_ddp.launch.executors.base import Plan, Submission, record_submission, write_run_dir
+from hpc_ddp.launch.executors.slurmctl import SlurmControl
 from hpc_ddp.launch.render import render_sbatch
 from hpc_ddp.spec.jobspec import JobSpec
-from hpc_ddp.launch.executors.base import Plan, Submission, record_submission, write_run_dir
 
 
 class SchedulerRefused(UserError):
     """sbatch refused the request (bad partition, account, limits...): nothing was queued."""
 
 
-class SbatchExecutor:
+class SbatchExecutor(SlurmControl):
     name = "sbatch"
 
     def __init__(self, commands: CommandRunner | None = None, *, generated_at: str = "", command_line: str = ""):
@@ -28,7 +29,7 @@ class SbatchExecutor:
         script = render_sbatch(spec, run_dir, generated_at=self.generated_at, command_line=self.command_line)
         return Plan("sbatch", spec, run_dir, script, summary=script)
 
-    def submit(self, plan: Plan) -> Submission:
+    def submit(self, plan: Plan, on_job_id=None) -> Submission:
         run_dir = write_run_dir(plan)
         script_path = RunDir(run_dir).script
         script_path.write_text(plan.script or "")
@@ -45,6 +46,8 @@ class SbatchExecutor:
             raise SubmitError(f"sbatch printed no job id (stdout {done.stdout!r})")
         sub = Submission("sbatch", job_id, str(run_dir), str(script_path))
         record_submission(sub)
+        if on_job_id is not None:
+            on_job_id(job_id)
         return sub
 
 

@@ -16,10 +16,12 @@ from pathlib import Path
 from hpc_ddp.common import secrets
 from hpc_ddp.common.errors import SubmitError
 from hpc_ddp.common.exitcodes import REQUEUE_EXIT_CODE
+from hpc_ddp.common.procs import CommandRunner, SubprocessCommands
 from hpc_ddp.common.rundir import RunDir
+from hpc_ddp.launch.executors.base import Plan, Submission, record_submission, write_run_dir
+from hpc_ddp.launch.executors.slurmctl import SlurmControl
 from hpc_ddp.launch.render import refuse_secrets
 from hpc_ddp.spec.jobspec import JobSpec
-from hpc_ddp.launch.executors.base import Plan, Submission, record_submission, write_run_dir
 
 
 def submitit_parameters(spec: JobSpec) -> dict:
@@ -149,8 +151,11 @@ def _shell_code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-class SubmititExecutor:
+class SubmititExecutor(SlurmControl):
     name = "submitit"
+
+    def __init__(self, commands: CommandRunner | None = None, **_ignored):
+        self.commands = commands or SubprocessCommands()
 
     def plan(self, spec: JobSpec, run_dir: str) -> Plan:
         scrub = secrets.current()
@@ -163,7 +168,7 @@ class SubmititExecutor:
         lines += [")", f"submit(RankTask({str(RunDir(run_dir).spec)!r}))  # each rank runs: {spec.target.describe()}"]
         return Plan("submitit", spec, run_dir, None, summary=scrub("\n".join(lines) + "\n"))
 
-    def submit(self, plan: Plan) -> Submission:
+    def submit(self, plan: Plan, on_job_id=None) -> Submission:
         import submitit
 
         run_dir = write_run_dir(plan)
@@ -180,4 +185,6 @@ class SubmititExecutor:
             os.chdir(old_cwd)
         sub = Submission("submitit", str(job.job_id), str(run_dir), None)
         record_submission(sub)
+        if on_job_id is not None:
+            on_job_id(sub.job_id)
         return sub

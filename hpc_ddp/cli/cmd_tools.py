@@ -1,0 +1,125 @@
+"""train, env, stage, inspect, make-dataset: things done on this machine, in this process."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import click
+
+from hpc_ddp.cli.options import build
+from hpc_ddp.common.errors import SpecError, UserError
+from hpc_ddp.job.distenv import from_environ
+from hpc_ddp.launch.rundirs import usable_run_dir
+
+
+@click.command(context_settings={"allow_interspersed_args": False})
+@click.argument("job_file", type=click.Path(dir_okay=False))
+@click.option("--run-dir", help="Where checkpoints, metrics and events go [default: ./runs/JOB_NAME].")
+@click.option("--epochs")
+@click.option("--lr")
+@click.option("--batch-size")
+def train(job_file: str, **flags) -> None:
+    """Run the built-in trainer for JOB_FILE in this process: alone, under torchrun, or in an srun step.
+
+    Every rank of one run must use the same --run-dir (the default has no timestamp for that reason):
+    a rerun with the same run dir resumes from its newest valid checkpoint.
+    """
+    from hpc_ddp.launch.executors.base import Plan, write_run_dir
+
+    params = {"argv": (job_file,), "module": None, **{k: v for k, v in flags.items() if k != "run_dir"}}
+    spec = build(params)
+    if spec.target.kind != "trainer":
+        raise SpecError(f"{job_file} runs {spec.target.describe()}, not the built-in trainer",
+                        hint="use `hpc-ddp submit` for your own scripts")
+    run_dir = Path(usable_run_dir(Path(flags["run_dir"] or spec.run_dir or Path(spec.workdir) / "runs" /
+                                       spec.job_name).expanduser()))
+    dist_env = from_environ(os.environ, pid=os.getpid())
+    if dist_env.rank == 0:
+        write_run_dir(Plan("direct", spec, str(run_dir), None, ""))
+    from hpc_ddp.trainer import train as trainer
+
+    sys.exit(trainer.run(spec, run_dir, dist_env))
+
+
+@click.command("env")
+@click.option("--json", "as_json", is_flag=True, help="Print the DistEnv as one JSON object.")
+def env_cmd(as_json: bool) -> None:
+    """Show the distributed environment this process would get (rank, world size, master, ...)."""
+    dist = from_environ(os.environ, pid=os.getpid())
+    if as_json:
+        click.echo(json.dumps(dist.to_json()))
+        return
+    for key, value in dist.to_json().items():
+        click.echo(f"{key:17} {','.join(value) if isinstance(value, list) else value}")
+
+
+@click.command("stage")
+@click.argument("src", type=click.Path(exists=True))
+@click.option("--dest", help="Node-local directory to stage into [default: $SLURM_TMPDIR, else $TMPDIR, else /tmp].")
+@click.option("--name", help="Name of the staged copy [default: the source's name].")
+@click.option("--checksums", is_flag=True, help="Verify sha256 of every file, not only sizes.")
+def stage_cmd(src: str, dest: str | None, name: str | None, checksums: bool) -> None:
+    """Copy or extract a dataset to node-local disk, once per node, verified (what jobs do before training)."""
+    from hpc_ddp.data.staging import stage
+
+    scratch = dest or os.environ.get("SLURM_TMPDIR") or os.environ.get("TMPDIR") or "/tmp"
+    result = stage(src, Path(scratch) / "hpc-ddp-datasets" if not dest else Path(dest), name=name,
+                   checksums=checksums, log=lambda m: click.echo(m, err=True))
+    click.echo(str(result.path))
+
+
+@click.command()
+@click.argument("checkpoint", type=click.Path(exists=True))
+@click.option("--json", "as_json", is_flag=True)
+def inspect(checkpoint: str, as_json: bool) -> None:
+    """Verify a checkpoint (a step-N dir, a checkpoints dir or a run dir) and show step, epoch, model hash."""
+    from hpc_ddp.trainer.checkpoint import CheckpointError, inspect_checkpoint
+
+    path = Path(checkpoint)
+    try:
+        info = inspect_checkpoint(path)
+    except CheckpointError:
+        if _holds_checkpoints(path):  # a damaged checkpoint stays exit 1
+            raise
+        # A path that never held one (/etc, a file) is the user's slip.
+        raise UserError(f"{checkpoint!r} is not a checkpoint, a checkpoints dir or a run dir",
+                        hint="give a run dir, its checkpoints/ dir or one step-N dir in it") from None
+    if as_json:
+        click.echo(json.dumps(info, indent=2))
+        return
+    for key in ("path", "step", "epoch", "batch_in_epoch", "model_sha256", "verified"):
+        click.echo(f"{key:15} {info[key]}")
+    for name, meta in info["files"].items():
+        click.echo(f"  {name:20} {meta['size']:>12,} bytes  sha256 {meta['sha256'][:16]}...")
+
+
+def _holds_checkpoints(path: Path) -> bool:
+    from hpc_ddp.common.rundir import CHECKPOINT_PREFIX, LATEST, RunDir
+    from hpc_ddp.trainer.checkpoint import MANIFEST
+
+    return path.is_dir() and ((path / MANIFEST).exists() or (path / LATEST).exists() or
+                              RunDir(path).checkpoints.is_dir() or any(path.glob(f"{CHECKPOINT_PREFIX}*")))
+
+
+@click.command("make-dataset")
+@click.argument("kind", type=click.Choice(["mnist", "imagefolder", "cifar10"]))
+@click.argument("root", type=click.Path(file_okay=False))
+@click.option("--train", "n_train", type=click.IntRange(1, 10_000_000),
+              help="Training samples (imagefolder: per class).")
+@click.option("--test", "n_test", type=click.IntRange(1, 10_000_000),
+              help="Test/validation samples (imagefolder: per class).")
+@click.option("--seed", type=click.IntRange(0, 2**31 - 1), default=0, show_default=True)
+def make_dataset(kind: str, root: str, n_train: int | None, n_test: int | None, seed: int) -> None:
+    """Write a small learnable dataset in a real format (MNIST IDX, ImageFolder PNGs, CIFAR-10 batches)."""
+    from hpc_ddp.data.datagen import GENERATORS
+
+    sizes = {"imagefolder": ("per_class_train", "per_class_val")}.get(kind, ("train", "test"))
+    kwargs = {name: value for name, value in zip(sizes, (n_train, n_test)) if value is not None}
+    path = GENERATORS[kind](root, seed=seed, **kwargs)
+    click.echo(f"Wrote the {kind} dataset to {path}")
+
+
+COMMANDS = [train, env_cmd, stage_cmd, inspect, make_dataset]

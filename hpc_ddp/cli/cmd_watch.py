@@ -1,0 +1,140 @@
+"""status, logs, list, timeline, plot: what a run is doing and did, from its executor and its run dir."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import click
+
+from hpc_ddp.common.errors import UserError
+from hpc_ddp.common.procs import SubprocessCommands
+from hpc_ddp.launch.registry import resolve
+from hpc_ddp.launch.rundirs import on_kernel_fs
+
+
+@click.command()
+@click.argument("job", required=False)
+@click.option("--json", "as_json", is_flag=True)
+@click.option("-w", "--watch", is_flag=True, help="Print step, samples/s and ETA every --interval seconds until "
+                                                  "the job ends (Ctrl-C stops watching, not the job).")
+@click.option("--interval", type=click.FloatRange(0.2, 3600), default=5.0, show_default=True,
+              help="Seconds between --watch lines.")
+def status(job: str | None, as_json: bool, watch: bool, interval: float) -> None:
+    """State, restarts, last checkpoint, progress, ETA, where the time went and last event of JOB (a job
+    id or a run dir); without JOB, the most recent run."""
+    from hpc_ddp.launch.status import LIVE, format_status, progress_line
+
+    run = resolve(job)
+    info = _status(run)
+    try:
+        while watch and info["state"] in LIVE:
+            click.echo(progress_line(info, time.time()))
+            time.sleep(interval)
+            info = _status(run)
+    except KeyboardInterrupt:  # stop watching; the job goes on
+        click.echo("")
+        return
+    if as_json:
+        click.echo(json.dumps(info, indent=2, default=str))
+        return
+    for line in format_status(info):
+        click.echo(line)
+
+
+def _status(run) -> dict:
+    from hpc_ddp.launch.status import run_status
+
+    return run_status(run.run_dir, run.job_id, run.executor, SubprocessCommands())
+
+
+# States in which `logs -f` waits for more lines (a job held after a requeue would keep it forever).
+_FOLLOWED = ("RUNNING", "PENDING", "CONFIGURING", "COMPLETING")
+
+
+@click.command()
+@click.argument("job", required=False)
+@click.option("--rank", type=int, help="Only this rank.")
+@click.option("-f", "--follow", is_flag=True, help="Keep printing new lines while the job runs.")
+def logs(job: str | None, rank: int | None, follow: bool) -> None:
+    """Every rank's log across all attempts, each line prefixed by attempt and rank."""
+    from hpc_ddp.launch.status import new_log_lines
+
+    run = resolve(job)
+    offsets: dict[str, int] = {}
+    while True:
+        running = follow and _status(run)["state"] in _FOLLOWED
+        for line in new_log_lines(run.run_dir, rank, offsets, whole_lines=running):  # srun wrote these: mask
+            click.echo(line)
+        if not running:
+            return
+        time.sleep(1)
+
+
+@click.command("list")
+@click.option("--json", "as_json", is_flag=True)
+@click.option("-n", "limit", type=int, default=20, show_default=True, help="How many recent runs.")
+def list_runs(as_json: bool, limit: int) -> None:
+    """This user's recent runs, from any directory (newest last)."""
+    from hpc_ddp.launch.registry import runs
+    from hpc_ddp.launch.status import format_runs, with_accounting
+
+    records = with_accounting([r for r in runs() if isinstance(r, dict)][-limit:], SubprocessCommands())
+    if as_json:
+        click.echo(json.dumps(records, indent=2))
+        return
+    for line in format_runs(records):
+        click.echo(line)
+
+
+@click.command()
+@click.argument("job", required=False)
+@click.option("-o", "--output", help="PNG to write [default: RUN_DIR/timeline.png].")
+def timeline(job: str | None, output: str | None) -> None:
+    """Draw where JOB's wall-clock time went (a job id or a run dir; without JOB, the most recent run):
+    queue waits, each attempt on its nodes, checkpoints, stops, requeues, resumes, steps redone, samples/s."""
+    from hpc_ddp.launch.status import records, submitted_at
+    from hpc_ddp.launch.timeline import build_timeline, draw, save_png, summarize, summary_line
+
+    run = resolve(job)
+    run_dir = run.run_dir
+    out = _png_output(output) or run.paths.picture("timeline")
+    if out.parent == run_dir and not os.access(run_dir, os.W_OK):
+        raise UserError(f"cannot write {str(out)!r}: the run dir is not writable", hint="give -o PNG")
+    tl = build_timeline(records(run.paths.events), records(run.paths.metrics), submitted_at(run_dir))
+    if not tl.spans:
+        raise UserError(f"{run_dir} has no attempt or training records yet (events.jsonl)",
+                        hint="give the run dir of a job that has started")
+    line = summary_line(summarize(tl))
+    try:
+        save_png(draw(tl, f"{run_dir.name} (job {run.job_id or '-'}): {line}"), out)
+    except OSError as exc:
+        raise UserError(f"cannot write {str(out)!r}: {exc.strerror or exc}") from None
+    click.echo(line)
+    click.echo(f"Wrote {out}")
+
+
+@click.command()
+@click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("-o", "--output", help="PNG to write [default: RUN_DIR/training.png].")
+def plot(run_dir: str, output: str | None) -> None:
+    """Plot loss and accuracy over steps, with every stop and resume marked."""
+    from hpc_ddp.launch.plot import plot_run
+
+    path = plot_run(Path(run_dir), _png_output(output))
+    click.echo(f"Wrote {path}")
+
+
+def _png_output(output: str | None) -> Path | None:
+    """The -o path of plot and timeline, refused at once where it cannot be written."""
+    out = Path(output).expanduser().resolve() if output else None
+    if out is not None and (out.is_dir() or not out.parent.is_dir() or not os.access(out.parent, os.W_OK)
+                            or on_kernel_fs(out)):
+        raise UserError(f"-o {output!r}: " + ("is a directory" if out.is_dir() else
+                        f"{str(out.parent)!r} is not a directory you can write to"), hint="give a PNG file path")
+    return out
+
+
+COMMANDS = [status, logs, list_runs, timeline, plot]

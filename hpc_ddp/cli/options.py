@@ -1,0 +1,88 @@
+"""The job options that submit, render and doctor share (defined once), and the spec they build: the
+command line handed to `spec.config.spec_from_command`, which owns the layering and its precedence.
+Also the executor a command gets, said on stderr as it is chosen.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import shlex
+import sys
+from pathlib import Path
+
+import click
+
+from hpc_ddp.common.procs import SubprocessCommands
+from hpc_ddp.launch.executors import NAMES, get_executor, resolve_executor
+from hpc_ddp.spec.config import spec_from_command
+from hpc_ddp.spec.jobspec import JobSpec, Target
+
+__all__ = ["spec_options", "build", "executor_for", "warn"]
+
+_SPEC_OPTIONS = [
+    click.option("--nodes", help="Number of nodes."),
+    click.option("--gpus", help="GPUs per node."),
+    click.option("--tasks-per-node", help="Ranks per node [default: the GPU count, or 1]."),
+    click.option("--cpus-per-task", help="CPUs per rank (data loader workers need them)."),
+    click.option("--mem", help="Memory per node, e.g. 64G (0: all of it)."),
+    click.option("--time", help="Time limit: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS."),
+    click.option("--partition"), click.option("--account"), click.option("--qos"), click.option("--constraint"),
+    click.option("--job-name"),
+    click.option("--profile", help="A cluster profile from the profiles file (HPC_DDP_PROFILES)."),
+    click.option("--executor", type=click.Choice(NAMES),
+                 help="[default: sbatch where Slurm's commands exist, else local, for what this machine "
+                      "can hold]"),
+    click.option("--run-dir", help="Where logs, checkpoints and the script go [default: ./runs/NAME-TIME]."),
+    click.option("--sbatch-arg", "sbatch_args", multiple=True, help="Extra sbatch option, e.g. --sbatch-arg=--exclusive."),
+    click.option("--gpu-bind", type=click.Choice(["rank", "node"]),
+                 help="rank: each rank sees only its GPU (cuda:0); node: every rank sees the node's GPUs."),
+    click.option("--signal", help="Warning signal before the time limit [default: USR2]."),
+    click.option("--signal-lead", help="Seconds before the time limit to send it [default: 120]."),
+    click.option("--max-requeues", help="Requeues after time limits [default: 10]."),
+    click.option("--max-preemptions", help="Requeues after preemptions [default: 20]."),
+    click.option("--epochs"), click.option("--lr"), click.option("--batch-size"),
+    click.option("--master-port",
+                 help="Port rank 0 listens on for the rendezvous [default: derived from the job id]."),
+    click.option("--rendezvous-timeout", help="Seconds the ranks wait for each other at start-up [default: 300]."),
+    click.option("--collective-timeout",
+                 help="Seconds a collective may block before the ranks give up [default: 600]."),
+    click.option("--pass-local-rank", is_flag=True, default=None,
+                 help="Append --local_rank=N to the script's arguments (torch.distributed.launch style)."),
+    click.option("--stage", "datasets", multiple=True, metavar="SRC[:NAME]",
+                 help="Copy a dataset (dir, .tar[.gz], .zip) to node-local disk before training (repeatable)."),
+    click.option("-m", "module", help="Run a module (like python -m) instead of a script."),
+    click.argument("argv", nargs=-1, type=click.UNPROCESSED),
+]
+
+
+def spec_options(fn):
+    for option in reversed(_SPEC_OPTIONS):
+        fn = option(fn)
+    return fn
+
+
+_NOT_SPEC = ("argv", "module", "dry_run", "as_json", "no_preflight")
+
+
+def build(params: dict, default_target: Target | None = None) -> JobSpec:
+    flags = {k: v for k, v in params.items() if k not in _NOT_SPEC and v not in (None, ())}
+    return spec_from_command(tuple(params["argv"]), params["module"], flags, cwd=Path.cwd(), environ=os.environ,
+                             python=sys.executable, default_target=default_target)
+
+
+def executor_for(spec: JobSpec, quiet: bool):
+    """(executor, now) for `spec`: the requested one, else sbatch where it exists, else local where this
+    machine can hold the job. Which and why goes to stderr (unless asked for quietly)."""
+    commands = SubprocessCommands()
+    name, why = resolve_executor(spec, commands.which("sbatch") is not None)
+    if not quiet or not spec.executor:
+        click.echo(f"hpc-ddp: executor {name} ({why})", err=True)
+    now = _dt.datetime.now()
+    command_line = shlex.join(["hpc-ddp", *sys.argv[1:]]) if sys.argv else "hpc-ddp"
+    return get_executor(name, commands=commands, generated_at=now.isoformat(timespec="seconds"),
+                        command_line=command_line), now
+
+
+def warn(message: str) -> None:
+    click.echo(f"hpc-ddp: {message}", err=True)

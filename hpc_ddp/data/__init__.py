@@ -1,0 +1,1 @@
+"""Datasets: torchvision loaders with resumable sampling, synthetic datasets in real formats, and node-local staging."""

@@ -1,0 +1,80 @@
+"""Where a run's files go, decided on the login node: the default run dir's name, and the checks that
+turn a bad --run-dir (a file, a kernel filesystem, a name too long, no write access) into one line,
+exit 2, before anything is written or rendered. What goes inside a run dir is `common.rundir`'s.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+from pathlib import Path
+
+from hpc_ddp.common.errors import UserError
+from hpc_ddp.common.rundir import RunDir
+from hpc_ddp.spec.jobspec import JobSpec
+
+__all__ = ["new_run_dir", "usable_run_dir", "existing_run_dir", "on_kernel_fs"]
+
+def new_run_dir(spec: JobSpec, now: _dt.datetime) -> str:
+    if spec.run_dir:
+        return usable_run_dir(Path(spec.run_dir).expanduser())
+    base = Path(spec.workdir) / "runs" / f"{spec.job_name}-{now:%Y%m%d-%H%M%S}"
+    candidate, n = base, 1
+    while candidate.exists():  # two submissions in one second (a sweep loop) must not share a run dir
+        n += 1
+        candidate = base.with_name(f"{base.name}-{n}")
+    return usable_run_dir(candidate)
+
+
+_VIRTUAL_FS = ("/proc", "/sys", "/dev")
+
+
+def usable_run_dir(path: Path) -> str:
+    """The absolute run dir, if it is (or can be made as) a directory of ours: checked before anything is
+    written or rendered, so a dry run says what the submission would, and a bad path is one line, exit 2."""
+    try:
+        path = path.resolve()
+    except (OSError, RuntimeError) as exc:  # a symlink loop
+        why = getattr(exc, "strerror", None) or exc
+        raise UserError(f"run dir {str(path)!r} cannot be resolved: {why}") from None
+    shown = str(path) if len(str(path)) <= 100 else str(path)[:97] + "..."
+    if any(len(part.encode()) > 255 for part in path.parts) or len(str(path).encode()) >= 4096:
+        raise UserError(f"run dir {shown!r} has a name longer than the filesystem allows (255 bytes a name)",
+                        hint="use a shorter --job-name or --run-dir")
+    if on_kernel_fs(path):
+        raise UserError(f"run dir {shown!r} is on a kernel filesystem, not a place for files",
+                        hint="give a --run-dir in your home, project or scratch space")
+    existing = path
+    while not os.path.lexists(existing) and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        what = "is a file" if existing.is_file() else "exists and is not a directory"
+        where = "" if existing == path else f", so the run dir {shown!r} cannot be made under it"
+        raise UserError(f"{str(existing)!r} {what}{where}", hint="give --run-dir a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"run dir {shown!r} cannot be written: {str(existing)!r} is not writable by you",
+                        hint="give a --run-dir where you can write")
+    return str(path)
+
+
+def on_kernel_fs(path: Path) -> bool:
+    """Under /proc, /sys or /dev (but /dev/shm): writing there fails or does something else than a file."""
+    def under(top: str) -> bool:
+        return path == Path(top) or Path(top) in path.parents
+    return any(under(top) for top in _VIRTUAL_FS) and not under("/dev/shm")
+
+
+def existing_run_dir(run_dir: Path, ref: str) -> Path:
+    """A run dir hpc-ddp made: a directory with its spec.json. Anything else is named, exit 2."""
+    try:
+        is_dir = run_dir.is_dir()
+        has_spec = is_dir and RunDir(run_dir).spec.is_file()
+    except OSError as exc:
+        raise UserError(f"cannot read run dir {str(run_dir)!r}: {exc.strerror or exc}") from None
+    if not is_dir:
+        raise UserError(f"the run dir of {ref!r}, {str(run_dir)!r}, no longer exists",
+                        hint="`hpc-ddp list` shows the recorded runs; scancel still takes a Slurm job id")
+    if not has_spec:
+        raise UserError(f"{str(run_dir)!r} is not a run dir (it has no spec.json)",
+                        hint="give a run dir hpc-ddp made (runs/NAME-TIME), or a job id from `hpc-ddp list`")
+    return run_dir
