@@ -4,13 +4,12 @@
 
 import os
 
+import hpc_ddp
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.optim as optim
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
-
-import hpc_ddp
 
 # Initialize distributed training
 run = hpc_ddp.start()

@@ -2,19 +2,17 @@
 # WORKER_PER_NODE, WORKSPACE, DATASETS_PATH, DATASETS, --local_rank), made preemption-safe with hpc_ddp:
 # a stop request checkpoints and exits 75, a requeued job resumes at the same sample, bitwise.
 #   hpc-ddp submit --nodes 2 --gpus 1 --stage data/mnist --pass-local-rank examples/managed_platform_mnist.py
-import argparse
 import os
-
-import numpy as np
+import hpc_ddp
+import argparse
 import torch
 import torchvision
 from torch import distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
-from torch.utils.data.distributed import DistributedSampler
 from torchvision.datasets import MNIST
-
-import hpc_ddp
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data.distributed import DistributedSampler
+import numpy as np
 
 world_size = int(os.getenv("WORLD_SIZE", 2))
 batch_size = int(os.getenv("BATCH_SIZE", 128))
@@ -64,7 +62,7 @@ else:
     device_ids = None
     output_device = None
 global_rank = dist.get_rank()
-from torchvision.models.resnet import BasicBlock, ResNet
+from torchvision.models.resnet import ResNet, BasicBlock
 
 
 class MnistResNet(ResNet):

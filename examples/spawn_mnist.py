@@ -3,13 +3,11 @@
 # read from the staged copy (compute nodes rarely have internet), not downloaded.
 #   hpc-ddp submit --nodes 2 --gpus 4 --stage data/mnist examples/spawn_mnist.py
 import os
-
+import hpc_ddp
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.optim as optim
-
-import hpc_ddp
 
 
 def setup(rank, world_size):
