@@ -110,4 +110,25 @@ def render(to_stdout: bool, **params) -> None:
     click.echo(f"Wrote {script}; submit it with: cd {shlex.quote(str(run_dir))} && sbatch {script.name}")
 
 
-COMMANDS = [submit, doctor, render]
+@click.command(context_settings={"allow_interspersed_args": False})
+@spec_options
+@click.option("--dry-run", is_flag=True, help="Print the srun command line (and the policy's calls around it); run nothing.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@click.pass_context
+def run(ctx: click.Context, **params) -> None:
+    """Run TARGET now, as a job step of the Slurm allocation this shell is in (after salloc), in the
+    foreground: short for `hpc-ddp submit --executor srun`. Nodes, GPUs and ranks per node not given
+    are the allocation's. Ctrl-C: the ranks checkpoint and stop.
+
+    \b
+      salloc -N2 --gpus-per-node=2 --ntasks-per-node=2
+      hpc-ddp run train.py -- --lr 0.1
+    """
+    from hpc_ddp.launch.executors.srun import NAME
+
+    if params["executor"] not in (None, NAME):
+        raise click.UsageError(f"hpc-ddp run always uses --executor {NAME}; use hpc-ddp submit for another")
+    ctx.invoke(submit, **{**params, "executor": NAME, "no_preflight": True})
+
+
+COMMANDS = [submit, doctor, render, run]

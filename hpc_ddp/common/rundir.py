@@ -10,6 +10,7 @@ requeue policy and the runner on compute nodes, the checkpointer in every traini
       events.jsonl              what happened: attempts, why each ended, requeues, resumes, stops
       metrics.jsonl             what training measured, step by step
       local.pid                 the local executor's identity while it runs
+      srun.pid                  the srun executor's identity while it runs (inside an allocation)
       logs/slurm-<job>.out      the batch shell's output
       logs/job-<job>/attempt-<n>/rank-<r>.log   every rank's output, per job and attempt
       checkpoints/step-<N>[-r<k>]/ and checkpoints/latest
@@ -25,7 +26,7 @@ import dataclasses
 import re
 from pathlib import Path
 
-__all__ = ["RunDir", "SPEC", "SCRIPT", "EVENTS", "METRICS", "SUBMISSIONS", "LOCAL_PID", "CHECKPOINTS", "LATEST",
+__all__ = ["RunDir", "SPEC", "SCRIPT", "EVENTS", "METRICS", "SUBMISSIONS", "LOCAL_PID", "SRUN_PID", "CHECKPOINTS", "LATEST",
            "CHECKPOINT_PREFIX", "CHECKPOINT_NAME", "checkpoint_name", "attempt_logs", "RANK_LOG", "SLURM_OUTPUT"]
 
 SPEC = "spec.json"
@@ -34,6 +35,7 @@ SUBMISSIONS = "submissions.jsonl"
 EVENTS = "events.jsonl"
 METRICS = "metrics.jsonl"
 LOCAL_PID = "local.pid"
+SRUN_PID = "srun.pid"
 LOGS = "logs"
 SUBMITIT = "submitit"
 CHECKPOINTS = "checkpoints"
@@ -83,6 +85,7 @@ class RunDir:
     events = _under(EVENTS)
     metrics = _under(METRICS)
     local_pid = _under(LOCAL_PID)
+    srun_pid = _under(SRUN_PID)
     logs = _under(LOGS)
     checkpoints = _under(CHECKPOINTS)
     submitit = _under(SUBMITIT)

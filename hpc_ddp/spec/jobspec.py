@@ -23,7 +23,7 @@ from hpc_ddp.spec.values import choice, count, flag, number
 
 __all__ = ["JobSpec", "Target", "Layer", "build_spec", "SPEC_KEYS", "PROFILE_KEYS", "directive_safe"]
 
-EXECUTORS = ("sbatch", "submitit", "local")
+EXECUTORS = ("sbatch", "submitit", "local", "srun")
 GPU_REQUESTS = ("gpus-per-node", "gres")
 GPU_BINDS = ("rank", "node")
 SIGNALS = ("USR1", "USR2", "TERM", "INT", "HUP", "URG", "XCPU")

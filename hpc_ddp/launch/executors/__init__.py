@@ -31,7 +31,7 @@ __all__ = ["Executor", "Plan", "Run", "Submission", "get_executor", "choose_exec
            "fallback_problem", "refuse_fallback", "probe_machine", "slurm_site_signs", "visible_gpus",
            "SLURM_CONF_PLACES", "LOAD_SLURM"]
 
-NAMES = ("sbatch", "submitit", "local")
+NAMES = ("sbatch", "submitit", "local", "srun")  # srun: a step of the allocation this shell is in
 NO_SBATCH = "no sbatch on PATH, running on this machine"
 # Where Slurm keeps its configuration by default (source builds, Debian/Ubuntu's slurm-llnl, RPMs).
 SLURM_CONF_PLACES = ("/etc/slurm/slurm.conf", "/etc/slurm-llnl/slurm.conf", "/usr/local/etc/slurm.conf")
@@ -183,4 +183,7 @@ def get_executor(name: str, **kwargs) -> Executor:
     if name == "local":
         from hpc_ddp.launch.executors.local import LocalExecutor
         return LocalExecutor(**kwargs)
+    if name == "srun":
+        from hpc_ddp.launch.executors.srun import SrunExecutor
+        return SrunExecutor(**kwargs)
     raise ValueError(f"unknown executor {name!r}")
