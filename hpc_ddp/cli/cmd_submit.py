@@ -30,8 +30,10 @@ def submit(**params) -> None:
     from hpc_ddp.launch.registry import record_run
 
     spec = build(params)
-    executor, now = executor_for(spec, quiet=params["as_json"])
+    executor, now, which = executor_for(spec)
     plan = executor.plan(spec, new_run_dir(spec, now))
+    if not params["as_json"] or not spec.executor:
+        warn(which)
     if params["dry_run"]:
         if params["as_json"]:
             click.echo(json.dumps({"executor": plan.executor, "job_id": None, "run_dir": plan.run_dir,
@@ -99,7 +101,7 @@ def render(to_stdout: bool, **params) -> None:
     from hpc_ddp.launch.executors.base import write_run_dir
 
     spec = build({**params, "executor": "sbatch"})
-    executor, now = executor_for(spec, quiet=True)
+    executor, now, _ = executor_for(spec)
     plan = executor.plan(spec, new_run_dir(spec, now))
     if to_stdout:
         click.echo(plan.script, nl=False)

@@ -71,17 +71,16 @@ def build(params: dict, default_target: Target | None = None) -> JobSpec:
                              python=sys.executable, default_target=default_target)
 
 
-def executor_for(spec: JobSpec, quiet: bool):
-    """(executor, now) for `spec`: the requested one, else sbatch where it exists, else local where this
-    machine can hold the job. Which and why goes to stderr (unless asked for quietly)."""
+def executor_for(spec: JobSpec):
+    """(executor, now, which) for `spec`: the requested one, else sbatch where it exists, else local where
+    this machine can hold the job. `which` ("executor local (no sbatch on PATH, ...)") is for the caller to
+    say once the job is planned: a refused job is one line, the refusal."""
     commands = SubprocessCommands()
     name, why = resolve_executor(spec, commands.which("sbatch") is not None)
-    if not quiet or not spec.executor:
-        click.echo(f"hpc-ddp: executor {name} ({why})", err=True)
     now = _dt.datetime.now()
     command_line = shlex.join(["hpc-ddp", *sys.argv[1:]]) if sys.argv else "hpc-ddp"
     return get_executor(name, commands=commands, generated_at=now.isoformat(timespec="seconds"),
-                        command_line=command_line), now
+                        command_line=command_line), now, f"executor {name} ({why})"
 
 
 def warn(message: str) -> None:

@@ -131,7 +131,8 @@ def _from_slurm_step(env: Mapping[str, str]) -> DistEnv | None:
         if _int(env, "SLURM_NTASKS", 1) > 1 or _int(env, "SLURM_JOB_NUM_NODES", 1) > 1:
             raise EnvError(
                 "this is the batch shell of a multi-task Slurm job, not one of its tasks",
-                hint="launch the program with srun (e.g. `srun hpc-ddp run ...`), which starts one task per rank",
+                hint="launch it with srun, which starts one task per rank (`srun python train.py`), "
+                     "or let `hpc-ddp run train.py` do that",
             )
         return None
     hosts = _slurm_hosts(env)

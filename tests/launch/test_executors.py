@@ -26,7 +26,8 @@ def test_every_executor_has_the_whole_protocol(name):
 
 
 def test_only_executors_whose_jobs_queue_are_checked_against_the_cluster():
-    assert {n: get_executor(n).queues for n in NAMES} == {"sbatch": True, "submitit": True, "local": False}
+    assert {n: get_executor(n).queues for n in NAMES} == {"sbatch": True, "submitit": True, "local": False,
+                                                             "srun": False}
 
 
 def test_a_run_without_a_recorded_executor_is_managed_as_an_sbatch_one():
