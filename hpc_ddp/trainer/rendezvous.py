@@ -11,6 +11,13 @@ the store, so when a collective fails, the survivors can say which rank stopped 
 A SIGTERM (or `stop()`) while the ranks are meeting ends the wait at once: nothing is trained yet, so
 there is nothing to save, and waiting out the rendezvous timeout would only delay the job's end.
 `Expected hosts` follow Slurm's block distribution: rank r runs on node r // tasks_per_node.
+
+At scale (bench/README.md, "Scale", measures it at 2,048 ranks) every rank talks to one store server, so
+no rank does O(world) requests where one rank can do them for all: a waiting rank polls one counter,
+backing off so that all of them together poll about STORE_POLLS_PER_S times per second; when ranks are
+missing (join, health check, a collective barrier) or a peer is lost, the first rank to claim the
+question works out the answer once and publishes it, and the others read it. Steady state costs one
+heartbeat per rank every HEARTBEAT_S.
 """
 
 from __future__ import annotations
@@ -33,9 +40,12 @@ from hpc_ddp.common.errors import HpcDdpError
 from hpc_ddp.job.ports import PORT_HINT, taken_port_message
 
 __all__ = ["RendezvousError", "RendezvousStopped", "PeerLost", "expected_host", "describe_ranks", "join", "health_check",
-           "Heartbeat", "wait_for_all", "mark_left", "unresponsive", "explain_failure", "leave"]
+           "Heartbeat", "wait_for_all", "mark_left", "unresponsive", "explain_failure", "leave", "poll_delays"]
 
 HEARTBEAT_S = 2.0
+STORE_POLLS_PER_S = 5000  # all waiting ranks together, once backed off; one libuv store serves ~100k/s
+FIRST_POLL_S = 0.05       # ranks that arrive together (a checkpoint barrier) go on at once
+MAX_POLL_S = 2.0
 LEFT_AFTER_OTHERS = "left after another rank's failure"  # a `left/<rank>` reason that blames nobody
 
 
@@ -108,20 +118,68 @@ def _store(env: DistEnv, timeout_s: float, host: str, check: Callable[[], None] 
                  "slowly") from None
 
 
+def poll_delays(world_size: int) -> Iterator[float]:
+    """Seconds between a waiting rank's polls of the store: FIRST_POLL_S, then 1.5 times longer each
+    time up to world_size / STORE_POLLS_PER_S (at least FIRST_POLL_S, at most MAX_POLL_S). Up to 250
+    ranks nothing backs off; at 2,048 the cap is 0.4 s."""
+    cap = min(MAX_POLL_S, max(FIRST_POLL_S, world_size / STORE_POLLS_PER_S))
+    delay = FIRST_POLL_S
+    while True:
+        yield delay
+        delay = min(delay * 1.5, cap)
+
+
 def _missing(store: dist.Store, env: DistEnv, prefix: str) -> list[int]:
     return [r for r in range(env.world_size) if not store.check([f"{prefix}/{r}"])]
+
+
+def _missing_once(store: dist.Store, env: DistEnv, prefix: str) -> list[int]:
+    """The ranks that have not set `prefix/<rank>`, worked out by one rank for all: the ranks that wait
+    time out together, and each asking the store about every rank is O(world^2) requests. Keyed by the
+    arrival count, so a rank that asks after more have come does not get an old answer."""
+    count = int(store.add(f"{prefix}/count", 0))
+    if count >= env.world_size:
+        return []
+    key = f"{prefix}/missing/{count}"
+    if int(store.add(f"{key}/claim", 1)) == 1:
+        missing = _missing(store, env, prefix)
+        store.set(key, ",".join(map(str, missing)))
+        return missing
+    answer = _await(store, key, env, _answer_grace_s(env))
+    if answer is None:  # the rank that claimed it is gone: ask for ourselves
+        return _missing(store, env, prefix)
+    return [int(r) for r in answer.split(",") if r]
+
+
+def _answer_grace_s(env: DistEnv) -> float:
+    """How long to wait for another rank's answer: its O(world) requests, and a margin."""
+    return 10.0 + env.world_size / 1000
+
+
+def _await(store: dist.Store, key: str, env: DistEnv, limit_s: float) -> str | None:
+    """The value of `key` once some rank has set it, or None after `limit_s`."""
+    deadline = time.monotonic() + limit_s
+    for delay in poll_delays(env.world_size):
+        if store.check([key]):
+            return store.get(key).decode(errors="replace")
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(delay)
+    return None  # pragma: no cover - poll_delays never ends
 
 
 def _wait_all(store: dist.Store, env: DistEnv, prefix: str, deadline: float,
               check: Callable[[], None] = lambda: None) -> list[int]:
     """Wait until every rank has set `prefix/<rank>`; the ranks still missing at the deadline."""
     try:
-        while time.monotonic() < deadline:
+        for delay in poll_delays(env.world_size):
             check()
             if int(store.add(f"{prefix}/count", 0)) >= env.world_size:
                 return []
-            time.sleep(0.05)
-        return _missing(store, env, prefix)
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(min(delay, max(deadline - time.monotonic(), 0.0)))
+        return _missing_once(store, env, prefix)
     except dist.DistError:
         raise RendezvousError(f"rank {env.rank}: {_store_gone(env)} while the ranks were meeting: it gave up or "
                               "died first", hint="its log says why (hpc-ddp logs JOB --rank 0)") from None
@@ -184,6 +242,7 @@ def health_check(store: dist.Store, env: DistEnv, device: torch.device, timeout_
     """`connect()` (building the process group: gloo connects every pair of ranks there) and one small
     all-reduce over the real backend and device must finish within `timeout_s`."""
     store.set(f"health/{env.rank}", "entered")
+    store.add("health/count", 1)
     done = threading.Event()
     threading.Thread(target=_health_watchdog, args=(store, env, timeout_s, done), daemon=True).start()
     connect()
@@ -202,7 +261,7 @@ def _health_watchdog(store: dist.Store, env: DistEnv, timeout_s: float, done: th
         return
     why = "every rank got that far, so the ranks cannot reach each other"
     with contextlib.suppress(Exception):  # the store may be gone too; still leave
-        absent = _missing(store, env, "health")
+        absent = _missing_once(store, env, "health")
         if absent:
             why = f"{describe_ranks(env, absent)} never reached it"
     print(f"hpc-ddp: error: health check: connecting the ranks and a first all-reduce did not complete within "
@@ -270,27 +329,43 @@ def _failed_ranks(store: dist.Store, env: DistEnv) -> list[str]:
 def explain_failure(store: dist.Store | None, env: DistEnv, window_s: float = 2.5 * HEARTBEAT_S) -> str | None:
     """After a failed collective: which peer failed or is gone, as one line, or None if every other rank
     is alive and well. The first rank to find out records its verdict; later ones repeat it rather than
-    blame ranks that have since left after finding out themselves."""
+    blame ranks that have since left after finding out themselves.
+
+    When a peer dies every survivor asks at about the same time, and each looking at every rank's
+    heartbeat would be O(world^2) requests. So the ranks take turns in rounds: the first to claim a round
+    investigates (O(world) requests, once) and publishes its answer; the ranks that asked during that
+    round take it. An investigation that blames nobody closes its round, so a rank that fails later
+    (say, because the investigator has since left for its own reasons) investigates afresh."""
     if store is None:
         return None
     try:
         if store.check(["verdict"]):
             return store.get("verdict").decode()
+        round_ = int(store.add("verdict/round", 0))
+        if int(store.add(f"verdict/{round_}/claim", 1)) == 1:
+            return _investigate(store, env, window_s, round_)
+        answer = _await(store, f"verdict/{round_}/done", env, window_s + _answer_grace_s(env))
+        return answer or None  # "": nobody to blame; None: the investigator is gone before it said
+    except Exception:  # noqa: BLE001 - the store lives in rank 0's process: it is the one that went
+        return _store_gone(env)
+
+
+def _investigate(store: dist.Store, env: DistEnv, window_s: float, round_: int) -> str | None:
+    line = None
+    try:
         lost = unresponsive(store, env, window_s)
-        if store.check(["verdict"]):
-            return store.get("verdict").decode()
         parts = _failed_ranks(store, env)
         if lost:
             parts.append(f"{describe_ranks(env, lost)} stopped responding (no heartbeat for {window_s:g} s): "
                          f"{'they' if len(lost) > 1 else 'it'} died or hung")
-        if not parts:
-            return None
-        line = "; ".join(parts)
-        if int(store.add("verdict/claim", 1)) == 1:
+        line = "; ".join(parts) or None
+        if line and int(store.add("verdict/claim", 1)) == 1:
             store.set("verdict", line)
         return line
-    except Exception:  # noqa: BLE001 - the store lives in rank 0's process: it is the one that went
-        return _store_gone(env)
+    finally:
+        with contextlib.suppress(Exception):  # the store is gone: the waiting ranks will find out themselves
+            store.add("verdict/round", 1)  # first: a rank that asks from now on starts a round of its own
+            store.set(f"verdict/{round_}/done", line or "")
 
 
 def leave(timeout_s: float = 10.0) -> None:

@@ -1,6 +1,7 @@
 """The bounded rendezvous: taken ports, missing ranks, silent peers and a hanging exit, in one process
 (threads stand in for ranks; the TCPStore is real)."""
 
+import os
 import socket
 import threading
 import time
@@ -169,3 +170,112 @@ def test_ranks_still_waiting_when_rank_0_gives_up_say_so(port):
     with pytest.raises(rendezvous.RendezvousError) as err:
         rendezvous._wait_all(client, _env(1, 3, port), "joined", time.monotonic() + 5)
     assert "rank 1: rank 0 (node0) is gone" in err.value.message and "gave up or died first" in err.value.message
+
+
+# ---- at scale: what one rank works out for all, and how often waiting ranks ask ----
+
+def _counting(monkeypatch, name):
+    """Wrap rendezvous.<name> to count its calls."""
+    calls = []
+    real = getattr(rendezvous, name)
+
+    def counted(*args, **kwargs):
+        calls.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(rendezvous, name, counted)
+    return calls
+
+
+def _in_threads(n, target):
+    results = {}
+
+    def go(i):
+        try:
+            results[i] = target(i)
+        except Exception as exc:  # noqa: BLE001 - the test looks at it
+            results[i] = exc
+
+    threads = [threading.Thread(target=go, args=(i,), name=f"rank-{i}") for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return results
+
+
+def test_every_survivor_asks_why_but_one_rank_investigates(port, monkeypatch):
+    world, dead = 12, 7
+    server = dist.TCPStore("127.0.0.1", port, world, True, wait_for_workers=False)
+    stores = [rendezvous._scoped(dist.TCPStore("127.0.0.1", port, world, False), _env(r, world, port))
+              for r in range(world)]
+    beats = [rendezvous.Heartbeat(_env(r, world, port), interval_s=0.1).start() for r in range(world) if r != dead]
+    stores[0].add(f"heartbeat/{dead}", 1)  # it beat once, then died
+    looked = _counting(monkeypatch, "unresponsive")
+    survivors = [r for r in range(world) if r != dead]
+    try:
+        answers = _in_threads(len(survivors), lambda i: rendezvous.explain_failure(
+            stores[survivors[i]], _env(survivors[i], world, port), window_s=0.5))
+    finally:
+        for b in beats:
+            b.stop()
+    assert len(looked) == 1  # one investigation, O(world) requests once, not once per survivor
+    assert set(answers.values()) == {"rank 7 (node7) stopped responding (no heartbeat for 0.5 s): it died or hung"}
+    del server
+
+
+def test_an_investigation_that_blames_nobody_does_not_silence_a_later_one(port):
+    world = 3
+    server = dist.TCPStore("127.0.0.1", port, world, True, wait_for_workers=False)
+    store = rendezvous._scoped(server, _env(0, world, port))
+    beats = [rendezvous.Heartbeat(_env(r, world, port), interval_s=0.1).start() for r in (0, 2)]
+    try:
+        # Rank 1's own code raised: every other rank is alive, nobody to blame.
+        assert rendezvous.explain_failure(store, _env(1, world, port), window_s=0.5) is None
+        rendezvous.mark_left(store, _env(1, world, port), "ValueError: bad shard")
+        # Rank 0's collective then fails because rank 1 left: it must name rank 1, not repeat "nobody".
+        assert rendezvous.explain_failure(store, _env(0, world, port), window_s=0.5) == \
+            "rank 1 (node1) failed: ValueError: bad shard"
+    finally:
+        for b in beats:
+            b.stop()
+
+
+def test_ranks_that_time_out_together_work_out_who_is_missing_once(port, monkeypatch):
+    world, came = 16, 12
+    asked = _counting(monkeypatch, "_missing")
+    results = _in_threads(came, lambda r: rendezvous.join(_env(r, world, port, per_node=4), timeout_s=1.5))
+    expected = "ranks 12 (node3), 13 (node3), 14 (node3), 15 (node3) did not join the rendezvous within 1.5 s"
+    for r in range(came):
+        assert isinstance(results[r], rendezvous.RendezvousError), results[r]
+        assert expected in results[r].message
+    assert len(asked) == 1
+
+
+def test_the_health_watchdogs_name_the_absent_rank_working_it_out_once(port, monkeypatch, capsys):
+    world = 6
+    server = dist.TCPStore("127.0.0.1", port, world, True, wait_for_workers=False)
+    store = rendezvous._scoped(server, _env(0, world, port))
+    for r in range(world - 1):  # rank 5 never reached the health check
+        store.set(f"health/{r}", "entered")
+        store.add("health/count", 1)
+    asked = _counting(monkeypatch, "_missing")
+
+    exits = []
+    monkeypatch.setattr(os, "_exit", exits.append)  # the watchdog's last act: here it ends only its thread
+    _in_threads(world - 1, lambda r: rendezvous._health_watchdog(store, _env(r, world, port), 0.3, threading.Event()))
+    lines = [line for line in capsys.readouterr().err.splitlines() if "health check" in line]
+    assert len(lines) == world - 1 and all("rank 5 (node5) never reached it" in line for line in lines)
+    assert exits == [1] * (world - 1) and len(asked) == 1
+
+
+def test_waiting_ranks_back_off_so_all_of_them_poll_the_store_a_bounded_number_of_times():
+    def delays(world, n=40):
+        gen = rendezvous.poll_delays(world)
+        return [next(gen) for _ in range(n)]
+
+    assert delays(16) == [rendezvous.FIRST_POLL_S] * 40  # small jobs (and checkpoint barriers) as before
+    for world in (2048, 8192):
+        steady = delays(world)[-1]
+        assert steady > rendezvous.FIRST_POLL_S and world / steady <= rendezvous.STORE_POLLS_PER_S * 1.001
+    assert delays(10**6)[-1] == rendezvous.MAX_POLL_S
