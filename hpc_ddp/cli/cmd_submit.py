@@ -31,6 +31,7 @@ def submit(**params) -> None:
 
     spec = build(params)
     executor, now, which = executor_for(spec)
+    _chains_need_support(spec, executor)
     plan = executor.plan(spec, new_run_dir(spec, now))
     if not params["as_json"] or not spec.executor:
         warn(which)
@@ -46,6 +47,9 @@ def submit(**params) -> None:
     sub = executor.submit(plan, on_job_id=lambda job_id: record_run(spec, plan.run_dir, job_id, executor.name, warn))
     if params["as_json"]:
         click.echo(json.dumps(sub.to_json(), indent=2))
+    elif len(getattr(sub, "job_ids", ())) > 1:
+        click.echo(f"Submitted jobs {', '.join(sub.job_ids)} ({sub.executor}; a chain: each starts when the one "
+                   f"before ends and resumes the run); run dir {sub.run_dir}")
     elif sub.state == "SUBMITTED":
         click.echo(f"Submitted job {sub.job_id} ({sub.executor}); run dir {sub.run_dir}")
     else:  # it ran here, to its end
@@ -54,6 +58,18 @@ def submit(**params) -> None:
             warn("submit it again with the same --run-dir to resume")
     if sub.returncode:
         sys.exit(1)
+
+
+def _chains_need_support(spec, executor) -> None:
+    """--after and --chain make Slurm jobs wait for each other, which only an executor that says so
+    (`chains`) does: the spec refuses another one named; this catches the one chosen for the user
+    (no sbatch here: local)."""
+    from hpc_ddp.common.errors import UserError
+
+    if (spec.after or spec.chain > 1) and not getattr(executor, "chains", False):
+        asked = "--after" if spec.after else f"--chain {spec.chain}"
+        raise UserError(f"{asked}: only the sbatch executor queues Slurm jobs that wait for each other, not "
+                        f"{executor.name}", hint="load Slurm (put sbatch on PATH), or drop it")
 
 
 def _preflight(plan) -> None:

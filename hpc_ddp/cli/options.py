@@ -47,6 +47,11 @@ _SPEC_OPTIONS = [
     click.option("--rendezvous-timeout", help="Seconds the ranks wait for each other at start-up [default: 300]."),
     click.option("--collective-timeout",
                  help="Seconds a collective may block before the ranks give up [default: 600]."),
+    click.option("--after", metavar="JOB|RUN_DIR[:ok|:any]",
+                 help="Start after that job (a run dir: its last job) succeeds (:ok, the default) or ends (:any)."),
+    click.option("--chain", metavar="N",
+                 help="Queue N jobs up front, each starting when the one before ends and resuming the run dir "
+                      "(for short time limits) [default: 1]."),
     click.option("--pass-local-rank", is_flag=True, default=None,
                  help="Append --local_rank=N to the script's arguments (torch.distributed.launch style)."),
     click.option("--stage", "datasets", multiple=True, metavar="SRC[:NAME]",

@@ -17,7 +17,8 @@ requeue policy and the runner on compute nodes, the checkpointer in every traini
       submitit/<job>/           submitit's own files
       training.png, timeline.png
 
-Pure: names and paths only; nothing here touches the filesystem except `rank_logs` (a glob).
+Pure: names and paths only; nothing here touches the filesystem except `rank_logs` (a glob) and
+`job_ids` (reads submissions.jsonl).
 """
 
 from __future__ import annotations
@@ -112,6 +113,16 @@ class RunDir:
             if rank is None or r == rank:
                 found.append((attempt, r, path))
         return sorted(found, key=lambda t: (t[0], t[1], str(t[2])))
+
+    def job_ids(self) -> list[str]:
+        """The Slurm job ids recorded in submissions.jsonl, oldest first: every sbatch or submitit
+        submission, the jobs of a chain and those the requeue fallback queued. Local runs are no Slurm jobs;
+        a record that does not hold a plain job id (digits, or an array task's 123_4) is skipped."""
+        from hpc_ddp.common.events import read_jsonl
+
+        return [str(r["job_id"]) for r in read_jsonl(self.submissions)
+                if isinstance(r, dict) and r.get("executor") in ("sbatch", "submitit")
+                and re.fullmatch(r"\d+(?:_\d+)?", str(r.get("job_id")))]
 
     def slurm_outputs(self) -> list[Path]:
         return sorted(self.logs.glob(Path(SLURM_OUTPUT).name.replace("%j", "*")))

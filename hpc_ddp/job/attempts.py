@@ -2,8 +2,18 @@
 
 The batch script (and the local executor) call this at the start and the end of every attempt:
 
-    python -m hpc_ddp.job.attempts begin RUN_DIR ATTEMPT   -> exit 0: go on; exit 3: do not run (reason logged)
-    python -m hpc_ddp.job.attempts end RUN_DIR ATTEMPT RC  -> prints "requeue", "requeued" (by Slurm) or "stop"
+    python -m hpc_ddp.job.attempts begin RUN_DIR ATTEMPT   -> exit 0: go on; exit 3: do not run (reason logged);
+                                                              exit 4: the run completed before: nothing to do
+    python -m hpc_ddp.job.attempts end RUN_DIR ATTEMPT RC  -> prints "requeue", "requeued" (by Slurm), "next"
+                                                              (the next job of the chain goes on) or "stop"
+    python -m hpc_ddp.job.attempts resubmit RUN_DIR ATTEMPT WHY
+        -> `scontrol requeue` failed (WHY): queue the next attempt as a new job that waits for this one
+
+Chains (see `chain`): a run may go on in other Slurm jobs, queued up front by `submit --chain N` or by
+`resubmit` where requeueing is impossible (a site that forbids it, no scontrol on the nodes). The policy
+counts attempts per chain, so the caps hold across job ids. A later job of a chain ends at once (exit 4)
+when the run completed in an earlier one, and does not run when the run stopped there (exit 3). A time
+limit that hands over to the next job queued by --chain is what the chain is for: it counts against no cap.
 
 Everything is recorded in RUN_DIR/events.jsonl (append-only), next to the trainer's own records, so
 `hpc-ddp status` can tell the whole story. The policy itself (`decide_begin`, `decide_end`) is pure.
@@ -32,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -40,15 +51,19 @@ from pathlib import Path
 from typing import Any
 
 from hpc_ddp.common.durable import read_regular
-from hpc_ddp.common.errors import report
+from hpc_ddp.common.errors import HpcDdpError, SubmitError, report
 from hpc_ddp.common.events import JsonLines, read_jsonl
 from hpc_ddp.common.exitcodes import REQUEUE_EXIT_CODE
-from hpc_ddp.common.rundir import LATEST, RunDir, checkpoint_step
+from hpc_ddp.common.rundir import LATEST, SCRIPT, RunDir, checkpoint_step
+from hpc_ddp.job.chain import chain_of, members, successor
 
-__all__ = ["Attempt", "Limits", "attempts_from_events", "decide_begin", "decide_end", "latest_checkpoint_step",
-           "outside_cause", "parse_show_job"]
+__all__ = ["Admission", "Attempt", "Limits", "admit", "attempts_from_events", "decide_begin", "decide_end",
+           "decide_successor", "latest_checkpoint_step", "outside_cause", "parse_show_job", "resubmit"]
 
 NOT_ADMITTED_EXIT_CODE = 3
+# A later job of a chain whose run already completed: nothing to do, and not a failure (the batch script
+# exits 0, so a job waiting on it with afterok still starts).
+RUN_COMPLETE_EXIT_CODE = 4
 # An attempt of a user's own script (no trainer events) counts as having trained once it ran this long.
 STARTUP_S = 60.0
 
@@ -69,6 +84,9 @@ class Attempt:
     started_at: float | None = None
     ended_at: float | None = None
     checkpointed: bool = False     # the trainer saved at a stop request and asked to be requeued
+    job_id: str | None = None
+    handed_over: bool = False      # went on in the next job of its chain, queued up front (--chain)
+    gave_up: str | None = None     # the policy's reason for stopping the run after this attempt
 
     @property
     def trained(self) -> bool:
@@ -95,17 +113,18 @@ def latest_checkpoint_step(run_dir: Path) -> int | None:
     return checkpoint_step(name)
 
 
-def attempts_from_events(events: Sequence[dict[str, Any]], job_id: str | None = None) -> list[Attempt]:
-    """The attempts recorded in `events`; with `job_id`, only that job's (a new submission of the same
-    run dir is a new job: an earlier job's failures do not stop it)."""
+def attempts_from_events(events: Sequence[dict[str, Any]], chain: str | None = None) -> list[Attempt]:
+    """The attempts recorded in `events`; with `chain` (a job id, or the first job id of a chain), only
+    those of that job and of the jobs that carried on after it. A new submission of the same run dir is a
+    new chain: an earlier chain's failures do not stop it."""
     attempts: list[Attempt] = []
-    for event in _of_job(events, job_id):
+    for event in _of_chain(events, chain):
         kind = event.get("event")
         if kind == "attempt_start":
             if attempts and attempts[-1].ended_at is None:
                 attempts[-1].ended_at = event.get("time")  # killed: it ended before this one began
             attempts.append(Attempt(int(event.get("attempt", len(attempts))), event.get("checkpoint_step"),
-                                    started_at=event.get("time")))
+                                    started_at=event.get("time"), job_id=event.get("job_id")))
         elif not attempts:
             continue
         elif kind in ("start", "resume"):
@@ -118,18 +137,43 @@ def attempts_from_events(events: Sequence[dict[str, Any]], job_id: str | None = 
             attempts[-1].exit_code = event.get("exit_code")
             attempts[-1].cause = event.get("cause") or attempts[-1].cause
             attempts[-1].ended_at = event.get("time") or attempts[-1].ended_at
+        elif kind == "requeue" and event.get("by") == "chain":
+            attempts[-1].handed_over = True
+        elif kind == "gave_up":
+            attempts[-1].gave_up = str(event.get("reason") or "gave up")
     return attempts
 
 
-def _of_job(events: Sequence[dict[str, Any]], job_id: str | None) -> list[dict[str, Any]]:
-    if job_id is None:
+def _of_chain(events: Sequence[dict[str, Any]], chain: str | None) -> list[dict[str, Any]]:
+    """The events from the chain's first attempt on. Records from before chains were recorded have no
+    "chain": their job id is their chain."""
+    if chain is None:
         return list(events)
-    starts = [i for i, e in enumerate(events) if e.get("event") == "attempt_start" and str(e.get("job_id")) == job_id]
+    starts = [i for i, e in enumerate(events)
+              if e.get("event") == "attempt_start" and str(e.get("chain") or e.get("job_id")) == chain]
     return list(events[starts[0]:]) if starts else []
 
 
 def _count(attempts: Sequence[Attempt], *causes: str) -> int:
-    return sum(1 for a in attempts if a.ended_cause in causes)
+    # A time limit handed over to the next job of a --chain is planned, not a requeue to be capped.
+    return sum(1 for a in attempts if a.ended_cause in causes and not (a.handed_over and a.ended_cause == "time_limit"))
+
+
+def decide_successor(previous: Sequence[Attempt], cancelled: str | None = None) -> tuple[str, str] | None:
+    """A later job of a chain, before `decide_begin`: ("done", why) when the run completed in an earlier
+    job, ("stop", why) when the policy stopped it there or `cancelled` (a job of the chain that
+    `hpc-ddp cancel` cancelled), None when the usual rules decide."""
+    if cancelled:
+        return "stop", f"job {cancelled} of the chain was cancelled (hpc-ddp cancel)"
+    if not previous:
+        return None  # the jobs before it never ran (cancelled while pending): this one starts the run
+    last = previous[-1]
+    where = f" in job {last.job_id}" if last.job_id else " in an earlier job of the chain"
+    if last.ended_cause == "completed":
+        return "done", f"the run already completed{where}; nothing left to do"
+    if last.gave_up:
+        return "stop", f"the run stopped{where}: {last.gave_up}"
+    return None
 
 
 def decide_begin(previous: Sequence[Attempt], start_step: int | None, limits: Limits) -> tuple[bool, str]:
@@ -157,10 +201,12 @@ def decide_begin(previous: Sequence[Attempt], start_step: int | None, limits: Li
     return True, f"restart {len(previous)} after {last.ended_cause}"
 
 
-def decide_end(attempts: Sequence[Attempt], exit_code: int, limits: Limits) -> tuple[bool, str]:
+def decide_end(attempts: Sequence[Attempt], exit_code: int, limits: Limits,
+               successor: str | None = None) -> tuple[bool, str]:
     """Should the job be requeued after this attempt (the last of `attempts`)? (requeue, reason).
     An exit code other than 0 and 75 is requeued only when the attempt's cause says it came from
-    outside (preempted, time_limit: see `outside_cause`)."""
+    outside (preempted, time_limit: see `outside_cause`). `successor`: the next job of the chain, queued
+    up front and waiting; the run goes on there instead (a time limit then counts against no cap)."""
     cause = attempts[-1].cause
     if exit_code == 0:
         return False, "completed"
@@ -171,13 +217,15 @@ def decide_end(attempts: Sequence[Attempt], exit_code: int, limits: Limits) -> t
     if exit_code == REQUEUE_EXIT_CODE and not attempts[-1].trained:
         return False, "it asked to be requeued before training started (crash loop guard)"
     cause = cause or "preempted"
+    if cause == "time_limit" and successor:
+        return True, f"time_limit: job {successor}, queued after this one, goes on"
     if cause == "time_limit":
         used, cap, name = _count(attempts, "time_limit"), limits.max_requeues, "max_requeues"
     else:
         used, cap, name = _count(attempts, "preempted", "killed"), limits.max_preemptions, "max_preemptions"
     if used > cap:
         return False, f"{cause}: {used} requeues would exceed {name}={cap}"
-    return True, f"{cause}: requeue {used} of at most {cap}"
+    return True, f"{cause}: requeue {used} of at most {cap}" + (f", in job {successor}" if successor else "")
 
 
 # Lines of `scontrol show job` whose value is free text (a job name or path may hold " Restarts=9").
@@ -249,14 +297,37 @@ def _limits(run_dir: Path) -> Limits:
     return Limits(spec.max_requeues, spec.max_preemptions)
 
 
+@dataclasses.dataclass(frozen=True)
+class Admission:
+    ok: bool               # run the attempt
+    reason: str
+    done: bool = False     # the run completed in an earlier job of its chain: nothing to do, not a failure
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.ok else RUN_COMPLETE_EXIT_CODE if self.done else NOT_ADMITTED_EXIT_CODE
+
+
 def begin(run_dir: Path, attempt: int, env: dict[str, str] | None = None) -> tuple[bool, str]:
+    admission = admit(run_dir, attempt, env)
+    return admission.ok, admission.reason
+
+
+def admit(run_dir: Path, attempt: int, env: Mapping[str, str] | None = None) -> Admission:
+    """Record the start of attempt `attempt` and decide whether it may run."""
     env = dict(os.environ if env is None else env)
     events = JsonLines(RunDir(run_dir).events)
     job_id = env.get("SLURM_JOB_ID") or env.get("HPC_DDP_JOB_ID")
-    previous = attempts_from_events(read_jsonl(RunDir(run_dir).events), job_id)
+    chain = chain_of(run_dir, job_id) if job_id else None
+    previous = attempts_from_events(read_jsonl(RunDir(run_dir).events), chain)
     step = latest_checkpoint_step(run_dir)
-    ok, reason = decide_begin(previous, step, _limits(run_dir))
+    verdict = decide_successor(previous, _cancelled_in(run_dir, chain)) if chain != job_id else None
+    if verdict and verdict[0] == "done":
+        events.write({"event": "skipped", "job_id": job_id, "chain": chain, "reason": verdict[1]})
+        return Admission(False, verdict[1], done=True)
+    ok, reason = (False, verdict[1]) if verdict else decide_begin(previous, step, _limits(run_dir))
     events.write({"event": "attempt_start", "attempt": attempt, "job_id": job_id,
+                  **({"chain": chain} if chain != job_id else {}),
                   "nodes": env.get("SLURM_JOB_NODELIST"), "checkpoint_step": step})
     if previous and previous[-1].exit_code is None:
         events.write({"event": "attempt_end", "attempt": previous[-1].number, "exit_code": None, "cause": "killed",
@@ -265,7 +336,7 @@ def begin(run_dir: Path, attempt: int, env: dict[str, str] | None = None) -> tup
         events.write({"event": "attempt_end", "attempt": attempt, "exit_code": NOT_ADMITTED_EXIT_CODE,
                       "cause": "not_admitted"})
         events.write({"event": "gave_up", "attempt": attempt, "reason": reason})
-    return ok, reason
+    return Admission(ok, reason)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -273,11 +344,15 @@ class Outcome:
     requeue: bool           # run the job again
     reason: str
     by_slurm: bool = False  # Slurm has requeued it already (preemption with GraceTime=0, admin requeue)
+    next_job: str | None = None  # the next job of the chain, already queued, goes on instead
 
     @property
     def word(self) -> str:
-        """What the batch script reads: requeue (it must run `scontrol requeue`), requeued, or stop."""
-        return ("requeued" if self.by_slurm else "requeue") if self.requeue else "stop"
+        """What the batch script reads: requeue (it must run `scontrol requeue`), requeued, next (the
+        chain's next job goes on: nothing to do), or stop."""
+        if not self.requeue:
+            return "stop"
+        return "requeued" if self.by_slurm else "next" if self.next_job else "requeue"
 
 
 def end(run_dir: Path, attempt: int, exit_code: int, env: dict[str, str] | None = None) -> tuple[bool, str]:
@@ -292,7 +367,7 @@ def finish(run_dir: Path, attempt: int, exit_code: int, env: Mapping[str, str] |
     env = dict(os.environ if env is None else env)
     events = JsonLines(RunDir(run_dir).events)
     job_id = env.get("SLURM_JOB_ID") or env.get("HPC_DDP_JOB_ID")
-    attempts = attempts_from_events(read_jsonl(RunDir(run_dir).events), job_id)
+    attempts = attempts_from_events(read_jsonl(RunDir(run_dir).events), chain_of(run_dir, job_id) if job_id else None)
     if not attempts:
         attempts = [Attempt(attempt, None)]
     last = attempts[-1]
@@ -310,17 +385,66 @@ def finish(run_dir: Path, attempt: int, exit_code: int, env: Mapping[str, str] |
     else:
         last.cause, by_slurm = outside_cause(slurm, attempt, env.get("HPC_DDP_SHELL_SIGNAL") or None)
     last.exit_code, last.ended_at = exit_code, time.time()
-    requeue, reason = decide_end(attempts, exit_code, _limits(run_dir))
+    goes_on = exit_code == REQUEUE_EXIT_CODE or last.cause in ("preempted", "time_limit")
+    next_job = _waiting_successor(run_dir, env.get("SLURM_JOB_ID"), ask_slurm) if goes_on and not by_slurm else None
+    requeue, reason = decide_end(attempts, exit_code, _limits(run_dir), next_job)
     record = {"event": "attempt_end", "attempt": attempt, "exit_code": exit_code, "cause": last.cause}
     if exit_code not in (0, REQUEUE_EXIT_CODE) and last.cause != "failed":
         record["note"] = f"signalled from outside ({_outside_note(slurm, env)}), not the program's failure"
     events.write(record)
-    if exit_code == REQUEUE_EXIT_CODE or last.cause in ("preempted", "time_limit"):
+    if goes_on:
+        how = {"by": "slurm"} if by_slurm else {"by": "chain", "next_job": next_job} if next_job else {}
         events.write({"event": "requeue" if requeue else "gave_up", "attempt": attempt, "reason": reason,
-                      **({"by": "slurm"} if requeue and by_slurm else {})})
+                      **(how if requeue else {})})
     elif last.cause == "cancelled":  # as the local executor records a cancel: status says CANCELLED
         events.write({"event": "gave_up", "attempt": attempt, "reason": "cancelled (scancel)", "cause": "cancelled"})
-    return Outcome(requeue, reason, by_slurm)
+    return Outcome(requeue, reason, by_slurm, next_job if requeue else None)
+
+
+def _cancelled_in(run_dir: Path, chain: str | None) -> str | None:
+    """A job of the chain that `hpc-ddp cancel` cancelled (it records that), even one cancelled before it
+    ever started: the jobs queued after it must not take the run up again."""
+    if chain is None:
+        return None
+    jobs = members(run_dir, chain)
+    cancelled = [str(e.get("job_id")) for e in read_jsonl(RunDir(run_dir).events)
+                 if e.get("event") == "cancelled" and str(e.get("job_id")) in jobs]
+    return cancelled[-1] if cancelled else None
+
+
+def _waiting_successor(run_dir: Path, job_id: str | None, ask_slurm) -> str | None:
+    """The next job of this job's chain, if one is queued and still waits: the run goes on there rather
+    than by a requeue (which would queue this job again, behind it). One Slurm shows in another state
+    (cancelled) does not count. Where Slurm gives no answer (no scontrol here) the record is trusted:
+    queueing a fallback job beside a successor that does wait would start two jobs on one run dir."""
+    following = successor(run_dir, job_id) if job_id else None
+    if following is None:
+        return None
+    job = ask_slurm(following)
+    return following if job is None or job.get("JobState") == "PENDING" else None
+
+
+def resubmit(run_dir: Path, attempt: int, why: str, env: Mapping[str, str] | None = None, queue=None) -> str:
+    """`scontrol requeue` failed (`why`: what it said): queue the next attempt as a new job that waits for
+    this one (`launch.executors.sbatch.queue_next`), on the same run dir and chain, so the same policy
+    and caps apply. Returns the new job id; raises SubmitError (and records gave_up) when that fails too."""
+    env = dict(os.environ if env is None else env)
+    events = JsonLines(RunDir(run_dir).events)
+    job_id = env.get("SLURM_JOB_ID")
+    if queue is None:
+        from hpc_ddp.launch.executors.sbatch import queue_next as queue
+    why = " ".join(why.split())[:300] or "no reason given"
+    try:
+        if not job_id:
+            raise SubmitError("SLURM_JOB_ID is not set: not inside a Slurm job")
+        next_job = queue(run_dir, job_id, chain_of(run_dir, job_id), env)
+    except HpcDdpError as exc:
+        reason = f"scontrol requeue failed ({why}), and queueing the next attempt as a new job failed too: {exc.message}"
+        events.write({"event": "gave_up", "attempt": attempt, "reason": reason})
+        raise SubmitError(reason, hint=f"go on by hand: cd {shlex.quote(str(run_dir))} && sbatch {SCRIPT}") from None
+    events.write({"event": "requeue_fallback", "attempt": attempt, "job_id": job_id, "next_job": next_job,
+                  "why": why})
+    return next_job
 
 
 def _outside_note(slurm: Mapping[str, str] | None, env: Mapping[str, str]) -> str:
@@ -341,17 +465,22 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     try:
         if args[:1] == ["begin"] and len(args) == 3:
-            ok, reason = begin(Path(args[1]), int(args[2]))
-            print(f"hpc-ddp: attempt {args[2]}: {reason}", flush=True)
-            return 0 if ok else NOT_ADMITTED_EXIT_CODE
+            admission = admit(Path(args[1]), int(args[2]))
+            print(f"hpc-ddp: attempt {args[2]}: {admission.reason}", flush=True)
+            return admission.exit_code
         if args[:1] == ["end"] and len(args) == 4:
             outcome = finish(Path(args[1]), int(args[2]), int(args[3]))
             print(outcome.word, flush=True)
             print(f"hpc-ddp: attempt {args[2]} ended: {outcome.reason}", file=sys.stderr, flush=True)
             return 0
+        if args[:1] == ["resubmit"] and len(args) == 4:
+            next_job = resubmit(Path(args[1]), int(args[2]), args[3])
+            print(f"hpc-ddp: the next attempt is job {next_job}, queued to start when this one ends", flush=True)
+            return 0
     except Exception as exc:  # noqa: BLE001 - the batch log gets one line (a traceback for a bug)
         return report(exc, "hpc-ddp attempts", traceback_for_bugs=True)
-    print("usage: python -m hpc_ddp.job.attempts begin RUN_DIR ATTEMPT | end RUN_DIR ATTEMPT EXIT_CODE", file=sys.stderr)
+    print("usage: python -m hpc_ddp.job.attempts begin RUN_DIR ATTEMPT | end RUN_DIR ATTEMPT EXIT_CODE | "
+          "resubmit RUN_DIR ATTEMPT WHY", file=sys.stderr)
     return 2
 
 

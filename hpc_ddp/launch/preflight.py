@@ -38,7 +38,8 @@ from hpc_ddp.slurm.slurmtime import format_time
 from hpc_ddp.spec.jobspec import JobSpec, Target
 
 __all__ = ["Host", "Finding", "Report", "NO_TARGET", "parse_mounts", "check", "check_fallback", "job_paths",
-           "run_preflight", "sbatch_test_only", "gate", "doctor_report"]
+           "run_preflight", "sbatch_test_only", "gate", "doctor_report", "read_slurm_config", "requeue_mode",
+           "dependency_finding"]
 
 _LOCAL_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
 _MEMORY_FS = {"tmpfs", "ramfs"}
@@ -446,7 +447,8 @@ def gate(report: Report, warn: Callable[[str], None]) -> None:
 
 def doctor_report(spec: JobSpec, queues: bool, commands: CommandRunner, host: Host, run_dir: str) -> Report:
     """What `hpc-ddp doctor` checks: for an executor whose jobs queue, the job against the cluster (and
-    sbatch --test-only); otherwise only the shell, and this machine when the job would land here unasked."""
+    sbatch --test-only), how a job that must run again gets to (sbatch), and the job an --after names;
+    otherwise only the shell, and this machine when the job would land here unasked."""
     if not queues:
         from hpc_ddp.launch.executors import probe_machine
 
@@ -455,4 +457,70 @@ def doctor_report(spec: JobSpec, queues: bool, commands: CommandRunner, host: Ho
     from hpc_ddp.launch.render import render_sbatch
 
     script = render_sbatch(spec, run_dir, generated_at="", command_line="hpc-ddp doctor")
-    return run_preflight(spec, commands, host, paths=job_paths(spec, run_dir), test_script=script)
+    report = run_preflight(spec, commands, host, paths=job_paths(spec, run_dir), test_script=script)
+    extra = [requeue_mode(read_slurm_config(commands), commands.which("scontrol"))] \
+        if spec.executor in (None, "sbatch") else []
+    extra += [dependency_finding(spec.after, commands)] if spec.after else []
+    return Report(report.cluster, report.findings + tuple(extra))
+
+
+# ---- requeue and dependencies (doctor) ----
+
+def read_slurm_config(commands: CommandRunner) -> dict[str, str] | None:
+    """`scontrol show config` as {key: value}; None where scontrol is missing or does not answer."""
+    if not commands.which("scontrol"):
+        return None
+    try:
+        done = commands.run(["scontrol", "show", "config"], timeout=20)
+    except HpcDdpError:
+        return None
+    if done.returncode != 0:
+        return None
+    config = {}
+    for line in done.stdout.splitlines():
+        key, eq, value = line.partition("=")
+        if eq and key.strip() and " " not in key.strip():
+            config[key.strip()] = value.strip()
+    return config
+
+
+def requeue_mode(config: Mapping[str, str] | None, scontrol_here: str | None) -> Finding:
+    """How a job that must run again (time limit, preemption) gets to, as far as this machine can tell.
+
+    The batch script runs `scontrol requeue` (same job id) and, where that fails (a site that refuses
+    it, no scontrol on the compute node), queues the next attempt as a new job that starts when the old
+    one ends. The compute nodes are not asked: that would take a job (`srun -N1 which scontrol` waits in
+    the queue); the batch script finds out itself when a job must run again."""
+    fallback = ("where it fails on a compute node (the site refuses, or no scontrol there), the next attempt "
+                "becomes a new job that starts when the old one ends (sbatch --dependency=afterany), same run dir "
+                "and caps; the nodes are not checked from here (that takes a job)")
+    if not scontrol_here:
+        return _warning("requeue mode: a new job per attempt (sbatch --dependency=afterany): no scontrol on PATH "
+                        "here, so likely none on the compute nodes either",
+                        hint="this needs sbatch on the compute nodes; if Slurm's commands are a module there, "
+                             "load it in the profile's setup lines")
+    requeue = (config or {}).get("JobRequeue")
+    if requeue is None:
+        said = "JobRequeue unknown: `scontrol show config` did not answer"
+    elif requeue == "0":
+        said = "JobRequeue=0: jobs requeue only when they ask, and hpc-ddp's script asks with --requeue"
+    else:
+        said = f"JobRequeue={requeue}: batch jobs may be requeued"
+    plugins = (config or {}).get("JobSubmitPlugins", "(null)")
+    if plugins not in ("(null)", ""):
+        said += f"; the site's job_submit plugin ({plugins}) may still refuse it"
+    return _ok(f"requeue mode: scontrol requeue ({said}; scontrol is {scontrol_here} here); {fallback}")
+
+
+def dependency_finding(after: str, commands: CommandRunner) -> Finding:
+    """The job an --after names: it must exist, and be able to satisfy the dependency."""
+    from hpc_ddp.launch.executors.sbatch import UNKNOWN, dependency_problem, job_state
+
+    job = after.partition(":")[2]
+    state = job_state(job, commands)
+    if state == UNKNOWN:
+        return _warning(f"--after {job}: could not ask Slurm about the job", hint="check it with `squeue -j`")
+    problem = dependency_problem(after, state)
+    if problem:
+        return _error(*problem)
+    return _ok(f"--after {job}: job {job} is {state}; this job starts after it ({after.partition(':')[0]})")

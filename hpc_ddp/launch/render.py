@@ -29,6 +29,7 @@ from hpc_ddp.common import rundir, secrets
 from hpc_ddp.common.errors import SpecError
 from hpc_ddp.common.exitcodes import REQUEUE_EXIT_CODE
 from hpc_ddp.common.rundir import RunDir
+from hpc_ddp.job.attempts import RUN_COMPLETE_EXIT_CODE
 from hpc_ddp.slurm.slurmtime import format_time
 from hpc_ddp.spec.jobspec import JobSpec
 
@@ -55,7 +56,18 @@ def directives(spec: JobSpec) -> list[str]:
             out.append(f"--{key}={value}")
     out += [f"--output={rundir.SLURM_OUTPUT}", "--open-mode=append", "--requeue",
             f"--signal={spec.signal}@{spec.signal_lead}"]
+    if spec.after:
+        out.append(f"--dependency={_dependency(spec.after)}")
     return out + list(spec.sbatch_args)
+
+
+def _dependency(after: str) -> str:
+    """The spec lets only "after(ok|any):<digits>" through; checked again here, as a spec can also be
+    built from a spec.json someone edited, and this lands in an #SBATCH line."""
+    if not re.fullmatch(r"after(ok|any):\d+(_\d+)?", after):
+        raise SpecError(f"after: {after[:60]!r} is not a dependency hpc-ddp writes",
+                        hint="give --after JOB_ID|RUN_DIR[:ok|:any]")
+    return after
 
 
 def runner_command(spec: JobSpec, run_dir: str) -> list[str]:
@@ -77,6 +89,7 @@ def render_sbatch(spec: JobSpec, run_dir: str, *, generated_at: str, command_lin
             script_name=rundir.SCRIPT, attempt_logs=rundir.attempt_logs("$SLURM_JOB_ID", "$ATTEMPT"),
             rank_log=rundir.RANK_LOG.format(rank="%t"), program=scrub(spec.target.describe()),
             time_limit=format_time(spec.time) if spec.time else "none",
+            run_complete_exit_code=RUN_COMPLETE_EXIT_CODE,
         )
     except jinja2.TemplateNotFound as exc:
         if exc.name != name:

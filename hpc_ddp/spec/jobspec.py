@@ -84,6 +84,8 @@ class JobSpec:
     master_port: int | None = None     # None: derived from the job id
     rendezvous_timeout: int = 300      # seconds the ranks wait for each other at start-up (skew of big jobs)
     collective_timeout: int = 600      # seconds one collective may block before a rank gives up
+    after: str | None = None           # "afterok:ID" / "afterany:ID": start after that job (--after)
+    chain: int = 1                     # jobs queued up front, each after the one before (--chain)
 
     @property
     def world_size(self) -> int:
@@ -325,6 +327,37 @@ def _train(raw: Any) -> TrainConfig:
     return config
 
 
+AFTER_KINDS = ("ok", "any")
+_JOB_ID = re.compile(r"\d+(?:_\d+)?")   # a Slurm job id, or an array task's (123_4)
+MAX_CHAIN = 100                         # jobs one --chain queues: far above any real need
+
+
+def _after(raw: Any) -> str:
+    """--after JOB_ID|RUN_DIR[:ok|:any] -> Slurm's "afterok:ID" / "afterany:ID". A run dir stands for the
+    last job recorded in it (its submissions). Only digits reach the #SBATCH line: whatever a run dir's
+    records hold, nothing else can be injected there."""
+    value = str(raw) if isinstance(raw, int) and not isinstance(raw, bool) else _string(raw).strip()
+    ref, sep, kind = value.rpartition(":")
+    if not sep or kind not in AFTER_KINDS:
+        ref, kind = value, "ok"
+    job = ref if _JOB_ID.fullmatch(ref) else _last_job_of(ref)
+    return f"after{kind}:{job}"
+
+
+def _last_job_of(ref: str) -> str:
+    from hpc_ddp.common.rundir import RunDir
+
+    path = Path(ref).expanduser()
+    if not ref or not path.is_dir():
+        raise SpecError(f"{ref!r} is neither a Slurm job id nor a run dir",
+                        hint="give a job id (12345) or a run dir hpc-ddp submitted, optionally ending in :ok or :any")
+    jobs = RunDir(path).job_ids()
+    if not jobs:
+        raise SpecError(f"run dir {ref!r} records no Slurm job (it was never submitted to Slurm)",
+                        hint="give the job id to wait for, or submit that run dir first")
+    return jobs[-1]
+
+
 def _port(raw: Any) -> int:
     port = count(1)(raw)
     if not 1024 <= port <= 65535:
@@ -357,10 +390,11 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "train": _train, "datasets": _datasets, "stage_fallback": choice(("shared", "fail")),
     "stage_checksums": flag, "stage_timeout": count(10, WEEK), "master_port": _port,
     "rendezvous_timeout": count(5, WEEK), "collective_timeout": count(10, WEEK),
+    "after": _after, "chain": count(1, MAX_CHAIN),
 }
 SPEC_KEYS = frozenset(PARSERS)
 PROFILE_KEYS = SPEC_KEYS - {"script", "module", "args", "profile", "job_name", "run_dir", "pass_local_rank", "train",
-                            "datasets"}
+                            "datasets", "after", "chain"}
 
 
 def _check_keys(layer: Layer) -> None:
@@ -437,6 +471,19 @@ def _check_whole(values: dict[str, Any], merged: dict[str, tuple[Any, str]], tar
     if values.get("template") and values.get("executor") == "submitit":
         raise SpecError("a custom sbatch template cannot be used with the submitit executor",
                         hint="use --executor sbatch, or drop the template")
+    _check_chain(values)
+
+
+def _check_chain(values: dict[str, Any]) -> None:
+    """--after and --chain queue Slurm jobs that wait for each other: only sbatch queues them so."""
+    executor, chain, after = values.get("executor"), values.get("chain", 1), values.get("after")
+    asked = " and ".join(flag for flag, given in (("--after", after), (f"--chain {chain}", chain > 1)) if given)
+    if asked and executor not in (None, "sbatch"):
+        raise SpecError(f"{asked}: only the sbatch executor queues Slurm jobs that wait for each other, "
+                        f"not {executor}", hint="use --executor sbatch")
+    if after and any(arg.startswith("--dependency") for arg in values.get("sbatch_args", ())):
+        raise SpecError("--after and --sbatch-arg=--dependency both set the job's dependency",
+                        hint="give one of them: --after JOB_ID|RUN_DIR[:ok|:any] is checked against Slurm")
 
 
 def load_spec(path: str | os.PathLike) -> JobSpec:

@@ -509,3 +509,55 @@ def test_other_commands_bad_input(project, monkeypatch, args, message):
     assert len(lines) == 1 and message in lines[0], result.output
     assert "Traceback" not in result.output and "internal error" not in result.output
     assert sorted(p.name for p in project.iterdir()) == before  # nothing created (no ds/, no runs/)
+
+
+# ---- --chain and --after (issue 14) ----
+
+def test_submit_chain_reports_every_job(project):
+    fake = project / "bin" / "sbatch"
+    fake.write_text(f"#!/bin/bash\necho \"$*\" >> {project / 'sbatch-calls'}\n"
+                    "n=$(wc -l < " + str(project / "sbatch-calls") + "); echo $((4710 + n))\n")
+    result = invoke("submit", "--chain", "3", "train.py")
+    assert result.exit_code == 0, result.output
+    line = result.output.splitlines()[-1]
+    assert line.startswith("Submitted jobs 4711, 4712, 4713 (sbatch; a chain: each starts when the one before ends")
+    assert (project / "sbatch-calls").read_text().splitlines() == [
+        "--parsable job.sbatch", "--parsable --dependency=afterany:4711 job.sbatch",
+        "--parsable --dependency=afterany:4712 job.sbatch"]
+    result = invoke("submit", "--json", "--chain", "2", "train.py")
+    out = json.loads(result.output[result.output.index("{"):])
+    assert out["job_id"] == "4714" and out["job_ids"] == ["4714", "4715"]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--chain", "0"], "hpc-ddp: error: --chain: 0 is below the minimum of 1"),
+    (["--after", "999999"], "hpc-ddp: error: --after 999999: Slurm knows no job 999999"),
+    (["--after", "12:ok"], "hpc-ddp: error: --after 12: job 12 ended FAILED, so a job waiting for its success"),
+    (["--after", "nodir:any"], "hpc-ddp: error: --after: 'nodir' is neither a Slurm job id nor a run dir"),
+    (["--after", "5", "--no-preflight"], "hpc-ddp: error: --after 5: Slurm knows no job 5"),  # checked anyway
+    (["--executor", "local", "--chain", "2"], "hpc-ddp: error: --chain 2: only the sbatch executor queues"),
+])
+def test_bad_chains_and_dependencies_submit_nothing(project, args, message):
+    scontrol = project / "bin" / "scontrol"
+    scontrol.write_text('#!/bin/bash\n[ "$3" = 12 ] && { printf "JobId=12 JobName=x\\n   JobState=FAILED\\n"; exit 0; }\n'
+                        'echo "slurm_load_jobs error: Invalid job id specified" >&2; exit 1\n')
+    scontrol.chmod(0o755)
+    sacct = project / "bin" / "sacct"  # accounting knows none of them either (not the real test Slurm's)
+    sacct.write_text("#!/bin/bash\nexit 0\n")
+    sacct.chmod(0o755)
+    result = invoke("submit", *args, "train.py")
+    assert result.exit_code == 2, result.output
+    errors = [ln for ln in result.output.splitlines() if ln.startswith("hpc-ddp: error:")]
+    assert len(errors) == 1 and errors[0].startswith(message), result.output
+    assert not (project / "sbatch-calls").exists() and not (project / "runs").exists()
+
+
+def test_after_a_run_dir_waits_for_its_last_job(project):
+    output = invoke("submit", "--json", "--run-dir", "first", "train.py").output
+    first = json.loads(output[output.index("{"):])
+    scontrol = project / "bin" / "scontrol"
+    scontrol.write_text('#!/bin/bash\nprintf "JobId=$3 JobName=x\\n   JobState=RUNNING\\n"\n')
+    scontrol.chmod(0o755)
+    result = invoke("submit", "--dry-run", "--after", "first:any", "train.py")
+    assert result.exit_code == 0, result.output
+    assert f"#SBATCH --dependency=afterany:{first['job_id']}\n" in result.output

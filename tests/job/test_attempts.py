@@ -204,3 +204,178 @@ def test_a_user_script_preempted_over_and_over_stops_at_the_cap(tmp_path):
         outcome = attempts.finish(run_dir, n, 143, env, ask_slurm=lambda _job, s=show: attempts.parse_show_job(s))
         assert outcome.requeue == (n < 2), outcome
     assert "more than max_preemptions=2" in outcome.reason or "exceed max_preemptions=2" in outcome.reason
+
+
+# ---- chains: one run carried on by several Slurm jobs (--chain, the requeue fallback) ----
+
+def _events(run_dir):
+    return [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+
+
+def _link(run_dir, job_id, chain, previous, via="requeue_fallback"):
+    with open(run_dir / "submissions.jsonl", "a") as fh:
+        fh.write(json.dumps({"executor": "sbatch", "job_id": job_id, "chain": chain, "previous": previous,
+                             "via": via}) + "\n")
+
+
+def _trained_and_checkpointed(run_dir, cause="preempted", step=None):
+    with open(run_dir / "events.jsonl", "a") as fh:
+        fh.writelines(json.dumps(event) + "\n" for event in (
+            {"event": "start"}, {"event": "signal", "cause": cause}, {"event": "requeue_requested"}))
+    if step is not None:
+        (run_dir / "checkpoints").mkdir(exist_ok=True)
+        (run_dir / "checkpoints" / "latest").write_text(f"step-{step:09d}\n")
+
+
+def _no_slurm(_job):
+    return None
+
+
+def test_attempts_from_events_follows_a_chain_across_job_ids():
+    events = [
+        {"event": "attempt_start", "attempt": 0, "job_id": "5"},
+        {"event": "attempt_end", "attempt": 0, "exit_code": 75, "cause": "time_limit"},
+        {"event": "requeue", "attempt": 0, "by": "chain", "next_job": "6"},
+        {"event": "attempt_start", "attempt": 0, "job_id": "6", "chain": "5"},
+        {"event": "attempt_end", "attempt": 0, "exit_code": 75, "cause": "preempted"},
+        {"event": "gave_up", "attempt": 0, "reason": "enough"},
+    ]
+    first, second = attempts_from_events(events, "5")
+    assert (first.job_id, first.handed_over, second.job_id, second.gave_up) == ("5", True, "6", "enough")
+    assert attempts_from_events(events, "6") == []  # job 6 is no chain of its own: its chain is 5's
+    assert len(attempts_from_events(events)) == 2
+
+
+def test_a_handed_over_time_limit_counts_against_no_cap():
+    over = Attempt(0, 0, trainer=True, exit_code=75, cause="time_limit", handed_over=True)
+    assert decide_begin([over] * 5, 5, LIMITS) == (True, "restart 5 after time_limit")
+    assert decide_end([over, ended(1, "time_limit", 1)], 75, LIMITS) == (True, "time_limit: requeue 1 of at most 2")
+    # A handover after a preemption is still a preemption.
+    assert decide_end([ended(i, "preempted", i) for i in range(4)], 75, LIMITS, successor="9")[0] is False
+    assert decide_end([ended(0, "time_limit", 0)] * 3, 75, LIMITS, successor="9") == \
+        (True, "time_limit: job 9, queued after this one, goes on")
+
+
+@pytest.mark.parametrize("previous,verdict", [
+    ([], None),
+    ([ended(0, "completed", rc=0)], ("done", "the run already completed in an earlier job of the chain")),
+    ([Attempt(0, 3, exit_code=75, cause="preempted", job_id="5", gave_up="preempted: 4 requeues would exceed")],
+     ("stop", "the run stopped in job 5: preempted: 4 requeues would exceed")),
+    ([ended(0, "preempted", 3)], None),
+])
+def test_decide_successor(previous, verdict):
+    got = attempts.decide_successor(previous)
+    assert got == verdict if verdict is None else got[0] == verdict[0] and verdict[1] in got[1]
+
+
+def test_a_fallback_job_goes_on_with_the_chains_caps(tmp_path):
+    """Job 5 is preempted once (cap 1), its requeue is refused, the fallback job 6 carries on: its first
+    attempt is the chain's second, and a second preemption there is over the cap."""
+    run_dir = _spec_dir(tmp_path, max_preemptions=1)
+    env5, env6 = {"SLURM_JOB_ID": "5"}, {"SLURM_JOB_ID": "6"}
+    assert attempts.begin(run_dir, 0, env=env5)[0]
+    _trained_and_checkpointed(run_dir, step=10)
+    assert attempts.finish(run_dir, 0, 75, env5, ask_slurm=_no_slurm).word == "requeue"
+    queued = []
+    assert attempts.resubmit(run_dir, 0, "Requested operation is presently disabled for job 5", env5,
+                             queue=lambda *args: queued.append(args) or "6") == "6"
+    assert queued == [(run_dir, "5", "5", env5)]
+    _link(run_dir, "6", "5", "5")
+    fallback = _events(run_dir)[-1]
+    assert fallback["event"] == "requeue_fallback" and fallback["next_job"] == "6" and "disabled" in fallback["why"]
+    admission = attempts.admit(run_dir, 0, env6)
+    assert admission.ok and admission.reason == "restart 1 after preempted"
+    assert _events(run_dir)[-1]["chain"] == "5"
+    _trained_and_checkpointed(run_dir, step=20)
+    outcome = attempts.finish(run_dir, 0, 75, env6, ask_slurm=_no_slurm)
+    assert outcome.word == "stop" and "2 requeues would exceed max_preemptions=1" in outcome.reason
+    # A new submission of the run dir is a new chain: the caps start afresh.
+    assert attempts.begin(run_dir, 0, env={"SLURM_JOB_ID": "7"}) == (True, "first attempt")
+
+
+def test_a_later_job_of_a_chain_ends_at_once_when_the_run_completed(tmp_path):
+    run_dir = _spec_dir(tmp_path)
+    _link(run_dir, "6", "5", "5", via="chain")
+    assert attempts.begin(run_dir, 0, env={"SLURM_JOB_ID": "5"})[0]
+    assert attempts.finish(run_dir, 0, 0, {"SLURM_JOB_ID": "5"}, ask_slurm=_no_slurm).word == "stop"
+    admission = attempts.admit(run_dir, 0, {"SLURM_JOB_ID": "6"})
+    assert (admission.ok, admission.done, admission.exit_code) == (False, True, attempts.RUN_COMPLETE_EXIT_CODE)
+    assert "already completed in job 5" in admission.reason
+    skipped = _events(run_dir)[-1]
+    assert skipped["event"] == "skipped" and skipped["job_id"] == "6"
+    assert not any(e["event"] == "attempt_start" and e.get("job_id") == "6" for e in _events(run_dir))
+
+
+def test_a_later_job_of_a_chain_does_not_run_after_the_policy_stopped(tmp_path):
+    run_dir = _spec_dir(tmp_path)
+    _link(run_dir, "6", "5", "5", via="chain")
+    _link(run_dir, "7", "5", "6", via="chain")
+    env5 = {"SLURM_JOB_ID": "5"}
+    assert attempts.begin(run_dir, 0, env=env5)[0]
+    with open(run_dir / "events.jsonl", "a") as fh:  # asked to be requeued before training: the crash loop guard
+        fh.write(json.dumps({"event": "requeue_requested"}) + "\n")
+    assert attempts.finish(run_dir, 0, 75, env5, ask_slurm=lambda job: {"JobState": "PENDING"}).word == "stop"
+    for job in ("6", "7"):  # each refuses in turn, and says why
+        admission = attempts.admit(run_dir, 0, {"SLURM_JOB_ID": job})
+        assert admission.exit_code == attempts.NOT_ADMITTED_EXIT_CODE and "crash loop guard" in admission.reason
+
+
+@pytest.mark.parametrize("state,word", [("PENDING", "next"), ("CANCELLED", "requeue"), (None, "next")])
+def test_a_time_limit_hands_over_to_the_next_queued_job(tmp_path, state, word):
+    run_dir = _spec_dir(tmp_path, max_requeues=0)
+    _link(run_dir, "6", "5", "5", via="chain")
+    env5 = {"SLURM_JOB_ID": "5"}
+    assert attempts.begin(run_dir, 0, env=env5)[0]
+    _trained_and_checkpointed(run_dir, cause="time_limit", step=10)
+    asked = []
+
+    def ask(job):
+        asked.append(job)
+        return None if job == "5" or state is None else {"JobState": state}
+
+    outcome = attempts.finish(run_dir, 0, 75, env5, ask_slurm=ask)
+    assert asked == ["5", "6"] and outcome.word == (word if word == "next" else "stop")  # max_requeues=0
+    if word == "next":
+        assert outcome.next_job == "6" and outcome.reason == "time_limit: job 6, queued after this one, goes on"
+        assert _events(run_dir)[-1] == {**_events(run_dir)[-1], "event": "requeue", "by": "chain", "next_job": "6"}
+        # Job 6 starts (max_requeues=0 does not stop it: the chain is what was asked for) and resumes.
+        assert attempts.admit(run_dir, 0, {"SLURM_JOB_ID": "6"}).reason == "restart 1 after time_limit"
+
+
+def test_resubmit_that_fails_too_gives_up_and_says_how_to_go_on(tmp_path):
+    from hpc_ddp.common.errors import SubmitError
+
+    run_dir = _spec_dir(tmp_path)
+
+    def refuse(*_args):
+        raise SubmitError("sbatch not found")
+
+    with pytest.raises(SubmitError, match=r"queueing the next attempt as a new job failed too: sbatch not found") as info:
+        attempts.resubmit(run_dir, 2, "scontrol: command not found", {"SLURM_JOB_ID": "5"}, queue=refuse)
+    assert f"cd {run_dir} && sbatch job.sbatch" in info.value.hint
+    assert _events(run_dir)[-1]["event"] == "gave_up" and "scontrol: command not found" in _events(run_dir)[-1]["reason"]
+
+
+def test_main_resubmit_and_the_complete_exit_code(tmp_path, monkeypatch, capsys):
+    run_dir = _spec_dir(tmp_path)
+    _link(run_dir, "6", "5", "5", via="chain")
+    monkeypatch.setenv("SLURM_JOB_ID", "5")
+    monkeypatch.setattr(attempts, "slurm_job", _no_slurm)
+    assert attempts.main(["begin", str(run_dir), "0"]) == 0
+    assert attempts.main(["end", str(run_dir), "0", "0"]) == 0
+    monkeypatch.setenv("SLURM_JOB_ID", "6")
+    assert attempts.main(["begin", str(run_dir), "0"]) == attempts.RUN_COMPLETE_EXIT_CODE
+    assert attempts.main(["resubmit", str(run_dir)]) == 2  # usage
+    monkeypatch.delenv("SLURM_JOB_ID")
+    assert attempts.main(["resubmit", str(run_dir), "0", "no scontrol"]) == 1
+    assert "not inside a Slurm job" in capsys.readouterr().err
+
+
+def test_a_chain_cancelled_before_it_ran_does_not_take_the_run_up_again(tmp_path):
+    run_dir = _spec_dir(tmp_path)
+    _link(run_dir, "6", "5", "5", via="chain")
+    with open(run_dir / "events.jsonl", "a") as fh:  # `hpc-ddp cancel 5` while job 5 was still pending
+        fh.write(json.dumps({"event": "cancelled", "job_id": "5", "by": "hpc-ddp cancel"}) + "\n")
+    admission = attempts.admit(run_dir, 0, {"SLURM_JOB_ID": "6"})
+    assert not admission.ok and admission.reason == "job 5 of the chain was cancelled (hpc-ddp cancel)"
+    assert attempts.begin(run_dir, 0, env={"SLURM_JOB_ID": "9"})[0]  # a new submission is a new chain

@@ -45,6 +45,7 @@ CASES = {
                               "job_name": "big run", "sbatch_args": ["--exclusive", "--mail-type=END"]}, None),
     "gres_profile.sbatch": ({"nodes": 2, "gpus": 4}, {"gpu_request": "gres", "setup": [
         "module load cuda/12.4", "source ~/venvs/ddp/bin/activate"], "partition": "a100", "time": "45"}),
+    "chain_after.sbatch": ({"nodes": 2, "gpus": 2, "time": "4:00:00", "after": "81734:any", "chain": 3}, None),
 }
 
 
@@ -226,3 +227,28 @@ def test_site_template_with_unknown_variable_fails_clearly(tmp_path):
     tpl.write_text("{{ no_such_thing }}\n")
     with pytest.raises(SpecError, match="failed to render.*no_such_thing"):
         render(spec_of({"template": str(tpl)}))
+
+
+def test_a_dependency_is_one_clean_directive():
+    lines = directives(spec_of({"after": "81734:any", "chain": 2}))
+    assert lines[-1] == "--dependency=afterany:81734"  # after ours, before any --sbatch-arg
+    assert not any(d.startswith("--dependency") for d in directives(spec_of({"chain": 3})))
+
+
+@pytest.mark.parametrize("after", ["afterok:1\n#SBATCH --uid=0", "afterok:1 --uid=0", "after:1", "afterok:$(id)",
+                                   "singleton"])
+def test_a_tampered_dependency_never_reaches_the_script(after):
+    """The spec only lets after(ok|any):<digits> through; a JobSpec made another way (an edited spec.json)
+    is checked again before it becomes an #SBATCH line."""
+    import dataclasses
+
+    with pytest.raises(SpecError, match="is not a dependency hpc-ddp writes"):
+        render(dataclasses.replace(spec_of({}), after=after))
+
+
+def test_chain_and_fallback_scripts_pass_bash_n_and_the_custom_template_check():
+    spec = spec_of({"after": "5", "chain": 4, "nodes": 2})
+    text = render(spec)
+    bash_n(text)
+    check_custom_script(text, spec, "/scratch/ada/runs/train-1")
+    assert "Job 1 of a chain of 4" in text and "-m hpc_ddp.job.attempts resubmit" in text

@@ -194,3 +194,93 @@ def test_train_values_are_finite_and_bounded(key, value, message):
     with pytest.raises(SpecError) as info:
         build(Layer("job file 'j.toml'", {"train": {key: value}}), target=TRAINER)
     assert str(info.value).startswith("job file 'j.toml': train: ") and message in str(info.value)
+
+
+# ---- --after and --chain (issue 14) ----
+
+def _run_dir_with_jobs(path, *records):
+    import json
+
+    path.mkdir()
+    (path / "submissions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+@pytest.mark.parametrize("value,after", [
+    ("81734", "afterok:81734"), ("81734:ok", "afterok:81734"), ("81734:any", "afterany:81734"),
+    (" 12_3:any ", "afterany:12_3"), (81734, "afterok:81734"),
+])
+def test_after_takes_a_job_id_and_a_kind(value, after):
+    assert build(Layer("flags", {"after": value})).after == after
+
+
+def test_after_a_run_dir_is_its_last_slurm_job(tmp_path):
+    run = _run_dir_with_jobs(tmp_path / "run:x", {"executor": "sbatch", "job_id": "7"},
+                             {"executor": "local", "job_id": "local-1-2"},
+                             {"executor": "sbatch", "job_id": "9", "chain": "7", "previous": "7"})
+    assert build(Layer("flags", {"after": str(run)})).after == "afterok:9"
+    assert build(Layer("flags", {"after": f"{run}:any"})).after == "afterany:9"  # a colon in the path is fine
+
+
+@pytest.mark.parametrize("records,message", [
+    ([], "records no Slurm job"),
+    ([{"executor": "local", "job_id": "local-1-2"}], "records no Slurm job"),
+    # A record that would carry a directive or a command into the #SBATCH line is no job id.
+    ([{"executor": "sbatch", "job_id": "1\n#SBATCH --uid=0"}], "records no Slurm job"),
+    ([{"executor": "sbatch", "job_id": "1 --uid=0"}], "records no Slurm job"),
+])
+def test_after_a_run_dir_without_a_usable_job_is_refused(tmp_path, records, message):
+    run = _run_dir_with_jobs(tmp_path / "run", *records)
+    with pytest.raises(SpecError, match=message):
+        build(Layer("command line", {"after": str(run)}, is_cli=True))
+
+
+@pytest.mark.parametrize("value,message", [
+    ("nosuchdir", "'nosuchdir' is neither a Slurm job id nor a run dir"),
+    ("afterok:12", "neither a Slurm job id nor a run dir"),
+    ("12:okay", "'12:okay' is neither"),
+    ("12;id", "neither"), ("$(id)", "neither"), ("12\n#SBATCH --uid=0", "neither"),
+    ("", "is not a usable string"),
+])
+def test_after_refuses_what_is_no_job(value, message):
+    with pytest.raises(SpecError, match="--after: ") as info:
+        build(Layer("command line", {"after": value}, is_cli=True))
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("value,message", [
+    ("0", "--chain: 0 is below the minimum of 1"), ("-2", "below the minimum"), ("101", "above the maximum of 100"),
+    ("two", "is not a whole number"),
+])
+def test_chain_is_a_count(value, message):
+    with pytest.raises(SpecError, match=message):
+        build(Layer("command line", {"chain": value}, is_cli=True))
+    assert build(Layer("flags", {"chain": "4"})).chain == 4 and build().chain == 1 and build().after is None
+
+
+def test_chain_and_after_need_the_sbatch_executor():
+    for values in ({"chain": 2}, {"after": "5"}):
+        for executor in ("local", "submitit"):
+            with pytest.raises(SpecError, match=f"only the sbatch executor .* not {executor}"):
+                build(Layer("flags", {**values, "executor": executor}))
+        build(Layer("flags", {**values, "executor": "sbatch"}))
+
+
+def test_after_and_an_sbatch_dependency_are_one_too_many():
+    with pytest.raises(SpecError, match="both set the job's dependency"):
+        build(Layer("flags", {"after": "5", "sbatch_args": ["--dependency=afterok:6"]}))
+    assert build(Layer("flags", {"chain": 2, "sbatch_args": ["--dependency=afterok:6"]})).chain == 2
+
+
+def test_profiles_cannot_chain_or_wait():
+    for key in ("after", "chain"):
+        with pytest.raises(SpecError, match="unknown key"):
+            build(Layer("profile 'site'", {key: "2"}, allowed=frozenset(PROFILE_KEYS)))
+
+
+def test_after_and_chain_round_trip():
+    spec = build(Layer("flags", {"after": "5:any", "chain": 3}))
+    assert JobSpec.from_dict(spec.to_dict()) == spec
+    old = spec.to_dict()
+    del old["after"], old["chain"]  # a spec.json written before these keys existed
+    assert JobSpec.from_dict(old).chain == 1

@@ -1,24 +1,44 @@
-"""The sbatch executor: render the batch script into the run dir and hand it to `sbatch`."""
+"""The sbatch executor: render the batch script into the run dir and hand it to `sbatch`.
+
+Also the jobs that wait for other jobs: an --after dependency is checked against Slurm before anything
+is written (Slurm itself drops a dependency on a job it does not know and starts the job at once);
+--chain N queues the run's later jobs up front, each waiting for the one before; and `queue_next` is the
+requeue fallback, run by the batch script where `scontrol requeue` is impossible. Chain links are
+recorded in submissions.jsonl (`job.chain`).
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import sys
+from collections.abc import Mapping
 from pathlib import Path
 
-from hpc_ddp.common.errors import SubmitError, UserError
+from hpc_ddp.common.errors import HpcDdpError, SubmitError, UserError
 from hpc_ddp.common.procs import CommandRunner, SubprocessCommands, slurm_unreachable
 from hpc_ddp.common.rundir import SCRIPT, RunDir
+from hpc_ddp.job.chain import link, record, sbatch_env
 from hpc_ddp.launch.executors.base import Plan, Submission, record_submission, write_run_dir
 from hpc_ddp.launch.executors.slurmctl import SlurmControl
 from hpc_ddp.launch.render import render_sbatch
 from hpc_ddp.spec.jobspec import JobSpec
+
+__all__ = ["SbatchExecutor", "SbatchSubmission", "SchedulerRefused", "check_dependency", "dependency_problem",
+           "job_state", "queue_next", "sbatch"]
 
 
 class SchedulerRefused(UserError):
     """sbatch refused the request (bad partition, account, limits...): nothing was queued."""
 
 
+@dataclasses.dataclass(frozen=True)
+class SbatchSubmission(Submission):
+    job_ids: tuple[str, ...] = ()   # every job queued, in order: one, or the jobs of a --chain
+
+
 class SbatchExecutor(SlurmControl):
     name = "sbatch"
+    chains = True  # queues jobs that wait for other jobs: --after, --chain
 
     def __init__(self, commands: CommandRunner | None = None, *, generated_at: str = "", command_line: str = ""):
         self.commands = commands or SubprocessCommands()
@@ -29,26 +49,155 @@ class SbatchExecutor(SlurmControl):
         script = render_sbatch(spec, run_dir, generated_at=self.generated_at, command_line=self.command_line)
         return Plan("sbatch", spec, run_dir, script, summary=script)
 
-    def submit(self, plan: Plan, on_job_id=None) -> Submission:
+    def submit(self, plan: Plan, on_job_id=None) -> SbatchSubmission:
+        if plan.spec.after:  # before anything is written: a bad dependency submits nothing
+            check_dependency(plan.spec.after, self.commands)
         run_dir = write_run_dir(plan)
         script_path = RunDir(run_dir).script
         script_path.write_text(plan.script or "")
         script_path.chmod(0o700)
         # sbatch runs in the run dir: the script's relative log paths resolve there, on every requeue too.
-        done = self.commands.run(["sbatch", "--parsable", SCRIPT], cwd=str(run_dir))
-        if done.returncode != 0:
-            message = " ".join((done.stderr.strip() or done.stdout.strip() or f"exit code {done.returncode}").splitlines())
-            if slurm_unreachable(message):  # Slurm itself is down: not the user's mistake
-                raise SubmitError(f"sbatch could not reach Slurm: {message}", hint="check `sinfo`; try again later")
-            raise SchedulerRefused(f"sbatch refused the job: {message}")
-        job_id = done.stdout.strip().split(";")[0]
-        if not job_id:
-            raise SubmitError(f"sbatch printed no job id (stdout {done.stdout!r})")
+        job_id = sbatch(self.commands, run_dir)
         sub = Submission("sbatch", job_id, str(run_dir), str(script_path))
         record_submission(sub)
         if on_job_id is not None:
             on_job_id(job_id)
-        return sub
+        later = self._queue_chain(sub, plan.spec.chain, on_job_id)
+        return SbatchSubmission(**dataclasses.asdict(sub), job_ids=(job_id, *later))
+
+    def _queue_chain(self, first: Submission, length: int, on_job_id) -> list[str]:
+        """Jobs 2..length of a --chain, each after the one before whatever its end (afterany: a job that
+        stopped at its time limit is what the next one is for). They share the script and the run dir."""
+        ids = [first.job_id]
+        for position in range(2, length + 1):
+            try:
+                job_id = sbatch(self.commands, first.run_dir, dependency=f"afterany:{ids[-1]}")
+            except HpcDdpError as exc:
+                raise SubmitError(f"job {position} of the chain of {length} was not queued: {exc.message}; "
+                                  f"job(s) {', '.join(ids)} were, and the run goes on in them",
+                                  hint=f"to queue more later: hpc-ddp submit --after {ids[-1]}:any "
+                                       f"--run-dir {first.run_dir} ...") from None
+            record(first.run_dir, link(dataclasses.replace(first, job_id=job_id).to_json(), first.job_id, ids[-1],
+                                       "chain"))
+            if on_job_id is not None:
+                on_job_id(job_id)
+            ids.append(job_id)
+        return ids[1:]
+
+
+def sbatch(commands: CommandRunner, run_dir: str | Path, dependency: str | None = None,
+           env: Mapping[str, str] | None = None) -> str:
+    """Queue the run dir's script (from inside the run dir); its job id. A dependency given here overrides
+    the script's own `#SBATCH --dependency` (command-line options win over directives)."""
+    argv = ["sbatch", "--parsable", *([f"--dependency={dependency}"] if dependency else []), SCRIPT]
+    done = commands.run(argv, cwd=str(run_dir), env=env)
+    if done.returncode != 0:
+        message = " ".join((done.stderr.strip() or done.stdout.strip() or f"exit code {done.returncode}").splitlines())
+        if slurm_unreachable(message):  # Slurm itself is down: not the user's mistake
+            raise SubmitError(f"sbatch could not reach Slurm: {message}", hint="check `sinfo`; try again later")
+        raise SchedulerRefused(f"sbatch refused the job: {message}")
+    job_id = done.stdout.strip().split(";")[0]
+    if not job_id:
+        raise SubmitError(f"sbatch printed no job id (stdout {done.stdout!r})")
+    return job_id
+
+
+# ---- --after: the job waited for must exist, and be able to satisfy the dependency ----
+
+# End states after which a job never satisfies afterok (Slurm leaves the dependent job pending forever,
+# Reason=DependencyNeverSatisfied).
+_ENDED_BADLY = frozenset({"FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY", "BOOT_FAIL",
+                          "DEADLINE", "REVOKED"})
+UNKNOWN = "?"  # Slurm could not be asked
+
+
+def dependency_problem(after: str, state: str | None) -> tuple[str, str] | None:
+    """(message, hint) when `after` ("afterok:ID"/"afterany:ID") cannot work, given the state Slurm has
+    for the job (None: Slurm knows no such job; UNKNOWN: it could not be asked); None when it can."""
+    kind, _, job = after.partition(":")
+    if state is None:
+        message = (f"--after {job}: Slurm knows no job {job} (not queued, not running, not recently ended, not in "
+                   "accounting)")
+        return message, (f"check the id with `sacct -j {job}`; Slurm drops a dependency on a job it does not know "
+                         "and would start this one at once")
+    if kind == "afterok" and state in _ENDED_BADLY:
+        return (f"--after {job}: job {job} ended {state}, so a job waiting for its success would never start",
+                f"use --after {job}:any to start after it whatever its end")
+    return None
+
+
+def job_state(job_id: str, commands: CommandRunner) -> str | None:
+    """Slurm's state of `job_id` (PENDING, RUNNING, COMPLETED, FAILED, ...): from the controller, which
+    knows the queued jobs and the recently ended ones, then from accounting. None: neither knows it;
+    UNKNOWN: neither could be asked."""
+    from hpc_ddp.job.attempts import parse_show_job
+
+    known_not = False
+    done = _ask(commands, ["scontrol", "show", "job", job_id])
+    if done is not None and done.returncode == 0:
+        state = parse_show_job(done.stdout).get("JobState")
+        if state:
+            return state
+    elif done is not None:
+        known_not = "Invalid job id" in done.stderr + done.stdout
+    done = _ask(commands, ["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State"])
+    if done is not None and done.returncode == 0:  # not without accounting ("accounting storage is disabled")
+        words = done.stdout.split()
+        return words[0] if words else None  # "CANCELLED by 1000" -> CANCELLED
+    return None if known_not else UNKNOWN
+
+
+def _ask(commands: CommandRunner, argv: list[str]):
+    """The command's answer, or None where it is not installed or did not answer in time."""
+    if not commands.which(argv[0]):
+        return None
+    try:
+        return commands.run(argv, timeout=30)
+    except HpcDdpError:
+        return None
+
+
+def check_dependency(after: str, commands: CommandRunner) -> None:
+    """Raise a UserError (exit 2, nothing submitted) when the job `after` names cannot be waited for."""
+    job = after.partition(":")[2]
+    state = job_state(job, commands)
+    if state == UNKNOWN:
+        print(f"hpc-ddp: warning: could not ask Slurm about job {job} (--after): it is not checked",
+              file=sys.stderr)
+        return
+    problem = dependency_problem(after, state)
+    if problem:
+        raise UserError(problem[0], hint=problem[1])
+
+
+# ---- the requeue fallback: run by the batch script, on a compute node ----
+
+def queue_next(run_dir: str | Path, job_id: str, chain: str, env: Mapping[str, str],
+               commands: CommandRunner | None = None) -> str:
+    """Queue the next attempt of the run as a new job that starts when job `job_id` ends (afterany),
+    linked to its chain, and recorded as any submission; its job id."""
+    commands = commands or SubprocessCommands()
+    next_job = sbatch(commands, run_dir, dependency=f"afterany:{job_id}", env=sbatch_env(env))
+    sub = Submission("sbatch", next_job, str(run_dir), str(RunDir(run_dir).script))
+    record(run_dir, link(sub.to_json(), chain, job_id, "requeue_fallback"))
+    _register(run_dir, next_job)
+    return next_job
+
+
+def _register(run_dir: str | Path, job_id: str) -> None:
+    """So `hpc-ddp status JOB` and `list` know the new job; a registry that cannot be written is a warning."""
+    from hpc_ddp.launch.registry import record_run
+    from hpc_ddp.spec.jobspec import load_spec
+
+    def warn(message: str) -> None:
+        print(f"hpc-ddp: warning: {message}", file=sys.stderr)
+
+    try:
+        spec = load_spec(RunDir(run_dir).spec)
+    except HpcDdpError as exc:
+        warn(f"job {job_id} is not in the registry: {exc.message}")
+        return
+    record_run(spec, str(run_dir), job_id, "sbatch", warn)
 
 
 def script_path(run_dir: str) -> Path:
