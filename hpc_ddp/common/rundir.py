@@ -28,7 +28,7 @@ import re
 from pathlib import Path
 
 __all__ = ["RunDir", "SPEC", "SCRIPT", "EVENTS", "METRICS", "SUBMISSIONS", "LOCAL_PID", "SRUN_PID", "CHECKPOINTS", "LATEST",
-           "CHECKPOINT_PREFIX", "CHECKPOINT_NAME", "checkpoint_name", "attempt_logs", "RANK_LOG", "SLURM_OUTPUT"]
+           "CHECKPOINT_PREFIX", "CHECKPOINT_NAME", "checkpoint_name", "attempt_logs", "RANK_LOG", "RANK_LOGS_GLOB", "SLURM_OUTPUT"]
 
 SPEC = "spec.json"
 SCRIPT = "job.sbatch"
@@ -46,6 +46,7 @@ CHECKPOINT_PREFIX = "step-"
 CHECKPOINT_NAME = re.compile(r"step-(\d+)(?:-r(\d+))?")
 RANK_LOG = "rank-{rank}.log"           # {rank}: a number, or srun's %t
 SLURM_OUTPUT = f"{LOGS}/slurm-%j.out"  # relative: sbatch runs in the run dir
+RANK_LOGS_GLOB = f"{LOGS}/job-*/attempt-*/{RANK_LOG.format(rank='*')}"  # every rank's log, for hints and globs
 
 
 def checkpoint_name(step: int, revision: int = 0) -> str:
@@ -104,7 +105,7 @@ class RunDir:
     def rank_logs(self, rank: int | None = None) -> list[tuple[int, int, Path]]:
         """(attempt, rank, path) of every per-rank log, in attempt then rank order."""
         found = []
-        for path in self.path.glob(f"{attempt_logs('*', '*')}/{RANK_LOG.format(rank='*')}"):
+        for path in self.path.glob(RANK_LOGS_GLOB):
             try:
                 attempt = int(path.parent.name.removeprefix("attempt-"))
                 r = int(path.stem.removeprefix("rank-"))

@@ -26,8 +26,8 @@ node, race-free and verified.
 
 from __future__ import annotations
 
-import dataclasses
 import bz2
+import dataclasses
 import fcntl
 import gzip
 import hashlib
@@ -50,6 +50,7 @@ from pathlib import Path
 from hpc_ddp.common.durable import fsync_dir as _fsync_dir
 from hpc_ddp.common.durable import replace_durable
 from hpc_ddp.common.errors import HpcDdpError, UserError
+from hpc_ddp.common.rundir import RANK_LOGS_GLOB
 
 __all__ = ["stage", "wait_for_stage", "download_once", "is_archive", "StagingError", "source_manifest",
            "ARCHIVE_SUFFIXES", "StageResult", "StageRefused", "ScratchUnusable", "TargetOccupied", "BadArchive",
@@ -294,7 +295,7 @@ def wait_for_stage(src: str | os.PathLike, scratch: str | os.PathLike, *, name: 
     target, marker = root / name, root / f"{name}{MARKER_SUFFIX}"
     return _wait_complete(target, marker, key, timeout,
                           f"waited {timeout:.0f} s for local rank 0 to stage {name} into {root}",
-                          "see local rank 0's log on this node (logs/job-*/attempt-*/rank-*.log)")
+                          f"see local rank 0's log on this node ({RANK_LOGS_GLOB})")
 
 
 def _wait_complete(target: Path, marker: Path, key: str, timeout: float, message: str, hint: str) -> Path:

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from hpc_ddp.common.durable import read_regular, replace_durable
 from hpc_ddp.common.errors import HpcDdpError
+from hpc_ddp.common.rundir import RANK_LOGS_GLOB
 from hpc_ddp.data.staging import ScratchUnusable, StagingError, is_archive, stage
 from hpc_ddp.job.distenv import DistEnv
 from hpc_ddp.spec.jobspec import JobSpec
@@ -118,7 +119,7 @@ def _all_nodes_ready(spec: JobSpec, dist: DistEnv, run_dir: Path, env: Mapping[s
                 return
             names = ", ".join(f"node {n} ({_host(dist, n)})" for n in missing)
             raise HpcDdpError(f"staging did not finish on {names} within {spec.stage_timeout} s",
-                              hint="see local rank 0's log on that node (logs/job-*/attempt-*/rank-*.log)")
+                              hint=f"see local rank 0's log on that node ({RANK_LOGS_GLOB})")
         time.sleep(delay)
 
 
@@ -186,7 +187,7 @@ def _follow(spec: JobSpec, marks: list[Path]) -> dict[str, str]:
         if time.monotonic() > deadline:
             names = ", ".join(name for name, _ in spec.datasets)
             raise StagingError(f"waited {limit:.0f} s for local rank 0 to stage {names} and to hear from every node",
-                               hint="see local rank 0's log on this node (logs/job-*/attempt-*/rank-*.log)")
+                               hint=f"see local rank 0's log on this node ({RANK_LOGS_GLOB})")
         time.sleep(LOCAL_POLL_S)
 
 

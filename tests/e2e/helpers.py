@@ -117,3 +117,25 @@ def submit_json(*args: str, cwd: Path, env: dict | None = None) -> dict:
     done = hpc_ddp("submit", "--json", *args, cwd=cwd, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
     return json.loads(done.stdout[done.stdout.index("{"):])
+
+
+# A model module whose step time is pinned (0.25 s), for runs that must outlast a short time limit
+# however fast the machine is: load it with model = "slowmodel:make" after writing it as slowmodel.py.
+SLOW_MODEL = """
+import time
+from torch import nn
+
+
+class SlowLinear(nn.Module):
+    def __init__(self, num_classes, in_channels, image_size):
+        super().__init__()
+        self.fc = nn.Linear(in_channels * image_size * image_size, num_classes)
+
+    def forward(self, x):
+        time.sleep(0.25)
+        return self.fc(x.flatten(1))
+
+
+def make(**kwargs):
+    return SlowLinear(**kwargs)
+"""

@@ -12,6 +12,7 @@ from hpc_ddp.common.events import read_jsonl
 from hpc_ddp.data.datagen import write_mnist
 
 from .helpers import (
+    SLOW_MODEL,
     hpc_ddp,
     job_field,
     last_step,
@@ -98,27 +99,6 @@ def test_preempted_twice_and_warned_once_ends_bitwise_identical(slurm_conf, work
     assert "[attempt 3 rank 0]" in logs and "resumed from" in logs
     rank_logs = sorted(p.relative_to(run_dir).as_posix() for p in run_dir.glob("logs/job-*/attempt-*/rank-*.log"))
     assert rank_logs == [f"logs/job-{job}/attempt-{a}/rank-{r}.log" for a in range(4) for r in range(4)]
-
-
-SLOW_MODEL = """
-import time
-from torch import nn
-
-
-class SlowLinear(nn.Module):
-    # Pinned step time: the run must outlast one 1-minute attempt however fast the machine is.
-    def __init__(self, num_classes, in_channels, image_size):
-        super().__init__()
-        self.fc = nn.Linear(in_channels * image_size * image_size, num_classes)
-
-    def forward(self, x):
-        time.sleep(0.25)
-        return self.fc(x.flatten(1))
-
-
-def make(**kwargs):
-    return SlowLinear(**kwargs)
-"""
 
 
 def test_time_limit_signals_checkpoints_requeues_and_finishes(slurm_conf, workspace):

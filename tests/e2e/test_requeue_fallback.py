@@ -16,7 +16,7 @@ import pytest
 from hpc_ddp.common.events import read_jsonl
 from hpc_ddp.data.datagen import write_mnist
 
-from .helpers import hpc_ddp, last_step, submit_json, wait_for_job
+from .helpers import SLOW_MODEL, hpc_ddp, last_step, submit_json, wait_for_job
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slurm]
 
@@ -122,27 +122,6 @@ def test_a_chain_hands_over_at_a_stop_and_its_last_job_ends_at_once(slurm_conf, 
     _trained_every_step_once(run_dir)
     # Job 1 did not requeue itself (job 2 was waiting): Slurm ran it once.
     assert "Restarts=0" in subprocess.run(["scontrol", "show", "job", jobs[0]], check=False, capture_output=True, text=True).stdout
-
-
-SLOW_MODEL = """
-import time
-from torch import nn
-
-
-class SlowLinear(nn.Module):
-    # Pinned step time: the run must outlast a 1-minute job however fast the machine is.
-    def __init__(self, num_classes, in_channels, image_size):
-        super().__init__()
-        self.fc = nn.Linear(in_channels * image_size * image_size, num_classes)
-
-    def forward(self, x):
-        time.sleep(0.25)
-        return self.fc(x.flatten(1))
-
-
-def make(**kwargs):
-    return SlowLinear(**kwargs)
-"""
 
 
 def test_a_chain_carries_a_run_past_short_time_limits_without_requeues(slurm_conf, workspace):

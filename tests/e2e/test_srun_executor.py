@@ -24,7 +24,7 @@ import pytest
 
 from hpc_ddp.common.events import read_jsonl
 
-from .helpers import check_probe, copy_probe, hpc_ddp, last_step, read_probe, wait_until
+from .helpers import check_probe, copy_probe, hpc_ddp, last_step, read_probe
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slurm]
 

@@ -27,22 +27,21 @@ import time
 from pathlib import Path
 
 from hpc_ddp.common import rundir, secrets
-from hpc_ddp.common.errors import UserError
-from hpc_ddp.common.events import JsonLines, read_jsonl
 from hpc_ddp.common.exitcodes import REQUEUE_EXIT_CODE
 from hpc_ddp.common.machine import physical_gpus
-from hpc_ddp.common.procs import die_with_parent_preexec, read_pid_file, signal_process, write_pid_file
+from hpc_ddp.common.procs import die_with_parent_preexec
 from hpc_ddp.common.rundir import RANK_LOG, RunDir
 from hpc_ddp.job import attempts
 from hpc_ddp.job.distenv import port_for_job
 from hpc_ddp.job.ports import first_free_port
-from hpc_ddp.launch.executors.base import Plan, Run, Submission, record_submission, write_run_dir
+from hpc_ddp.launch.executors.base import Plan, Run, Submission, write_run_dir
+from hpc_ddp.launch.executors.foreground import CANCELLED_EXIT_CODE, ForegroundControl
+from hpc_ddp.launch.executors.foreground import say as _say
 from hpc_ddp.launch.render import runner_command
 from hpc_ddp.spec.jobspec import JobSpec
 
 _GRACE_S = 10
 KILL_WAIT_S = 30  # Slurm's default KillWait: SIGTERM at the limit, SIGKILL this much later
-CANCELLED_EXIT_CODE = 130  # as a shell reports a job stopped by Ctrl-C
 _FORWARDED = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGHUP)
 
 
@@ -196,14 +195,16 @@ def comment_text(text: str) -> str:
                    for c in text)
 
 
-class LocalExecutor:
+class LocalExecutor(ForegroundControl):
     name = "local"
-    queues = False
 
     def __init__(self, *, echo: bool = True, job_id: str | None = None, **_ignored):
         self.echo = echo
         self.job_id = job_id or f"local-{os.getpid()}-{int(time.time())}"
         self.ctrl_c = _Cancel()  # SIGINTs to this process, counted while it runs the ranks
+
+    def pid_file(self, run: Run) -> Path:
+        return run.paths.local_pid
 
     def plan(self, spec: JobSpec, run_dir: str) -> Plan:
         # The port attempt 0 starts from (submit moves on to the next free one if it is taken).
@@ -217,24 +218,7 @@ class LocalExecutor:
             on_job_id(self.job_id)
         run_dir = write_run_dir(plan)
         spec = plan.spec
-        pid_file = RunDir(run_dir).local_pid
-        # Before the pid file names us: `hpc-ddp cancel` may signal as soon as it exists.
-        previous = self.ctrl_c.install()
-        try:
-            write_pid_file(pid_file, self.job_id)
-            record_submission(Submission("local", self.job_id, str(run_dir), None, state="RUNNING"))
-            try:
-                rc = self._attempts(spec, run_dir)
-            finally:
-                pid_file.unlink(missing_ok=True)
-        finally:
-            if previous is not None:
-                signal.signal(signal.SIGINT, previous)
-        state = "COMPLETED" if rc == 0 else "CANCELLED" if self.ctrl_c.requested else \
-            "CHECKPOINTED" if rc == REQUEUE_EXIT_CODE else "FAILED"
-        sub = Submission("local", self.job_id, str(run_dir), None, state=state, returncode=rc)
-        record_submission(sub)
-        return sub
+        return self.run_here(run_dir, lambda: self._attempts(spec, run_dir))
 
     def _attempts(self, spec: JobSpec, run_dir: Path) -> int:
         argv = runner_command(spec, str(run_dir))
@@ -273,77 +257,6 @@ class LocalExecutor:
             attempt += 1
             _say(f"checkpointed at a stop request; restarting ({reason})")
 
-    def _cancelled(self, run_dir: Path, attempt: int, rc: int | None, began: bool = False) -> int:
-        """Record the cancel as the end of the job (`status` says CANCELLED); the requeue policy is not
-        asked: a cancelled job is never restarted, however it stopped."""
-        events = JsonLines(RunDir(run_dir).events)
-        if began:
-            events.write({"event": "attempt_end", "attempt": attempt, "exit_code": rc, "cause": "cancelled"})
-        events.write({"event": "gave_up", "attempt": attempt, "reason": "cancelled by the user", "cause": "cancelled"})
-        saved = " after the ranks checkpointed: submit again with the same --run-dir to resume" \
-            if rc == REQUEUE_EXIT_CODE else ""
-        _say(f"cancelled{saved}")
-        return CANCELLED_EXIT_CODE
-
-
-    # ---- watching and managing a run of this executor (from another process: `hpc-ddp status`, ...) ----
-
-    def state(self, run: Run) -> dict:
-        """RUNNING while the executor that wrote local.pid runs: that very process (start time, command
-        line), not whichever took its pid after it was killed."""
-        who, _, _ = read_pid_file(run.paths.local_pid)
-        return {"state": "RUNNING", "source": "local", "pid": who.pid} if who else {}
-
-    def cancel(self, run: Run) -> str:
-        """SIGINT to the executor: every rank checkpoints and stops, no attempt starts after it. Asked
-        again while that goes on, it only waits: a second SIGINT would kill ranks that are still saving
-        (Ctrl-C twice does that)."""
-        if _cancel_pending(run):
-            who = _running_executor(run)
-            _say(f"job {run.job_id} is already being cancelled; waiting for it")
-        else:
-            who = _signal_executor(run, signal.SIGINT)
-            JsonLines(run.paths.events).write({"event": "cancelled", "job_id": run.job_id, "by": "hpc-ddp cancel"})
-        if not _wait_gone(who, 60):
-            return f"Asked job {run.job_id} to stop ({run.run_dir}); its ranks are still checkpointing"
-        return f"Cancelled job {run.job_id} ({run.run_dir})"
-
-    def signal(self, run: Run, name: str) -> None:
-        _signal_executor(run, getattr(signal, f"SIG{name}"))  # it forwards the signal to every rank
-
-
-def _cancel_pending(run: Run) -> bool:
-    """`hpc-ddp cancel` already signalled this run of the job (since its latest first attempt)."""
-    from hpc_ddp.launch.status import current_job
-
-    return any(e.get("event") == "cancelled" and e.get("job_id") == run.job_id
-               for e in current_job(read_jsonl(run.paths.events)))
-
-
-def _running_executor(run: Run):
-    """The executor process that local.pid names, checked to be that very process (its start time and
-    command line), never a process that took its pid later."""
-    who, _, why = read_pid_file(run.paths.local_pid)
-    if who is None:
-        raise UserError(f"no local job is running for {run.run_dir} ({why})")
-    return who
-
-
-def _signal_executor(run: Run, signum: int):
-    who = _running_executor(run)
-    if not signal_process(who, signum):
-        raise UserError(f"no local job is running for {run.run_dir} (process {who.pid} has just ended)")
-    return who
-
-
-def _wait_gone(who, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while who.alive():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
-
 
 class _Cancel:
     """SIGINT (Ctrl-C, `hpc-ddp cancel`) counted by a handler that only counts: the wait loop acts on it
@@ -375,9 +288,6 @@ def _timeline(spec: JobSpec, deadline: float | None) -> list[tuple[float, int]]:
     warning = getattr(signal, f"SIG{spec.signal}")
     return [(deadline - spec.signal_lead, warning), (deadline, signal.SIGTERM), (deadline + KILL_WAIT_S, signal.SIGKILL)]
 
-
-def _say(message: str) -> None:
-    print(f"hpc-ddp: {message}", file=sys.stderr, flush=True)
 
 
 

@@ -41,20 +41,14 @@ from pathlib import Path
 
 from hpc_ddp.common import secrets
 from hpc_ddp.common.errors import UserError
-from hpc_ddp.common.events import JsonLines, read_jsonl
 from hpc_ddp.common.exitcodes import REQUEUE_EXIT_CODE
-from hpc_ddp.common.procs import (
-    CommandRunner,
-    SubprocessCommands,
-    die_with_parent_preexec,
-    read_pid_file,
-    signal_process,
-    write_pid_file,
-)
+from hpc_ddp.common.procs import CommandRunner, SubprocessCommands, die_with_parent_preexec
 from hpc_ddp.common.rundir import RANK_LOG, RunDir
 from hpc_ddp.job import attempts
 from hpc_ddp.job.distenv import port_for_job
-from hpc_ddp.launch.executors.base import Plan, Run, Submission, record_submission, write_run_dir
+from hpc_ddp.launch.executors.base import Plan, Run, Submission, write_run_dir
+from hpc_ddp.launch.executors.foreground import CANCELLED_EXIT_CODE, ForegroundControl
+from hpc_ddp.launch.executors.foreground import say as _say
 from hpc_ddp.launch.executors.local import bash_word, comment_text
 from hpc_ddp.launch.render import runner_command
 from hpc_ddp.slurm.nodelist import expand_hostlist, expand_tasks_per_node
@@ -68,7 +62,6 @@ NAME = "srun"
 ALLOCATION_HINT = ("run `salloc -N2 --gpus-per-node=2 --ntasks-per-node=2` (your sizes) first and run hpc-ddp in "
                    "the shell it opens, or submit a batch job instead (hpc-ddp submit --executor sbatch)")
 KILL_WAIT_S = 30          # after a cancel, how long the ranks have to checkpoint before they are killed
-CANCELLED_EXIT_CODE = 130  # as a shell reports a job stopped by Ctrl-C
 KILL_GRACE_S = 10         # how long srun has to end the step after it was told to kill it
 STEP_LOOKUP_S = 20        # how long signals wait for the step's id before going through srun itself
 _POLL_S = 0.2
@@ -316,9 +309,14 @@ def plan_text(spec: JobSpec, run_dir: str, job_id: str, alloc: Allocation, scrub
 
 # ---- the executor ----
 
-class SrunExecutor:
+class SrunExecutor(ForegroundControl):
     name = NAME
     queues = False  # the allocation is already there: no preflight, no accounting of a queued job
+    not_running_hint = ("a run started on another machine is not seen here: run it where the run was started, "
+                        "or scancel the allocation")
+
+    def pid_file(self, run: Run) -> Path:
+        return run.paths.srun_pid
 
     def __init__(self, commands: CommandRunner | None = None, *, environ: Mapping[str, str] | None = None,
                  given: frozenset[str] | None = None, echo: bool = True, job_id: str | None = None, **_ignored):
@@ -352,23 +350,7 @@ class SrunExecutor:
         run_dir = write_run_dir(plan)
         for flag in ignored_settings(plan.spec):
             _say(f"{flag} is ignored inside an allocation (the allocation's own applies)")
-        pid_file = RunDir(run_dir).srun_pid
-        previous = self.ctrl_c.install()  # before the pid file names us: `hpc-ddp cancel` may act at once
-        try:
-            write_pid_file(pid_file, self.job_id)
-            record_submission(Submission(NAME, self.job_id, str(run_dir), None, state="RUNNING"))
-            try:
-                rc = self._attempts(plan.spec, run_dir, alloc, ends)
-            finally:
-                pid_file.unlink(missing_ok=True)
-        finally:
-            if previous is not None:
-                signal.signal(signal.SIGINT, previous)
-        state = "COMPLETED" if rc == 0 else "CANCELLED" if self.ctrl_c.requested else \
-            "CHECKPOINTED" if rc == REQUEUE_EXIT_CODE else "FAILED"
-        sub = Submission(NAME, self.job_id, str(run_dir), None, state=state, returncode=rc)
-        record_submission(sub)
-        return sub
+        return self.run_here(run_dir, lambda: self._attempts(plan.spec, run_dir, alloc, ends))
 
     def _allocation_end(self, alloc: Allocation) -> float | None:
         """When the allocation ends (None: no limit, or squeue cannot say), refusing one that is not running
@@ -469,74 +451,18 @@ class SrunExecutor:
         code = step.proc.returncode
         return 128 - code if code < 0 else code  # srun killed by a signal: as a shell reports it
 
-    def _cancelled(self, run_dir: Path, attempt: int, rc: int | None, began: bool = False) -> int:
-        """The cancel is the end of the job (`status` says CANCELLED); the requeue policy is not asked."""
-        events = JsonLines(RunDir(run_dir).events)
-        if began:
-            events.write({"event": "attempt_end", "attempt": attempt, "exit_code": rc, "cause": "cancelled"})
-        events.write({"event": "gave_up", "attempt": attempt, "reason": "cancelled by the user", "cause": "cancelled"})
-        saved = " after the ranks checkpointed: submit again with the same --run-dir to resume" \
-            if rc == REQUEUE_EXIT_CODE else ""
-        _say(f"cancelled{saved}")
-        return CANCELLED_EXIT_CODE
-
-    # ---- a run of this executor, from another shell (`hpc-ddp status/cancel/preempt`) ----
-
-    def state(self, run: Run) -> dict:
-        """RUNNING while the process that wrote srun.pid runs: that very process (start time, command line),
-        not whichever took its pid since. A run started on another machine reads as not running here."""
-        who, _, _ = read_pid_file(run.paths.srun_pid)
-        return {"state": "RUNNING", "source": NAME, "pid": who.pid} if who else {}
-
-    def cancel(self, run: Run) -> str:
-        """SIGINT to the foreground process, as Ctrl-C: every rank checkpoints and stops. Asked again while
-        that goes on, it only waits: a second SIGINT would kill ranks that are still saving."""
-        if _cancel_pending(run):
-            who = _running(run)
-            _say(f"job {run.job_id} is already being cancelled; waiting for it")
-        else:
-            who = _signal_runner(run, signal.SIGINT)
-            JsonLines(run.paths.events).write({"event": "cancelled", "job_id": run.job_id, "by": "hpc-ddp cancel"})
-        deadline = time.monotonic() + 60
-        while who.alive() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        if who.alive():
-            return f"Asked job {run.job_id} to stop ({run.run_dir}); its ranks are still checkpointing"
-        return f"Cancelled job {run.job_id} ({run.run_dir})"
-
-    def signal(self, run: Run, name: str) -> None:
-        _signal_runner(run, getattr(signal, f"SIG{name}"))  # it sends the signal to every task of the step
-
 
 def _earliest(*times: float | None) -> float | None:
     known = [t for t in times if t is not None]
     return min(known) if known else None
 
 
-def _say(message: str) -> None:
-    print(f"hpc-ddp: {message}", file=sys.stderr, flush=True)
 
 
-def _running(run: Run):
-    who, _, why = read_pid_file(run.paths.srun_pid)
-    if who is None:
-        raise UserError(f"no srun job is running for {run.run_dir} on this machine ({why})",
-                        hint="run it in the shell (on the machine) where it was started, or scancel the allocation")
-    return who
 
 
-def _signal_runner(run: Run, signum: int):
-    who = _running(run)
-    if not signal_process(who, signum):
-        raise UserError(f"no srun job is running for {run.run_dir} (process {who.pid} has just ended)")
-    return who
 
 
-def _cancel_pending(run: Run) -> bool:
-    from hpc_ddp.launch.status import current_job
-
-    return any(e.get("event") == "cancelled" and e.get("job_id") == run.job_id
-               for e in current_job(read_jsonl(run.paths.events)))
 
 
 # ---- the running step ----
