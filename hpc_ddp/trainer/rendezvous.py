@@ -303,26 +303,39 @@ def mark_left(store: dist.Store | None, env: DistEnv, why: str) -> None:
     if store is not None:
         with contextlib.suppress(Exception):  # the store may already be gone
             store.set(f"left/{env.rank}", why[:300])
+            store.append("left/ranks", f"{env.rank},")  # after the reason: a rank listed has one
 
 
 def unresponsive(store: dist.Store, env: DistEnv, window_s: float = 2.5 * HEARTBEAT_S) -> list[int]:
     """Ranks whose heartbeat did not move during `window_s` and that did not say they left.
     Raises DistError if the store is gone."""
     keys = [f"heartbeat/{r}" for r in range(env.world_size)]
-    before = [int(store.add(k, 0)) for k in keys]
+    before = _counters(store, keys)
     time.sleep(window_s)
-    after = [int(store.add(k, 0)) for k in keys]
+    after = _counters(store, keys)
     return [r for r in range(env.world_size)
             if after[r] == before[r] and r != env.rank and not store.check([f"left/{r}"])]
 
 
+def _counters(store: dist.Store, keys: list[str]) -> list[int]:
+    """The counters at `keys`: two requests when all exist (every rank beat once at start-up), else one
+    per key (a missing one reads, and is created, as 0)."""
+    if store.check(keys):
+        return [int(v) for v in store.multi_get(keys)]
+    return [int(store.add(k, 0)) for k in keys]
+
+
 def _failed_ranks(store: dist.Store, env: DistEnv) -> list[str]:
+    """"rank R (host) failed: why" for each other rank that left for a reason of its own: the ranks
+    that left are listed in one key, so this reads O(ranks that left), not O(world)."""
+    if not store.check(["left/ranks"]):
+        return []
+    listed = store.get("left/ranks").decode(errors="replace").split(",")
     out = []
-    for r in range(env.world_size):
-        if r != env.rank and store.check([f"left/{r}"]):
-            why = store.get(f"left/{r}").decode(errors="replace")
-            if why not in ("finished", LEFT_AFTER_OTHERS):
-                out.append(f"rank {r} ({expected_host(env, r)}) failed: {why}")
+    for r in sorted({int(x) for x in listed if x.strip().isdigit()} - {env.rank}):
+        why = store.get(f"left/{r}").decode(errors="replace")
+        if why not in ("finished", LEFT_AFTER_OTHERS):
+            out.append(f"rank {r} ({expected_host(env, r)}) failed: {why}")
     return out
 
 
@@ -333,9 +346,10 @@ def explain_failure(store: dist.Store | None, env: DistEnv, window_s: float = 2.
 
     When a peer dies every survivor asks at about the same time, and each looking at every rank's
     heartbeat would be O(world^2) requests. So the ranks take turns in rounds: the first to claim a round
-    investigates (O(world) requests, once) and publishes its answer; the ranks that asked during that
+    investigates (once) and publishes its answer; the ranks that asked during that
     round take it. An investigation that blames nobody closes its round, so a rank that fails later
-    (say, because the investigator has since left for its own reasons) investigates afresh."""
+    (say, because the investigator has since left for its own reasons) investigates afresh. The
+    investigation itself reads every heartbeat in one request and the ranks that left from one key."""
     if store is None:
         return None
     try:

@@ -279,3 +279,58 @@ def test_waiting_ranks_back_off_so_all_of_them_poll_the_store_a_bounded_number_o
         steady = delays(world)[-1]
         assert steady > rendezvous.FIRST_POLL_S and world / steady <= rendezvous.STORE_POLLS_PER_S * 1.001
     assert delays(10**6)[-1] == rendezvous.MAX_POLL_S
+
+
+class _Counted(dist.Store):
+    """A store that counts the requests made through it (each is one round trip to the server)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.requests = inner, 0
+
+    def _n(self):
+        self.requests += 1
+
+    def set(self, key, value):
+        self._n()
+        return self.inner.set(key, value)
+
+    def get(self, key):
+        self._n()
+        return self.inner.get(key)
+
+    def add(self, key, value):
+        self._n()
+        return self.inner.add(key, value)
+
+    def check(self, keys):
+        self._n()
+        return self.inner.check(keys)
+
+    def multi_get(self, keys):
+        self._n()
+        return self.inner.multi_get(keys)
+
+    def append(self, key, value):
+        self._n()
+        return self.inner.append(key, value)
+
+
+def test_the_investigation_does_not_ask_once_per_rank(port):
+    world, dead = 24, 9
+    server = dist.TCPStore("127.0.0.1", port, world, True, wait_for_workers=False)
+    counted = _Counted(server)  # kept: the PrefixStore below holds only its C++ half
+    store = rendezvous._scoped(counted, _env(0, world, port))
+    for r in range(world):
+        store.add(f"heartbeat/{r}", 1)  # every rank beat at start-up
+    beats = [rendezvous.Heartbeat(_env(r, world, port), interval_s=0.1).start() for r in range(1, world) if r != dead]
+    rendezvous.mark_left(store, _env(5, world, port), "ValueError: bad shard")
+    counted.requests = 0
+    try:
+        line = rendezvous.explain_failure(store, _env(0, world, port), window_s=0.5)
+    finally:
+        for b in beats:
+            b.stop()
+    assert line == ("rank 5 (node5) failed: ValueError: bad shard; rank 9 (node9) stopped responding "
+                    "(no heartbeat for 0.5 s): it died or hung")
+    assert counted.requests < 20  # not 3 per rank
