@@ -32,7 +32,7 @@ from hpc_ddp.data.staging import ScratchUnusable, StagingError, is_archive, stag
 from hpc_ddp.job.distenv import DistEnv
 from hpc_ddp.spec.jobspec import JobSpec
 
-__all__ = ["stage_for_job", "scratch_dir", "dataset_env", "poll_delays", "FS_POLLS_PER_S"]
+__all__ = ["FS_POLLS_PER_S", "dataset_env", "poll_delays", "scratch_dir", "stage_for_job"]
 
 FIRST_POLL_S = 0.2      # a leader's first polls of the run dir: nodes that finish together go on at once
 MAX_POLL_S = 5.0        # never slower than this, at any size

@@ -9,10 +9,10 @@ import time
 import pytest
 import torch.distributed as dist
 
-from hpc_ddp.trainer import rendezvous
-from hpc_ddp.launch.classify import classify_failure
 from hpc_ddp.job.distenv import DistEnv
 from hpc_ddp.job.ports import first_free_port, port_in_use
+from hpc_ddp.launch.classify import classify_failure
+from hpc_ddp.trainer import rendezvous
 
 
 def _env(rank: int, world: int, port: int, per_node: int = 1) -> DistEnv:
@@ -334,3 +334,15 @@ def test_the_investigation_does_not_ask_once_per_rank(port):
     assert line == ("rank 5 (node5) failed: ValueError: bad shard; rank 9 (node9) stopped responding "
                     "(no heartbeat for 0.5 s): it died or hung")
     assert counted.requests < 20  # not 3 per rank
+
+
+def test_missing_ranks_are_found_by_halving_not_by_asking_for_each(port):
+    world = 256
+    server = dist.TCPStore("127.0.0.1", port, 2, True, wait_for_workers=False)
+    counted = _Counted(server)
+    store = rendezvous._scoped(counted, _env(0, world, port))
+    for r in set(range(world)) - {3, 200, 201}:
+        store.set(f"joined/{r}", "h")
+    counted.requests = 0
+    assert rendezvous._missing(store, _env(0, world, port), "joined") == [3, 200, 201]
+    assert counted.requests < 50  # about 2 m log2(world / m), not 256
