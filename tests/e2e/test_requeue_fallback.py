@@ -134,8 +134,8 @@ def test_a_chain_carries_a_run_past_short_time_limits_without_requeues(slurm_con
     (workspace / "slowmodel.py").write_text(SLOW_MODEL)
     (workspace / "long.toml").write_text(
         'nodes = 1\ntasks_per_node = 2\n[train]\ndataset = "fake"\nfake_size = 256\nimage_size = 8\n'
-        'model = "slowmodel:make"\nepochs = 60\nbatch_size = 16\nnum_workers = 0\nlog_every = 20\n'
-        'eval_every_epoch = false\n')  # 60 epochs x 8 steps x 0.25 s: more than one job can train
+        'model = "slowmodel:make"\nepochs = 150\nbatch_size = 16\nnum_workers = 0\nlog_every = 20\n'
+        'eval_every_epoch = false\n')  # 150 epochs x 8 steps x 0.25 s = 300 s: more than two 2-minute jobs train
     out = submit_json("--time", "2", "--signal-lead", "20", "--max-requeues", "0", "--chain", "2", "--run-dir",
                       "short", "long.toml", cwd=workspace, env={"PYTHONPATH": str(workspace)})
     jobs, run_dir = out["job_ids"], workspace / "short"
