@@ -35,8 +35,10 @@ class ForegroundControl:
     job_id: str
     ctrl_c: object  # counts SIGINTs while the ranks run: .install() -> previous handler, .requested
 
+    pid_name: str  # the run dir's file that names the foreground process (rundir.LOCAL_PID, ...)
+
     def pid_file(self, run: Run) -> Path:
-        raise NotImplementedError
+        return run.run_dir / self.pid_name
 
     def run_here(self, run_dir: Path, attempts: Callable[[], int]) -> Submission:
         """Run `attempts()` (the job, to its end) in this process, named by the pid file meanwhile, and

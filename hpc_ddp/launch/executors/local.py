@@ -34,7 +34,7 @@ from hpc_ddp.common.rundir import RANK_LOG, RunDir
 from hpc_ddp.job import attempts
 from hpc_ddp.job.distenv import port_for_job
 from hpc_ddp.job.ports import first_free_port
-from hpc_ddp.launch.executors.base import Plan, Run, Submission, write_run_dir
+from hpc_ddp.launch.executors.base import Plan, Submission, write_run_dir
 from hpc_ddp.launch.executors.foreground import CANCELLED_EXIT_CODE, ForegroundControl
 from hpc_ddp.launch.executors.foreground import say as _say
 from hpc_ddp.launch.render import runner_command
@@ -197,14 +197,12 @@ def comment_text(text: str) -> str:
 
 class LocalExecutor(ForegroundControl):
     name = "local"
+    pid_name = rundir.LOCAL_PID
 
     def __init__(self, *, echo: bool = True, job_id: str | None = None, **_ignored):
         self.echo = echo
         self.job_id = job_id or f"local-{os.getpid()}-{int(time.time())}"
         self.ctrl_c = _Cancel()  # SIGINTs to this process, counted while it runs the ranks
-
-    def pid_file(self, run: Run) -> Path:
-        return run.paths.local_pid
 
     def plan(self, spec: JobSpec, run_dir: str) -> Plan:
         # The port attempt 0 starts from (submit moves on to the next free one if it is taken).

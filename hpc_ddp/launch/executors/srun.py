@@ -39,14 +39,14 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from hpc_ddp.common import secrets
+from hpc_ddp.common import rundir, secrets
 from hpc_ddp.common.errors import UserError
 from hpc_ddp.common.exitcodes import REQUEUE_EXIT_CODE
 from hpc_ddp.common.procs import CommandRunner, SubprocessCommands, die_with_parent_preexec
 from hpc_ddp.common.rundir import RANK_LOG, RunDir
 from hpc_ddp.job import attempts
 from hpc_ddp.job.distenv import port_for_job
-from hpc_ddp.launch.executors.base import Plan, Run, Submission, write_run_dir
+from hpc_ddp.launch.executors.base import Plan, Submission, write_run_dir
 from hpc_ddp.launch.executors.foreground import CANCELLED_EXIT_CODE, ForegroundControl
 from hpc_ddp.launch.executors.foreground import say as _say
 from hpc_ddp.launch.executors.local import bash_word, comment_text
@@ -315,8 +315,7 @@ class SrunExecutor(ForegroundControl):
     not_running_hint = ("a run started on another machine is not seen here: run it where the run was started, "
                         "or scancel the allocation")
 
-    def pid_file(self, run: Run) -> Path:
-        return run.paths.srun_pid
+    pid_name = rundir.SRUN_PID
 
     def __init__(self, commands: CommandRunner | None = None, *, environ: Mapping[str, str] | None = None,
                  given: frozenset[str] | None = None, echo: bool = True, job_id: str | None = None, **_ignored):
