@@ -175,8 +175,10 @@ def main(argv: list[str] | None = None) -> None:
 def _ignore_warning_signal(spec: JobSpec) -> None:
     """A script written for torchrun has no handler for SIGUSR1/SIGUSR2, whose default action kills it
     two minutes before its time limit. An ignored signal stays ignored across exec, and a program that
-    wants the warning (our trainer, or a script with its own handler) installs a handler over it."""
-    if spec.target.kind != "trainer" and spec.signal in ("USR1", "USR2"):
+    wants the warning (our trainer, or a script with its own handler) installs a handler over it. Our
+    trainer too: Slurm may send the warning early, while the ranks still import torch, and a warning that
+    comes before the handler is installed must not kill them (the deadline still stops them in time)."""
+    if spec.signal in ("USR1", "USR2"):
         signal.signal(getattr(signal, f"SIG{spec.signal}"), signal.SIG_IGN)
 
 
