@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 SLURM_ENV := /var/tmp/hpc-ddp-slurm/env.sh
 
-.PHONY: install demo test test-fast slurm-up slurm-down bench clean
+.PHONY: install demo test test-fast slurm-up slurm-down bench scale clean
 
 install: $(STAMP)
 
@@ -38,6 +38,11 @@ test: install
 # Quick check of the harness only: make bench BENCH_ARGS=--quick
 bench: install
 	$(PY) bench/run.py $(BENCH_ARGS)
+
+# The launcher-side paths at 2 to 256 nodes x 8 ranks, simulated on this machine (bench/README.md, "Scale");
+# writes bench/scale_results.json (~5 min on 2 cores). A few sizes only: make scale SCALE_ARGS=--nodes=2,8
+scale: install
+	$(PY) bench/scale_sim.py $(SCALE_ARGS)
 
 # Unit and CLI tests only (no Slurm, no DDP processes).
 test-fast: install
