@@ -11,6 +11,7 @@ import click
 
 from hpc_ddp.common.errors import UserError
 from hpc_ddp.common.procs import SubprocessCommands
+from hpc_ddp.common.rundir import is_sweep_dir
 from hpc_ddp.launch.registry import resolve
 from hpc_ddp.launch.rundirs import on_kernel_fs
 
@@ -28,6 +29,9 @@ def status(job: str | None, as_json: bool, watch: bool, interval: float) -> None
     from hpc_ddp.launch.status import LIVE, format_status, progress_line
 
     run = resolve(job)
+    if is_sweep_dir(run.run_dir):
+        _sweep_status(run, as_json)
+        return
     info = _status(run)
     try:
         while watch and info["state"] in LIVE:
@@ -41,6 +45,22 @@ def status(job: str | None, as_json: bool, watch: bool, interval: float) -> None
         click.echo(json.dumps(info, indent=2, default=str))
         return
     for line in format_status(info):
+        click.echo(line)
+
+
+def _sweep_status(run, as_json: bool) -> None:
+    from hpc_ddp.launch.executors import executor_for_run
+    from hpc_ddp.launch.status import array_states, run_status
+    from hpc_ddp.launch.sweep import format_sweep, sweep_status
+
+    commands = SubprocessCommands()
+    # One question to Slurm for the whole array; a task the answer does not name is asked on its own.
+    known = array_states(run.job_id, commands) if run.job_id and executor_for_run(run.executor).queues else {}
+    info = sweep_status(run.run_dir, lambda d, j, e: run_status(d, j, e, commands, sched=known.get(str(j))))
+    if as_json:
+        click.echo(json.dumps(info, indent=2, default=str))
+        return
+    for line in format_sweep(info):
         click.echo(line)
 
 

@@ -17,7 +17,14 @@ requeue policy and the runner on compute nodes, the checkpointer in every traini
       submitit/<job>/           submitit's own files
       training.png, timeline.png
 
-Pure: names and paths only; nothing here touches the filesystem except `rank_logs` (a glob) and
+A sweep (`submit --sweep`) is a folder of run dirs, one per task, with the sweep's own two files:
+
+    SWEEP_DIR/
+      sweep.json                the axes, every task's values and run dir, the array's job id
+      job.sbatch                the array's batch script: picks task-<i>/job.sbatch and runs it
+      task-<i>/                 task i's whole run dir (its Slurm output: logs/slurm-<array>_<i>.out)
+
+Pure: names and paths only; nothing here touches the filesystem except `rank_logs` (a glob), `is_sweep_dir` and
 `job_ids` (reads submissions.jsonl).
 """
 
@@ -28,7 +35,8 @@ import re
 from pathlib import Path
 
 __all__ = ["RunDir", "SPEC", "SCRIPT", "EVENTS", "METRICS", "SUBMISSIONS", "LOCAL_PID", "SRUN_PID", "CHECKPOINTS", "LATEST",
-           "CHECKPOINT_PREFIX", "CHECKPOINT_NAME", "checkpoint_name", "attempt_logs", "RANK_LOG", "RANK_LOGS_GLOB", "SLURM_OUTPUT"]
+           "CHECKPOINT_PREFIX", "CHECKPOINT_NAME", "checkpoint_name", "attempt_logs", "RANK_LOG", "RANK_LOGS_GLOB", "SLURM_OUTPUT",
+           "SWEEP", "TASK_DIR", "ARRAY_OUTPUT", "task_dir", "is_sweep_dir"]
 
 SPEC = "spec.json"
 SCRIPT = "job.sbatch"
@@ -47,6 +55,18 @@ CHECKPOINT_NAME = re.compile(r"step-(\d+)(?:-r(\d+))?")
 RANK_LOG = "rank-{rank}.log"           # {rank}: a number, or srun's %t
 SLURM_OUTPUT = f"{LOGS}/slurm-%j.out"  # relative: sbatch runs in the run dir
 RANK_LOGS_GLOB = f"{LOGS}/job-*/attempt-*/{RANK_LOG.format(rank='*')}"  # every rank's log, for hints and globs
+SWEEP = "sweep.json"
+TASK_DIR = "task-{index}"
+# sbatch runs the array script in the sweep dir; %a names the task's run dir, so each task's output is in it.
+ARRAY_OUTPUT = f"{TASK_DIR.format(index='%a')}/{LOGS}/slurm-%A_%a.out"
+
+
+def task_dir(sweep_dir: str | Path, index: int) -> Path:
+    return Path(sweep_dir) / TASK_DIR.format(index=index)
+
+
+def is_sweep_dir(path: str | Path) -> bool:
+    return (Path(path) / SWEEP).is_file()
 
 
 def checkpoint_name(step: int, revision: int = 0) -> str:

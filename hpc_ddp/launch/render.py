@@ -13,6 +13,7 @@ reads the environment's secret values.
 
 from __future__ import annotations
 
+import functools
 import importlib.resources
 import os
 import re
@@ -33,9 +34,10 @@ from hpc_ddp.job.attempts import RUN_COMPLETE_EXIT_CODE
 from hpc_ddp.slurm.slurmtime import format_time
 from hpc_ddp.spec.jobspec import JobSpec
 
-__all__ = ["check_custom_script", "directives", "refuse_secrets", "render_sbatch", "runner_command"]
+__all__ = ["check_custom_script", "directives", "refuse_secrets", "render_array", "render_sbatch", "runner_command"]
 
 DEFAULT_TEMPLATE = "sbatch.sh.j2"
+ARRAY_TEMPLATE = "sweep.sh.j2"
 
 
 def directives(spec: JobSpec) -> list[str]:
@@ -109,6 +111,22 @@ def render_sbatch(spec: JobSpec, run_dir: str, *, generated_at: str, command_lin
     if spec.template:
         check_custom_script(text, spec, run_dir, name)
     refuse_secrets(text.splitlines(), spec, scrub)
+    return text
+
+
+def render_array(*, tasks, directives: list[str], max_running: int | None, generated_at: str, command_line: str,
+                 scrubber: secrets.Scrubber | None = None) -> str:
+    """A sweep's array script: the array's directives (task 0's: every task asks for the same allocation),
+    then the task's own job script, picked by SLURM_ARRAY_TASK_ID. Only run dirs (quoted) and checked
+    directives reach the shell; the tasks' values appear in comments."""
+    from hpc_ddp.spec.sweep import describe
+
+    scrub = scrubber or secrets.current()
+    text = _environment(None).get_template(ARRAY_TEMPLATE).render(
+        tasks=[{"index": t.index, "settings": describe(t.values), "run_dir": t.run_dir} for t in tasks],
+        directives=directives, max_running=max_running, version=__version__, generated_at=generated_at,
+        command_line=scrub(command_line), script_name=rundir.SCRIPT)
+    refuse_secrets(text.splitlines(), tasks[0].plan.spec, scrub)
     return text
 
 
@@ -199,9 +217,17 @@ def _environment(template: str | None) -> jinja2.Environment:
     """Every template renders in jinja2's immutable sandbox: a template (a job file or profile may name one)
     reaches only the variables it is given, never Python (`cycler.__init__.__globals__.os`)."""
     if template:
-        loader: jinja2.BaseLoader = jinja2.FunctionLoader(_one_file(Path(template)))
-    else:
-        loader = jinja2.FileSystemLoader(str(importlib.resources.files("hpc_ddp.templates")))
+        return _sandbox(jinja2.FunctionLoader(_one_file(Path(template))))
+    return _package_environment()
+
+
+@functools.lru_cache(maxsize=1)
+def _package_environment() -> jinja2.Environment:
+    """The shipped templates', once per process: it caches their compiled form (a sweep renders hundreds)."""
+    return _sandbox(jinja2.FileSystemLoader(str(importlib.resources.files("hpc_ddp.templates"))))
+
+
+def _sandbox(loader: jinja2.BaseLoader) -> jinja2.Environment:
     env = ImmutableSandboxedEnvironment(loader=loader, undefined=jinja2.StrictUndefined, autoescape=False,
                                         keep_trailing_newline=True, trim_blocks=True, lstrip_blocks=True)
     env.filters["q"] = lambda value: shlex.quote(str(value))

@@ -27,6 +27,7 @@ from hpc_ddp.common.rundir import RunDir
 from hpc_ddp.job.attempts import attempts_from_events, latest_checkpoint_step
 from hpc_ddp.launch.classify import classify_failure
 from hpc_ddp.launch.executors.base import Run
+from hpc_ddp.spec.sweep import describe
 
 __all__ = ["run_status", "scheduler_state", "accounting", "parse_sacct", "SACCT_FIELDS", "log_files", "new_log_lines", "format_status", "Eta", "estimate_eta",
            "recent_step_seconds", "progress_line", "LIVE",
@@ -71,18 +72,11 @@ def scheduler_state(job_id: str, commands: CommandRunner) -> dict[str, Any]:
     """{'state', 'reason', 'source'} from squeue, else sacct, else scontrol; {} if Slurm knows nothing.
     Where accounting exists, 'history' lists every run of the job (requeues included), from sacct."""
     runs = accounting([job_id], commands, history=True).get(job_id, [])
-    history = {"history": [{k: r[k] for k in ("state", "elapsed", "exitcode", "start", "end", "nodelist")}
-                           for r in runs]} if runs else {}
     queue = commands.run(["squeue", "-h", "-j", job_id, "-o", "%T|%r"], timeout=20)
     if queue.returncode == 0 and queue.stdout.strip():
-        state, _, reason = queue.stdout.strip().splitlines()[0].partition("|")
-        return {"state": state, "reason": None if reason in ("None", "") else reason, "source": "squeue", **history}
+        return _queued_state(queue.stdout.strip().splitlines()[0], runs)
     if runs:
-        last = runs[-1]
-        return {"state": last["state"], "exit_code": last["exitcode"], "elapsed": last["elapsed"],
-                # A finished job's Reason is why it last waited (BeginTime after a requeue): not news.
-                "reason": None if last["reason"] in ("None", "") or last["state"] in _ENDED else last["reason"],
-                "source": "sacct", **history}
+        return _accounted_state(runs)
     show = commands.run(["scontrol", "show", "job", job_id], timeout=20)
     if show.returncode == 0:
         state = re.search(r"JobState=(\S+)", show.stdout)
@@ -93,6 +87,38 @@ def scheduler_state(job_id: str, commands: CommandRunner) -> dict[str, Any]:
                     "exit_code": code.group(1) if code else None, "source": "scontrol"}
     return {}
 
+
+
+def array_states(array_id: str, commands: CommandRunner) -> dict[str, dict[str, Any]]:
+    """scheduler_state of every task of array `array_id` (keyed <array>_<task>), in one squeue and one
+    sacct call: a sweep of hundreds of tasks is one question to the controller, not hundreds."""
+    runs = accounting([array_id], commands, history=True)
+    states = {job: _accounted_state(records) for job, records in runs.items()}
+    queue = commands.run(["squeue", "-h", "-r", "-j", array_id, "-o", "%i|%T|%r"], timeout=20)
+    for line in queue.stdout.splitlines() if queue.returncode == 0 else ():
+        job, _, rest = line.strip().partition("|")
+        if job:
+            states[job] = _queued_state(rest, runs.get(job, []))
+    return states
+
+
+def _history(runs: list[dict[str, str]]) -> dict[str, Any]:
+    return {"history": [{k: r[k] for k in ("state", "elapsed", "exitcode", "start", "end", "nodelist")}
+                        for r in runs]} if runs else {}
+
+
+def _queued_state(line: str, runs: list[dict[str, str]]) -> dict[str, Any]:
+    """From squeue's "%T|%r"."""
+    state, _, reason = line.partition("|")
+    return {"state": state, "reason": None if reason in ("None", "") else reason, "source": "squeue", **_history(runs)}
+
+
+def _accounted_state(runs: list[dict[str, str]]) -> dict[str, Any]:
+    last = runs[-1]
+    return {"state": last["state"], "exit_code": last["exitcode"], "elapsed": last["elapsed"],
+            # A finished job's Reason is why it last waited (BeginTime after a requeue): not news.
+            "reason": None if last["reason"] in ("None", "") or last["state"] in _ENDED else last["reason"],
+            "source": "sacct", **_history(runs)}
 
 
 def current_job(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -140,14 +166,18 @@ def _failure(run_dir: Path) -> dict[str, str] | None:
     return {"kind": found[0], "detail": secrets.current()(found[1])} if found else None
 
 
-def run_status(run_dir: Path, job_id: str | None, executor: str | None, commands: CommandRunner) -> dict[str, Any]:
+def run_status(run_dir: Path, job_id: str | None, executor: str | None, commands: CommandRunner,
+               sched: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Everything `status` shows of one run. `sched`: what the scheduler says, where the caller asked
+    already (a sweep asks once for all its tasks)."""
     events = records(RunDir(run_dir).events)
     every_metric = records(RunDir(run_dir).metrics)
     metrics = [m for m in every_metric if "loss" in m and isinstance(m.get("step"), int)]
     attempts = attempts_from_events(events)
     from hpc_ddp.launch.executors import executor_for_run
 
-    sched = executor_for_run(executor, commands).state(Run(run_dir, job_id, executor))
+    if sched is None:
+        sched = executor_for_run(executor, commands).state(Run(run_dir, job_id, executor))
     total = next((e.get("total_steps") for e in events if e.get("event") == "start"), None)
     step = metrics[-1]["step"] if metrics else None
     current = current_job(events)
@@ -381,7 +411,7 @@ def with_accounting(runs: list[dict[str, Any]], commands: CommandRunner) -> list
     code) under "slurm", in one sacct call; unchanged without accounting."""
     from hpc_ddp.launch.executors import executor_for_run
 
-    ids = [str(r["job_id"]) for r in runs if _queued(r, executor_for_run) and str(r.get("job_id", "")).isdigit()]
+    ids = [str(r["job_id"]) for r in runs if _queued(r, executor_for_run) and _JOB_ID.fullmatch(str(r.get("job_id")))]
     acct = accounting(ids, commands)
     for r in runs:
         last = (acct.get(str(r.get("job_id"))) or [None])[-1]
@@ -397,11 +427,19 @@ def _queued(record: dict[str, Any], executor_for_run) -> bool:
         return False
 
 
+_JOB_ID = re.compile(r"\d+(?:_\d+)?")  # a Slurm job id, or an array task's
+
+
 def format_runs(runs: list[dict[str, Any]]) -> Iterator[str]:
-    """`hpc-ddp list`: one line per run, newest last."""
+    """`hpc-ddp list`: one line per run, newest last; a sweep's tasks under one line naming the sweep."""
     if not runs:
         yield "no runs yet"
+    sweep = None
     for r in runs:
         slurm = r.get("slurm") or {}
+        if r.get("sweep") != sweep and r.get("sweep"):
+            yield f"sweep {r['sweep']}" + (f" (array job {r['array_job_id']})" if r.get("array_job_id") else "")
+        sweep = r.get("sweep")
+        what = f"  task {r.get('task')}: {describe(r.get('values') or {})}" if sweep else r.get("run_dir")
         yield (f"{str(r.get('job_id')):28} {r.get('executor', '?'):8} {slurm.get('state', '-'):10} "
-               f"{slurm.get('elapsed', '-'):>10} {r.get('name', ''):20} {r.get('run_dir')}")
+               f"{slurm.get('elapsed', '-'):>10} {r.get('name', ''):20} {what}")

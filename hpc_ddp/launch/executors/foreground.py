@@ -6,12 +6,13 @@ to it, and it passes it on to every rank. Also how such a run records being canc
 
 from __future__ import annotations
 
+import copy
 import signal
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+from hpc_ddp.common import verbosity
 from hpc_ddp.common.errors import UserError
 from hpc_ddp.common.events import JsonLines, read_jsonl
 from hpc_ddp.common.exitcodes import REQUEUE_EXIT_CODE
@@ -36,6 +37,13 @@ class ForegroundControl:
     ctrl_c: object  # counts SIGINTs while the ranks run: .install() -> previous handler, .requested
 
     pid_name: str  # the run dir's file that names the foreground process (rundir.LOCAL_PID, ...)
+
+    def for_task(self, index: int) -> "ForegroundControl":
+        """The executor for task `index` of a sweep: the same, with the task's own job id (a run's id names
+        its logs and derives its port)."""
+        task = copy.copy(self)
+        task.job_id = f"{self.job_id}-t{index}"
+        return task
 
     def pid_file(self, run: Run) -> Path:
         return run.run_dir / self.pid_name
@@ -119,4 +127,4 @@ def _cancel_pending(run: Run) -> bool:
 
 
 def say(message: str) -> None:
-    print(f"hpc-ddp: {message}", file=sys.stderr, flush=True)
+    verbosity.say(message)  # -q: only "warning: ..." lines

@@ -39,6 +39,7 @@ class SbatchSubmission(Submission):
 class SbatchExecutor(SlurmControl):
     name = "sbatch"
     chains = True  # queues jobs that wait for other jobs: --after, --chain
+    arrays = True  # queues a sweep as one Slurm array (`submit_array`)
 
     def __init__(self, commands: CommandRunner | None = None, *, generated_at: str = "", command_line: str = ""):
         self.commands = commands or SubprocessCommands()
@@ -53,9 +54,7 @@ class SbatchExecutor(SlurmControl):
         if plan.spec.after:  # before anything is written: a bad dependency submits nothing
             check_dependency(plan.spec.after, self.commands)
         run_dir = write_run_dir(plan)
-        script_path = RunDir(run_dir).script
-        script_path.write_text(plan.script or "")
-        script_path.chmod(0o700)
+        script_path = _write_script(run_dir, plan.script)
         # sbatch runs in the run dir: the script's relative log paths resolve there, on every requeue too.
         job_id = sbatch(self.commands, run_dir)
         sub = Submission("sbatch", job_id, str(run_dir), str(script_path))
@@ -64,6 +63,33 @@ class SbatchExecutor(SlurmControl):
             on_job_id(job_id)
         later = self._queue_chain(sub, plan.spec.chain, on_job_id)
         return SbatchSubmission(**dataclasses.asdict(sub), job_ids=(job_id, *later))
+
+    def plan_array(self, tasks, max_running: int | None) -> str:
+        """The array script of a sweep's planned tasks (`launch.sweep.Task`)."""
+        from hpc_ddp.launch.render import render_array
+        from hpc_ddp.launch.sweep import array_directives
+
+        return render_array(tasks=tasks, directives=array_directives(tasks[0].plan.spec, len(tasks), max_running),
+                            max_running=max_running, generated_at=self.generated_at, command_line=self.command_line)
+
+    def submit_array(self, plan, on_job_id) -> list[Submission]:
+        """A sweep (`launch.sweep.SweepPlan`) as one array: every task's run dir and job script written,
+        then the array script queued from the sweep dir; each task recorded under its own id,
+        <array>_<task>, which is how Slurm shows, requeues and cancels it."""
+        first = plan.tasks[0].plan.spec
+        if first.after:  # before anything is written: a bad dependency submits nothing
+            check_dependency(first.after, self.commands)
+        for task in plan.tasks:
+            _write_script(write_run_dir(task.plan), task.plan.script)
+        _write_script(Path(plan.sweep_dir), plan.script)
+        array_id = sbatch(self.commands, plan.sweep_dir)
+        subs = []
+        for task in plan.tasks:
+            sub = Submission("sbatch", f"{array_id}_{task.index}", task.run_dir, str(RunDir(task.run_dir).script))
+            record_submission(sub)
+            on_job_id(task, sub.job_id)
+            subs.append(sub)
+        return subs
 
     def _queue_chain(self, first: Submission, length: int, on_job_id) -> list[str]:
         """Jobs 2..length of a --chain, each after the one before whatever its end (afterany: a job that
@@ -83,6 +109,13 @@ class SbatchExecutor(SlurmControl):
                 on_job_id(job_id)
             ids.append(job_id)
         return ids[1:]
+
+
+def _write_script(directory: Path, text: str | None) -> Path:
+    path = RunDir(directory).script
+    path.write_text(text or "")
+    path.chmod(0o700)
+    return path
 
 
 def sbatch(commands: CommandRunner, run_dir: str | Path, dependency: str | None = None,

@@ -1,0 +1,238 @@
+"""A sweep: settings to vary (`--sweep lr=0.1,0.01` or a job file's `[sweep]` table), expanded into the grid
+of tasks, each one a whole job with its own spec. Pure: values in, tasks and spec layers out.
+
+What a sweep may vary is what an array task may differ in: training settings, never the allocation (every
+task of one Slurm array gets the same nodes, GPUs and time). Keys:
+
+- `lr`, `epochs`, `batch_size`: the settings of that name (the built-in trainer's own; a plain script reads
+  them as LR, EPOCHS, BATCH_SIZE);
+- any other key of the built-in trainer's `[train]` table (`weight_decay`, `optimizer`, `seed`, ...), bare or
+  as `train.KEY`;
+- `args.NAME`: your own script's option; the task's program gets `--NAME=VALUE` after its arguments.
+
+Every task's values are also exported to its ranks as HPC_DDP_SWEEP_<KEY> (and HPC_DDP_SWEEP_TASK).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import itertools
+import math
+import re
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from hpc_ddp.common.errors import SpecError
+from hpc_ddp.spec.jobspec import SPEC_KEYS, JobSpec, Layer
+from hpc_ddp.spec.trainconfig import TrainConfig
+from hpc_ddp.spec.values import count
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+__all__ = ["Axis", "Sweep", "parse_axis", "sweep_from", "task_layer", "task_args", "task_env", "task_spec", "describe",
+           "check_spec", "check_no_flag_conflict", "METRIC_MODES"]
+
+SPEC_SWEEPABLE = ("lr", "epochs", "batch_size")
+TRAIN_KEYS = tuple(f.name for f in dataclasses.fields(TrainConfig))
+MAX_TASKS = 10_000        # above any site's MaxArraySize; the cluster's own limit is checked before sbatch
+TABLE_OPTIONS = ("max_running", "metric")  # [sweep] keys that are not settings to vary
+METRIC_MODES = ("max", "min")
+_ARG_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")
+_NOT_SWEEPABLE = "sweeps vary training settings; every task of one Slurm array gets the same allocation"
+
+
+@dataclasses.dataclass(frozen=True)
+class Axis:
+    key: str                     # as the user wrote it, normalized: lr, train.weight_decay, args.dropout
+    values: tuple[Any, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Sweep:
+    axes: tuple[Axis, ...]
+    max_running: int | None = None     # Slurm's %N: at most N tasks run at once
+    metric: str | None = None          # "eval_acc:max": what `status` calls each task's best
+
+    @property
+    def size(self) -> int:
+        return math.prod(len(a.values) for a in self.axes)
+
+    def tasks(self) -> list[dict[str, Any]]:
+        """Every combination, the first axis varying slowest (as nested loops in the order given)."""
+        keys = [a.key for a in self.axes]
+        return [dict(zip(keys, combo)) for combo in itertools.product(*(a.values for a in self.axes))]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"axes": [{"key": a.key, "values": list(a.values)} for a in self.axes],
+                "max_running": self.max_running, "metric": self.metric}
+
+
+def parse_axis(item: str) -> Axis:
+    """`KEY=V1,V2,...` (a --sweep flag) -> Axis; each value read as TOML would (0.1, 32, true, "x"), else
+    as a string."""
+    key, sep, rest = item.partition("=")
+    if not sep:
+        raise SpecError(f"--sweep {item!r} is not KEY=VALUE,VALUE,...", hint="e.g. --sweep lr=0.1,0.01")
+    values = [v.strip() for v in rest.split(",")] if rest.strip() else []
+    if any(not v for v in values):
+        raise SpecError(f"--sweep {item!r} has an empty value", hint="separate values by single commas: lr=0.1,0.01")
+    return Axis(key.strip(), tuple(_literal(v) for v in values))
+
+
+def _literal(text: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def sweep_from(flags: Sequence[str], table: Mapping[str, Any] | None, max_running: Any, target_kind: str) -> Sweep | None:
+    """The sweep a command asks for: --sweep flags, else the job file's [sweep] table (flags replace the
+    table's axes of the same key); None when neither gives one. Checked whole: keys, values, size."""
+    table = dict(table or {})
+    options = {k: table.pop(k) for k in TABLE_OPTIONS if k in table}
+    axes: dict[str, Axis] = {}
+    for key, values in table.items():
+        if not isinstance(values, list):
+            raise SpecError(f"[sweep] {key} = {str(values)[:40]!r} is not a list of values",
+                            hint=f"write {key} = [value, value, ...]")
+        axes[_key(key, target_kind, "[sweep]")] = Axis(key, tuple(values))
+    for item in flags:
+        axis = parse_axis(item)
+        axes[_key(axis.key, target_kind, "--sweep")] = axis
+    if max_running is None:
+        max_running = options.get("max_running")
+    if not axes:
+        if max_running is not None:
+            raise SpecError("--max-running limits a sweep, but no sweep is given", hint="add --sweep KEY=V1,V2")
+        return None
+    checked = tuple(_checked(Axis(key, axis.values)) for key, axis in axes.items())
+    sweep = Sweep(checked, _max_running(max_running), _metric(options.get("metric")))
+    if sweep.size > MAX_TASKS:
+        raise SpecError(f"the sweep has {sweep.size} tasks; at most {MAX_TASKS}",
+                        hint="sweep fewer values, or split it into several sweeps")
+    return sweep
+
+
+def _key(key: str, target_kind: str, where: str) -> str:
+    """The canonical key, or a SpecError saying why it cannot be swept."""
+    key = key.strip()
+    if key.startswith("args."):
+        if target_kind == "trainer":
+            raise SpecError(f"{where} {key}: the built-in trainer takes no arguments",
+                            hint=f"sweep a [train] setting ({', '.join(TRAIN_KEYS[:4])}, ...)")
+        if not _ARG_NAME.fullmatch(key[5:]):
+            raise SpecError(f"{where} {key}: {key[5:]!r} is not an option name (letters, digits, - and _)")
+        return key
+    if key in SPEC_SWEEPABLE:
+        return key
+    name = key.removeprefix("train.")
+    if name in TRAIN_KEYS:
+        if target_kind != "trainer":
+            raise SpecError(f"{where} {key}: a [train] setting, but this job runs your own program",
+                            hint=f"for your script's own option use args.{name} (it gets --{name}=VALUE)")
+        return f"train.{name}"
+    if key in SPEC_KEYS:
+        raise SpecError(f"{where} {key}: {_NOT_SWEEPABLE}", hint="submit one sweep per allocation")
+    known = [*SPEC_SWEEPABLE, *(TRAIN_KEYS if target_kind == "trainer" else ())]
+    close = difflib.get_close_matches(key, known, n=1)
+    hint = f"did you mean {close[0]}?" if close else (
+        "sweepable: lr, epochs, batch_size, a [train] key" if target_kind == "trainer"
+        else "sweepable: lr, epochs, batch_size (read as LR, EPOCHS, BATCH_SIZE), or args.NAME for your option")
+    raise SpecError(f"{where} {key}: not a setting", hint=hint)
+
+
+def _checked(axis: Axis) -> Axis:
+    if not axis.values:
+        raise SpecError(f"--sweep {axis.key}: no values", hint=f"give at least one: --sweep {axis.key}=V1,V2")
+    for value in axis.values:
+        if not isinstance(value, (str, int, float, bool)) or (isinstance(value, str) and "\0" in value):
+            raise SpecError(f"--sweep {axis.key}: {str(value)[:40]!r} is not a plain value (a number, true/false or "
+                            "a string)")
+    seen = [repr(v) for v in axis.values]
+    twice = next((v for v in axis.values if seen.count(repr(v)) > 1), None)
+    if twice is not None:
+        raise SpecError(f"--sweep {axis.key}: {twice!r} is listed twice (two tasks would train the same)")
+    return axis
+
+
+def _max_running(raw: Any) -> int | None:
+    if raw is None:
+        return None
+    try:
+        return count(1, MAX_TASKS)(raw)
+    except ValueError as exc:
+        raise SpecError(f"--max-running: {exc}") from None
+
+
+def _metric(raw: Any) -> str | None:
+    if raw is None:
+        return None
+    name, _, mode = str(raw).partition(":")
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.]*", name) or (mode and mode not in METRIC_MODES):
+        raise SpecError(f"[sweep] metric {str(raw)[:40]!r} is not NAME[:max|:min]", hint='e.g. metric = "eval_acc:max"')
+    return f"{name}:{mode or 'max'}"
+
+
+def task_layer(values: Mapping[str, Any], index: int, base_train: TrainConfig | None) -> Layer:
+    """The spec layer of task `index` (above every other: its values are what the sweep varies). [train]
+    values are applied to the job's own [train] table, which the layer then replaces whole."""
+    layer: dict[str, Any] = {k: v for k, v in values.items() if k in SPEC_SWEEPABLE}
+    train = {k.removeprefix("train."): v for k, v in values.items() if k.startswith("train.")}
+    if train:
+        base = dataclasses.asdict(base_train or TrainConfig())
+        layer["train"] = {k: list(v) if isinstance(v, tuple) else v for k, v in {**base, **train}.items()
+                          if v is not None}
+    return Layer(f"--sweep task {index} ({describe(values)})", layer)
+
+
+def task_args(values: Mapping[str, Any]) -> tuple[str, ...]:
+    """What task's program gets after its own arguments: --NAME=VALUE for each args.NAME."""
+    return tuple(f"--{k[5:]}={_text(v)}" for k, v in values.items() if k.startswith("args."))
+
+
+def task_env(values: Mapping[str, Any], index: int) -> dict[str, str]:
+    """HPC_DDP_SWEEP_TASK and HPC_DDP_SWEEP_<KEY> (the key's last part, upper case, - as _)."""
+    env = {"HPC_DDP_SWEEP_TASK": str(index)}
+    for key, value in values.items():
+        env["HPC_DDP_SWEEP_" + key.rpartition(".")[2].upper().replace("-", "_")] = _text(value)
+    return env
+
+
+def describe(values: Mapping[str, Any]) -> str:
+    return " ".join(f"{k.rpartition('.')[2] if k.startswith('train.') else k}={_text(v)}" for k, v in values.items())
+
+
+def _text(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def check_no_flag_conflict(sweep: Sweep, flags: Mapping[str, Any]) -> None:
+    """`--lr 0.1 --sweep lr=...`: one of them would be silently lost."""
+    for axis in sweep.axes:
+        if axis.key in SPEC_SWEEPABLE and flags.get(axis.key) not in (None, ()):
+            raise SpecError(f"--{axis.key.replace('_', '-')} and --sweep {axis.key} both set {axis.key}",
+                            hint="give one of them")
+
+
+def check_spec(base: JobSpec) -> None:
+    """What a sweep cannot be combined with."""
+    if base.chain > 1:
+        raise SpecError("--chain with --sweep: each task of the array would need its own chain",
+                        hint="drop --chain and raise --time, or give each task more requeues (--max-requeues)")
+
+
+def task_spec(base: JobSpec, values: Mapping[str, Any], index: int,
+              build: Callable[[Sequence[Layer]], JobSpec]) -> JobSpec:
+    """Task `index`'s spec: `build` (the command's own spec builder) with the task's layer on top, so every
+    value is checked as a flag's would be; then its program's extra arguments and env."""
+    spec = build([task_layer(values, index, base.train)])
+    extra_args = task_args(values)
+    if extra_args:
+        spec = dataclasses.replace(spec, target=dataclasses.replace(spec.target, args=spec.target.args + extra_args))
+    return spec

@@ -1,0 +1,176 @@
+"""Sweeps on the login node: the array script (golden, bash -n, injection), one array with each task recorded
+by its own id, the sequential fallback, resubmission, and the table `status` prints."""
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from hpc_ddp.common.errors import UserError
+from hpc_ddp.common.procs import Completed, FakeCommands
+from hpc_ddp.common.rundir import RunDir, is_sweep_dir
+from hpc_ddp.launch.executors import get_executor
+from hpc_ddp.launch.sweep import (
+    best_metric,
+    check_array_size,
+    format_sweep,
+    plan_sweep,
+    read_sweep,
+    submit_sweep,
+    sweep_status,
+)
+from hpc_ddp.spec.jobspec import Layer, Target, build_spec
+from hpc_ddp.spec.sweep import sweep_from, task_spec
+from tests.launch.test_render import bash_n, check_golden
+
+TARGET = Target("script", "/home/ada/proj/train.py", ("--steps", "100"))
+
+
+def _builder(values: dict):
+    def build(extra):
+        return build_spec([Layer("command line", values), *extra], target=TARGET, workdir="/home/ada/proj",
+                          python="/opt/venv/bin/python")
+    return build
+
+
+def _plan(executor, sweep_dir: str, flags=("lr=0.1,0.01", "args.dropout=0.1,0.3"), max_running=None,
+          values=None):
+    build = _builder(values or {"nodes": 2, "gpus": 4, "time": "1:00:00", "partition": "gpu"})
+    sweep = sweep_from(list(flags), None, max_running, "script")
+    base = build([])
+    return plan_sweep(executor, sweep, sweep_dir, lambda v, i: task_spec(base, v, i, build))
+
+
+def _sbatch(answer="4711"):
+    fake = FakeCommands({"sbatch": lambda argv: Completed(tuple(argv), 0, f"{answer}\n")})
+    return get_executor("sbatch", commands=fake, generated_at="2026-01-02T03:04:05",
+                        command_line="hpc-ddp submit --sweep lr=0.1,0.01 --sweep args.dropout=0.1,0.3 train.py"), fake
+
+
+def test_golden_array_script():
+    executor, _ = _sbatch()
+    plan = _plan(executor, "/scratch/ada/runs/train-1", max_running=2)
+    bash_n(plan.script)
+    check_golden("sweep_array.sbatch", plan.script)
+    assert "#SBATCH --array=0-3%2" in plan.script and "#SBATCH --output=task-%a/logs/slurm-%A_%a.out" in plan.script
+    assert plan.tasks[3].plan.spec.target.args == ("--steps", "100", "--dropout=0.3")
+    assert "--dropout=0.3" in plan.tasks[3].plan.script  # each task's own job script carries its values
+
+
+def test_the_array_script_runs_the_task_its_index_names(tmp_path):
+    """Run the array script's body for real, with a stub task script in each task dir."""
+    executor, _ = _sbatch()
+    plan = _plan(executor, str(tmp_path / "sweep; rm -rf ~"))  # a hostile dir name is only ever quoted
+    for task in plan.tasks:
+        Path(task.run_dir).mkdir(parents=True)
+        RunDir(task.run_dir).script.write_text(f"echo ran task {task.index} in \"$PWD\"\n")
+    for index in (0, 3):
+        done = subprocess.run(["bash", "-c", plan.script], env={"SLURM_ARRAY_TASK_ID": str(index), "PATH": "/usr/bin:/bin"},
+                              capture_output=True, text=True, cwd=tmp_path)
+        assert done.returncode == 0 and done.stdout.startswith(f"ran task {index}"), done.stderr
+    done = subprocess.run(["bash", "-c", plan.script], env={"SLURM_ARRAY_TASK_ID": "7"}, capture_output=True, text=True)
+    assert done.returncode == 3 and "not a task of this sweep" in done.stderr
+
+
+def test_one_array_each_task_in_its_own_run_dir_recorded_by_its_own_id(tmp_path):
+    executor, fake = _sbatch("4711;cluster")
+    plan = _plan(executor, str(tmp_path / "sweep"))
+    seen = []
+    subs = submit_sweep(executor, plan, lambda task, job: seen.append((task.index, job)))
+    assert [s.job_id for s in subs] == ["4711_0", "4711_1", "4711_2", "4711_3"] and [i for i, _ in seen] == [0, 1, 2, 3]
+    (call,) = [c for c in fake.calls if c[0][0] == "sbatch"]
+    assert call[0] == ("sbatch", "--parsable", "job.sbatch") and call[1] == str(tmp_path / "sweep")
+    for task in plan.tasks:
+        paths = RunDir(task.run_dir)
+        assert paths.spec.is_file() and paths.script.is_file() and paths.logs.is_dir()
+        assert paths.job_ids() == [f"4711_{task.index}"]
+    record = read_sweep(tmp_path / "sweep")
+    assert is_sweep_dir(tmp_path / "sweep") and record["array_job_id"] == "4711"
+    assert [t["run_dir"] for t in record["tasks"]] == ["task-0", "task-1", "task-2", "task-3"]
+    assert record["tasks"][2]["values"] == {"lr": 0.01, "args.dropout": 0.1}
+
+
+def test_a_bad_dependency_writes_nothing(tmp_path):
+    fake = FakeCommands({"scontrol": lambda argv: Completed(tuple(argv), 1, "", "Invalid job id specified"),
+                         "sacct": lambda argv: Completed(tuple(argv), 0, "")})
+    executor = get_executor("sbatch", commands=fake)
+    plan = _plan(executor, str(tmp_path / "sweep"), values={"nodes": 2, "after": "99"})
+    with pytest.raises(UserError, match="knows no job 99"):
+        submit_sweep(executor, plan, lambda task, job: None)
+    assert not any(c[0][0] == "sbatch" for c in fake.calls)
+    assert not any((tmp_path / "sweep").glob("task-*"))
+
+
+def test_the_same_sweep_may_be_submitted_again_to_resume_another_may_not(tmp_path):
+    executor, _ = _sbatch()
+    submit_sweep(executor, _plan(executor, str(tmp_path / "s")), lambda t, j: None)
+    submit_sweep(executor, _plan(executor, str(tmp_path / "s")), lambda t, j: None)  # resumes each task
+    with pytest.raises(UserError, match="holds another sweep"):
+        submit_sweep(executor, _plan(executor, str(tmp_path / "s"), flags=("lr=0.5,0.6",)), lambda t, j: None)
+
+
+def test_a_task_dir_that_is_not_ours_is_not_written_into(tmp_path):
+    executor, _ = _sbatch()
+    (tmp_path / "s" / "task-1").mkdir(parents=True)
+    (tmp_path / "s" / "task-1" / "thesis.tex").write_text("mine")
+    with pytest.raises(UserError, match="not a run dir hpc-ddp made"):
+        submit_sweep(executor, _plan(executor, str(tmp_path / "s")), lambda t, j: None)
+    assert (tmp_path / "s" / "task-1" / "thesis.tex").read_text() == "mine"
+
+
+def test_executors_without_arrays_get_the_tasks_one_by_one_each_with_its_own_id(tmp_path, monkeypatch):
+    local = get_executor("local", job_id="local-1")
+    ran = []
+
+    def fake_submit(self, plan, on_job_id=None):
+        from hpc_ddp.launch.executors.base import Submission
+        on_job_id(self.job_id)
+        ran.append((self.job_id, plan.run_dir))
+        return Submission("local", self.job_id, plan.run_dir, None, state="CANCELLED" if len(ran) == 2 else "COMPLETED")
+    monkeypatch.setattr(type(local), "submit", fake_submit)
+    plan = _plan(local, str(tmp_path / "s"), values={"nodes": 1})
+    assert plan.script is None and "task 3" in plan.dry_run_text()
+    subs = submit_sweep(local, plan, lambda t, j: None)
+    assert ran == [("local-1-t0", str(tmp_path / "s" / "task-0")), ("local-1-t1", str(tmp_path / "s" / "task-1"))]
+    assert len(subs) == 2  # a cancelled task stops the sweep: Ctrl-C means stop, not skip to the next
+
+
+def test_max_running_needs_an_array():
+    with pytest.raises(Exception, match="one by one|one after another"):
+        _plan(get_executor("local"), "/tmp/x", max_running=2, values={"nodes": 1})
+
+
+def test_max_array_size_is_the_clusters():
+    check_array_size(1001, {"MaxArraySize": "1001"})
+    check_array_size(5000, None)  # unknown: sbatch will say
+    with pytest.raises(UserError, match="MaxArraySize of 1001"):
+        check_array_size(1002, {"MaxArraySize": "1001"})
+
+
+def test_best_metric_defaults_and_named():
+    metrics = [{"step": 1, "loss": 2.0, "eval_acc": 0.1}, {"step": 2, "loss": 1.5}, {"step": 3, "eval_acc": 0.3},
+               {"step": 4, "loss": 1.7, "eval_acc": True}]
+    assert best_metric(metrics, None) == {"name": "eval_acc", "mode": "max", "value": 0.3, "step": 3}
+    assert best_metric(metrics, "loss:min") == {"name": "loss", "mode": "min", "value": 1.5, "step": 2}
+    assert best_metric([], None) is None
+
+
+def test_status_table(tmp_path):
+    executor, _ = _sbatch()
+    plan = _plan(executor, str(tmp_path / "s"))
+    submit_sweep(executor, plan, lambda t, j: None)
+    (Path(plan.tasks[2].run_dir) / "metrics.jsonl").write_text(json.dumps({"step": 9, "eval_acc": 0.75}) + "\n")
+    states = {"4711_0": "COMPLETED", "4711_1": "RUNNING", "4711_2": "RUNNING", "4711_3": "PENDING"}
+
+    def task_status(run_dir, job_id, executor_name):
+        assert executor_name == "sbatch"
+        return {"state": states[job_id], "step": 9 if job_id == "4711_2" else None, "total_steps": 20,
+                "restarts": 1 if job_id == "4711_2" else 0}
+    info = sweep_status(tmp_path / "s", task_status)
+    lines = list(format_sweep(info))
+    assert lines[0].startswith(f"sweep {tmp_path / 's'}  (array job 4711; 4 tasks: 1 COMPLETED, 1 PENDING, 2 RUNNING)")
+    assert lines[1].split() == ["task", "values", "state", "step", "best", "job"]
+    assert lines[4].split() == ["2", "lr=0.01", "args.dropout=0.1", "RUNNING", "(1", "restarts)", "9/20",
+                                "eval_acc", "0.75", "4711_2"]
+    assert lines[-1] == "best so far: task 2 (lr=0.01 args.dropout=0.1): eval_acc 0.75 at step 9"
