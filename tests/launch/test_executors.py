@@ -80,3 +80,16 @@ def test_no_command_branches_on_an_executor_name():
     offenders = [f"{p.name}:{n}: {line.strip()}" for p in sorted(cli_dir.glob("*.py"))
                  for n, line in enumerate(p.read_text().splitlines(), 1) if branch.search(line)]
     assert offenders == []
+
+
+def test_cancelling_a_run_also_cancels_its_later_jobs_still_queued(tmp_path):
+    """A chain of 3 (41, 42, 43) and a job the requeue fallback queued (44): 41 runs, 42 and 44 wait,
+    43 has ended. Cancelling the run must not leave 42 or 44 to start later."""
+    RunDir(tmp_path).submissions.write_text("".join(
+        f'{{"executor": "sbatch", "job_id": "{j}", "run_dir": "{tmp_path}"}}\n' for j in ("41", "42", "43", "44")))
+    executor, fake, run = _slurm(tmp_path, {"scancel": (0, "", ""), "squeue": (0, "42\n44\n", "")})
+    assert executor.cancel(run) == f"Cancelled job 41 and its queued job(s) 42, 44 ({tmp_path})"
+    assert fake.calls[-2][0] == ("squeue", "-h", "-o", "%i", "-j", "42,43,44")
+    assert fake.calls[-1][0] == ("scancel", "41", "42", "44")
+    events = RunDir(tmp_path).events.read_text()
+    assert all(f'"job_id": "{j}"' in events for j in ("41", "42", "44")) and '"43"' not in events

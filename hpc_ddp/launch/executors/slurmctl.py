@@ -28,9 +28,24 @@ class SlurmControl:
         return scheduler_state(run.job_id, self.commands)
 
     def cancel(self, run: Run) -> str:
-        self._scancel([_job(run)])
-        JsonLines(run.paths.events).write({"event": "cancelled", "job_id": run.job_id, "by": "hpc-ddp cancel"})
-        return f"Cancelled job {run.job_id} ({run.run_dir})"
+        """The run's job, and every later job of the run still queued (the rest of a --chain, a job the
+        requeue fallback queued): cancelling a run must not leave its next job to start tomorrow."""
+        job = _job(run)
+        later = self._still_queued([j for j in run.paths.job_ids() if j != job])
+        self._scancel([job, *later])
+        events = JsonLines(run.paths.events)
+        for cancelled in (job, *later):
+            events.write({"event": "cancelled", "job_id": cancelled, "by": "hpc-ddp cancel"})
+        also = f" and its queued job(s) {', '.join(later)}" if later else ""
+        return f"Cancelled job {job}{also} ({run.run_dir})"
+
+    def _still_queued(self, jobs: list[str]) -> list[str]:
+        """Those of `jobs` squeue still lists (pending or running); ended ones are left alone."""
+        if not jobs:
+            return []
+        done = self.commands.run(["squeue", "-h", "-o", "%i", "-j", ",".join(jobs)], timeout=30)
+        listed = set(done.stdout.split()) if done.returncode == 0 else set()
+        return [j for j in jobs if j in listed]
 
     def signal(self, run: Run, name: str) -> None:
         self._scancel(["--signal", name, _job(run)])
