@@ -15,8 +15,10 @@ import click
 
 from hpc_ddp.common.procs import SubprocessCommands
 from hpc_ddp.launch.executors import NAMES, get_executor, resolve_executor
+from hpc_ddp.slurm.helptext import installed_options
 from hpc_ddp.spec.config import spec_from_command
 from hpc_ddp.spec.jobspec import JobSpec, Target
+from hpc_ddp.spec.slurmargs import SBATCH, unlisted
 
 __all__ = ["spec_options", "build", "executor_for", "warn"]
 
@@ -72,8 +74,20 @@ _NOT_SPEC = ("argv", "module", "dry_run", "as_json", "no_preflight")
 
 def build(params: dict, default_target: Target | None = None) -> JobSpec:
     flags = {k: v for k, v in params.items() if k not in _NOT_SPEC and v not in (None, ())}
-    return spec_from_command(tuple(params["argv"]), params["module"], flags, cwd=Path.cwd(), environ=os.environ,
-                             python=sys.executable, default_target=default_target)
+    spec = spec_from_command(tuple(params["argv"]), params["module"], flags, cwd=Path.cwd(), environ=os.environ,
+                             python=sys.executable, default_target=default_target, options=installed_options)
+    _warn_unchecked(spec)
+    return spec
+
+
+def _warn_unchecked(spec: JobSpec) -> None:
+    """Extra Slurm options that nothing here could check: their command is not on PATH to ask. They cannot
+    matter on this machine, and on the cluster sbatch refuses an unknown option before it queues anything."""
+    for tool, flag, args in ((SBATCH, "--sbatch-arg", spec.sbatch_args),):
+        unchecked = unlisted(args, tool)
+        if unchecked and installed_options(tool) is None:
+            warn(f"warning: {flag} {' '.join(unchecked)}: not checked, there is no {tool} on PATH here to ask "
+                 "which options this cluster (and its plugins) accepts")
 
 
 def executor_for(spec: JobSpec):

@@ -14,7 +14,17 @@ from pathlib import Path
 from typing import Any
 
 from hpc_ddp.common.errors import SpecError
-from hpc_ddp.spec.jobspec import PROFILE_KEYS, SPEC_KEYS, JobSpec, Layer, Target, build_spec, split_stage
+from hpc_ddp.spec.jobspec import (
+    PROFILE_KEYS,
+    SPEC_KEYS,
+    JobSpec,
+    Layer,
+    OptionSource,
+    Target,
+    build_spec,
+    no_installed_options,
+    split_stage,
+)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -136,10 +146,12 @@ def _resolve_paths(table: Mapping[str, Any], base: Path, keys: tuple[str, ...]) 
 
 
 def spec_from_command(words: tuple[str, ...], module: str | None, flags: Mapping[str, Any], *, cwd: Path,
-                      environ: Mapping[str, str], python: str, default_target: Target | None = None) -> JobSpec:
+                      environ: Mapping[str, str], python: str, default_target: Target | None = None,
+                      options: OptionSource = no_installed_options) -> JobSpec:
     """The spec a command line asks for. `words`: TARGET and its arguments (a script, a job file, or the
     module's arguments with -m); `flags`: the spec options given. A job file's own script, module and
-    args name the target; the profile is the flag's, else the job file's, else HPC_DDP_PROFILE's."""
+    args name the target; the profile is the flag's, else the job file's, else HPC_DDP_PROFILE's.
+    `options`: what the installed sbatch and srun accept (read at the edge, `slurm.helptext`)."""
     head, args = (None, list(words)) if module else (words[0] if words else None, list(words[1:]))
     args = args[1:] if args[:1] == ["--"] else args
     flags = dict(flags)
@@ -162,7 +174,7 @@ def spec_from_command(words: tuple[str, ...], module: str | None, flags: Mapping
         layers.insert(0, profile_layer(str(profile), profiles_path(environ)))
         flags.setdefault("profile", profile)
     layers.append(Layer("command line", flags, is_cli=True))
-    return build_spec(layers, target=target, workdir=str(cwd), python=python)
+    return build_spec(layers, target=target, workdir=str(cwd), python=python, options=options)
 
 
 def _absolute_stage(item: str, cwd: Path) -> str:

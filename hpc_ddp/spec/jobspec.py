@@ -18,10 +18,12 @@ from typing import Any
 
 from hpc_ddp.common.errors import HpcDdpError, SpecError
 from hpc_ddp.slurm.slurmtime import parse_time
+from hpc_ddp.spec.slurmargs import SBATCH, check_option, directive_safe
 from hpc_ddp.spec.trainconfig import MAX_BATCH, MAX_EPOCHS, TrainConfig, parse_train
 from hpc_ddp.spec.values import choice, count, flag, number
 
-__all__ = ["JobSpec", "Target", "Layer", "build_spec", "SPEC_KEYS", "PROFILE_KEYS", "directive_safe"]
+__all__ = ["JobSpec", "Target", "Layer", "build_spec", "SPEC_KEYS", "PROFILE_KEYS", "directive_safe", "OptionSource",
+           "no_installed_options"]
 
 EXECUTORS = ("sbatch", "submitit", "local", "srun")
 GPU_REQUESTS = ("gpus-per-node", "gres")
@@ -127,19 +129,6 @@ class Layer:
 
 
 # ---- value parsers: raw (str from a flag, or a TOML value) -> typed; raise SpecError(reason) ----
-
-def directive_safe(value: str) -> str:
-    """A value that can sit inside an `#SBATCH` line without ending it or starting a comment."""
-    if any(ord(c) < 32 or ord(c) == 127 for c in value):
-        raise ValueError("contains a control character (newline, NUL, ...), which would end the #SBATCH line")
-    for bad, why in (("#", "starts a comment in an #SBATCH line"), ('"', "is a quote"), ("'", "is a quote"),
-                     ("\\", "is an escape character")):
-        if bad in value:
-            raise ValueError(f"contains {bad!r}, which {why}")
-    if not value.strip():
-        raise ValueError("is empty")
-    return value
-
 
 def _name(raw: Any) -> str:
     value = directive_safe(str(raw))
@@ -248,36 +237,10 @@ _MANAGED = {
     "chdir": "nothing (the script changes to the submit directory itself)", "wrap": "a TARGET script",
     "array": "one submission per task for now (array tasks would share one run dir and its checkpoints)",
 }
-# Other sbatch long options, so a typo is caught here and not after hours in the queue.
-_SBATCH_OPTIONS = {
-    "array", "begin", "comment", "contiguous", "core-spec", "cores-per-socket", "cpu-freq", "deadline",
-    "delay-boot", "dependency", "distribution", "exclude", "exclusive", "export", "get-user-env",
-    "gid", "gpu-bind", "gpu-freq", "gpus", "gpus-per-socket", "gpus-per-task", "hint", "hold",
-    "kill-on-invalid-dep", "licenses", "mail-type", "mail-user", "mcs-label", "mem-bind", "mem-per-cpu",
-    "mem-per-gpu", "mincpus", "network", "nice", "no-kill", "nodefile", "nodelist", "ntasks-per-core",
-    "ntasks-per-gpu", "ntasks-per-socket", "overcommit", "oversubscribe", "power", "priority", "profile",
-    "propagate", "reservation", "sockets-per-node", "spread-job", "switches", "thread-spec",
-    "threads-per-core", "time-min", "tmp", "uid", "use-min-nodes", "wait-all-nodes", "wckey",
-    "cluster-constraint", "clusters", "cpus-per-gpu", "extra-node-info",
-}
 
 
-def _sbatch_arg(raw: str) -> str:
-    value = str(raw).strip()
-    m = re.fullmatch(r"--([a-z][a-z0-9-]*)(?:=(.*))?", value, re.DOTALL)
-    if not m:
-        raise ValueError(f"{raw!r} is not of the form --option or --option=value (use the long form)")
-    name, arg = m.group(1), m.group(2)
-    if name in _MANAGED:
-        raise ValueError(f"--{name} is set by hpc-ddp; use {_MANAGED[name]} instead")
-    if name not in _SBATCH_OPTIONS:
-        close = difflib.get_close_matches(name, sorted(_SBATCH_OPTIONS | set(_MANAGED)), n=1)
-        raise ValueError(f"--{name} is not an sbatch option" + (f" (did you mean --{close[0]}?)" if close else ""))
-    if arg is not None:
-        directive_safe(arg)
-        if any(c.isspace() for c in arg):
-            raise ValueError("the value contains whitespace")
-    return value
+def _sbatch_arg(raw: Any, known: frozenset[str] | None = None) -> str:
+    return check_option(raw, SBATCH, _MANAGED, known)
 
 
 def split_stage(item: str) -> tuple[str, str]:
@@ -365,8 +328,8 @@ def _port(raw: Any) -> int:
     return port
 
 
-def _sbatch_args(raw: Any) -> tuple[str, ...]:
-    return tuple(_sbatch_arg(x) for x in _lines(raw))
+def _sbatch_args(raw: Any, known: frozenset[str] | None = None) -> tuple[str, ...]:
+    return tuple(_sbatch_arg(x, known) for x in _lines(raw))
 
 
 # Ceilings: far above any real job, low enough that a slip of the keyboard (an extra few digits) is an
@@ -406,7 +369,26 @@ def _check_keys(layer: Layer) -> None:
             raise SpecError(f"{layer.origin}: unknown key {key!r}", hint=hint)
 
 
-def merge(layers: Sequence[Layer]) -> dict[str, tuple[Any, str]]:
+# The long options an installed Slurm command accepts (`slurm.helptext.installed_options`), or None where it
+# is not installed: read at the edge and handed in, so building a spec stays pure.
+OptionSource = Callable[[str], frozenset[str] | None]
+# Keys whose parser also takes what the installed tool accepts.
+_CLUSTER_CHECKED = {"sbatch_args": (_sbatch_args, SBATCH)}
+
+
+def no_installed_options(tool: str) -> None:
+    """The option source where nothing is asked: the fixed lists alone decide."""
+    return None
+
+
+def _parser(key: str, options: OptionSource) -> Callable[[Any], Any]:
+    if key in _CLUSTER_CHECKED:
+        parse, tool = _CLUSTER_CHECKED[key]
+        return lambda raw: parse(raw, options(tool))
+    return PARSERS[key]
+
+
+def merge(layers: Sequence[Layer], options: OptionSource = no_installed_options) -> dict[str, tuple[Any, str]]:
     """Lowest precedence first. Returns key -> (parsed value, origin of the value)."""
     merged: dict[str, tuple[Any, str]] = {}
     for layer in layers:
@@ -415,7 +397,7 @@ def merge(layers: Sequence[Layer]) -> dict[str, tuple[Any, str]]:
             if raw is None:
                 continue
             try:
-                merged[key] = (PARSERS[key](raw), layer.origin)
+                merged[key] = (_parser(key, options)(raw), layer.origin)
             except SpecError as exc:
                 raise SpecError(f"{layer.where(key)}: {exc.message}", hint=exc.hint) from None
             except ValueError as exc:
@@ -424,9 +406,11 @@ def merge(layers: Sequence[Layer]) -> dict[str, tuple[Any, str]]:
     return merged
 
 
-def build_spec(layers: Sequence[Layer], *, target: Target, workdir: str, python: str) -> JobSpec:
-    """Merge `layers` (lowest precedence first) and check the whole: the only way to make a JobSpec."""
-    merged = merge(layers)
+def build_spec(layers: Sequence[Layer], *, target: Target, workdir: str, python: str,
+               options: OptionSource = no_installed_options) -> JobSpec:
+    """Merge `layers` (lowest precedence first) and check the whole: the only way to make a JobSpec.
+    `options`: what the installed sbatch and srun accept, for extra options given to them."""
+    merged = merge(layers, options)
     values = {key: value for key, (value, _) in merged.items() if key not in TARGET_KEYS}
     gpus = values.get("gpus", 0)
     values.setdefault("tasks_per_node", gpus or 1)

@@ -15,6 +15,8 @@ from hpc_ddp.launch.executors import choose_executor
 from hpc_ddp.launch.executors.sbatch import SbatchExecutor
 from hpc_ddp.spec.jobspec import Layer, Target, build_spec
 
+HELP = Path(__file__).parent.parent / "spec" / "helptext"
+
 
 @pytest.fixture
 def project(tmp_path, monkeypatch):
@@ -24,7 +26,9 @@ def project(tmp_path, monkeypatch):
     bin_dir.mkdir()
     calls = tmp_path / "sbatch-calls"
     fake = bin_dir / "sbatch"
-    fake.write_text(f"#!/bin/bash\necho \"$PWD $*\" >> {calls}\necho '4711;cluster'\n")
+    # `sbatch --help` answers as the test Slurm's does (hpc-ddp reads it to check --sbatch-arg options).
+    fake.write_text(f"#!/bin/bash\nif [ \"$1\" = --help ]; then cat {HELP / 'sbatch-22.05.txt'}; exit 0; fi\n"
+                    f"echo \"$PWD $*\" >> {calls}\necho '4711;cluster'\n")
     fake.chmod(0o755)
     # submit's preflight reads the cluster: a fake like the test Slurm, not whatever sinfo finds here.
     sinfo = bin_dir / "sinfo"

@@ -1,14 +1,25 @@
+from pathlib import Path
+
 import pytest
 
 from hpc_ddp.common.errors import SpecError
+from hpc_ddp.slurm.helptext import parse_help
 from hpc_ddp.slurm.slurmtime import format_time, parse_time
 from hpc_ddp.spec.jobspec import PROFILE_KEYS, JobSpec, Layer, Target, build_spec
 
 TARGET = Target("script", "/home/u/train.py", ("--lr", "0.1"))
 
 
+HELP = Path(__file__).parent / "helptext"
+
+
+def oracle(tool: str) -> frozenset[str]:
+    """What the test Slurm's sbatch and srun (22.05) accept, as their --help lists it."""
+    return parse_help((HELP / f"{tool}-22.05.txt").read_text())
+
+
 def build(*layers: Layer, target: Target = TARGET) -> JobSpec:
-    return build_spec(list(layers), target=target, workdir="/home/u", python="/usr/bin/python3")
+    return build_spec(list(layers), target=target, workdir="/home/u", python="/usr/bin/python3", options=oracle)
 
 
 def test_defaults():

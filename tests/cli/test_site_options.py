@@ -1,0 +1,90 @@
+"""Site settings through the CLI: options the cluster's sbatch and srun know (their --help, plugins included).
+Bad values are one line, exit 2, nothing submitted."""
+
+import subprocess
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from hpc_ddp.cli import cli
+from hpc_ddp.slurm import helptext
+
+HELP = Path(__file__).parent.parent / "spec" / "helptext"
+PLUGINS = """
+Options provided by plugins:
+      --container-image=[USER@][REGISTRY#]IMAGE[:TAG]|PATH
+                              [pyxis] the image to use for the container
+      --image=image           shifter image to use
+"""
+
+
+@pytest.fixture
+def site(tmp_path, monkeypatch):
+    """A project with train.py and fake Slurm commands whose --help is the test Slurm's plus two plugins;
+    sbatch records its other calls (there must be none when a job is refused)."""
+    (tmp_path / "train.py").write_text("print('hi')\n")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("sbatch", "srun"):
+        (tmp_path / f"{tool}-help.txt").write_text((HELP / f"{tool}-22.05.txt").read_text() + PLUGINS)
+        fake = bin_dir / tool
+        fake.write_text(f"#!/bin/bash\nif [ \"$1\" = --help ]; then cat {tmp_path}/{tool}-help.txt; exit 0; fi\n"
+                        f"echo \"$PWD $*\" >> {tmp_path}/calls\necho '4711;cluster'\n")
+        fake.chmod(0o755)
+    sinfo = bin_dir / "sinfo"
+    sinfo.write_text("#!/bin/bash\nfor n in hpcn1 hpcn2; do echo \"debug*|up|infinite|$n|idle|4|4000|gpu:2\"; done\n")
+    sinfo.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+    monkeypatch.setenv("HPC_DDP_PROFILES", str(tmp_path / "profiles.toml"))
+    monkeypatch.delenv("HPC_DDP_PROFILE", raising=False)
+    monkeypatch.setattr(helptext, "_CACHE", {})
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def invoke(*args):
+    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
+
+
+def refused(project: Path, *args: str) -> str:
+    result = invoke("submit", *args, "train.py")
+    assert result.exit_code == 2, result.output
+    errors = [ln for ln in result.output.splitlines() if ln.startswith("hpc-ddp: error:")]
+    assert len(errors) == 1 and "Traceback" not in result.output, result.output
+    assert not (project / "calls").exists() and not (project / "runs").exists()
+    return errors[0]
+
+
+def test_a_plugin_option_the_cluster_knows_becomes_a_directive(site):
+    result = invoke("submit", "--dry-run", "--sbatch-arg=--image=docker:nersc/pytorch:ngc-23.07", "train.py")
+    assert result.exit_code == 0, result.output
+    assert "#SBATCH --image=docker:nersc/pytorch:ngc-23.07" in result.output
+    script = result.output[result.output.index("#!/bin/bash"):]
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+
+
+def test_an_option_the_cluster_does_not_know_is_refused(site):
+    (site / "sbatch-help.txt").write_text((HELP / "sbatch-22.05.txt").read_text())  # no plugins here
+    line = refused(site, "--sbatch-arg=--image=docker:x")
+    assert "--sbatch-arg: --image is not an sbatch option (`sbatch --help` here lists no --image)" in line
+
+
+def test_a_typo_is_refused_with_the_option_meant(site):
+    assert "did you mean --container-image?" in refused(site, "--sbatch-arg=--container-imag=x")
+
+
+def test_without_sbatch_an_unlisted_option_is_let_through_with_a_warning(site, monkeypatch):
+    for tool in ("sbatch", "srun", "sinfo"):
+        (site / "bin" / tool).unlink()
+    result = invoke("submit", "--dry-run", "--sbatch-arg=--image=x", "--sbatch-arg=--exclusive", "train.py")
+    assert result.exit_code == 0, result.output
+    assert ("warning: --sbatch-arg --image=x: not checked, there is no sbatch on PATH here to ask which options "
+            "this cluster (and its plugins) accepts") in result.output
+    assert "--exclusive:" not in result.output
+
+
+def test_a_profile_may_give_a_plugin_option(site):
+    (site / "profiles.toml").write_text('[nersc]\nsbatch_args = ["--image=docker:nersc/pytorch:ngc-23.07"]\n')
+    result = invoke("submit", "--dry-run", "--profile", "nersc", "train.py")
+    assert result.exit_code == 0 and "#SBATCH --image=docker:nersc/pytorch:ngc-23.07" in result.output
