@@ -1,0 +1,79 @@
+"""`hpc-ddp submit --sweep` through click's runner, with a fake sbatch (and scontrol) on PATH: what is
+submitted, what a dry run shows, and refusals that submit and write nothing."""
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from hpc_ddp.cli import cli
+
+
+@pytest.fixture
+def project(tmp_path, monkeypatch):
+    (tmp_path / "train.py").write_text("print('hi')\n")
+    (tmp_path / "job.toml").write_text('nodes = 2\n[train]\ndataset = "fake"\nlr = 0.1\n'
+                                       '[sweep]\nweight_decay = [0.0, 0.0005]\nmax_running = 1\n')
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "sbatch-calls"
+    for name, body in (("sbatch", f"echo \"$PWD $*\" >> {calls}\necho '900;cluster'"),
+                       ("scontrol", "[ \"$2\" = config ] && echo 'MaxArraySize            = 4'; exit 0"),
+                       ("sinfo", "for n in hpcn1 hpcn2; do echo \"debug*|up|infinite|$n|idle|4|4000|gpu:2\"; done")):
+        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+    monkeypatch.setenv("HPC_DDP_PROFILES", str(tmp_path / "profiles.toml"))
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def invoke(*args):
+    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
+
+
+def test_a_sweep_is_one_array_and_says_each_tasks_id(project):
+    result = invoke("submit", "--nodes", "2", "--sweep", "lr=0.1,0.01", "--sweep", "args.dropout=0,0.5",
+                    "--run-dir", "sw", "train.py")
+    assert result.exit_code == 0, result.output
+    assert "Submitted array job 900 (sbatch): 4 tasks" in result.output
+    assert "task 3: job 900_3  lr=0.01 args.dropout=0.5" in result.output
+    assert (project / "sbatch-calls").read_text().split() == [str(project / "sw"), "--parsable", "job.sbatch"]
+    spec = json.loads((project / "sw" / "task-3" / "spec.json").read_text())
+    assert spec["lr"] == 0.01 and spec["target"]["args"] == ["--dropout=0.5"]
+
+
+def test_a_job_files_sweep_table(project):
+    result = invoke("submit", "--json", "--run-dir", "sw", "job.toml")
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.output[result.output.index("{"):])
+    assert out["array_job_id"] == "900" and [t["values"] for t in out["tasks"]] == [
+        {"train.weight_decay": 0.0}, {"train.weight_decay": 0.0005}]
+    assert "#SBATCH --array=0-1%1" in (project / "sw" / "job.sbatch").read_text()
+
+
+def test_a_dry_run_shows_the_array_and_task_0s_script_and_writes_nothing(project):
+    result = invoke("submit", "--dry-run", "--sweep", "lr=0.1,0.2", "train.py")
+    assert result.exit_code == 0, result.output
+    assert "#SBATCH --array=0-1" in result.output and "task 0's job script" in result.output
+    assert not (project / "runs").exists() and not (project / "sbatch-calls").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--sweep", "lr=", "train.py"], "--sweep lr: no values"),
+    (["--sweep", "foo=1,2", "train.py"], "--sweep foo: not a setting"),
+    (["--sweep", "gpus=1,2", "train.py"], "same allocation"),
+    (["--sweep", "lr=1,2,3,4,5", "train.py"], "more than this cluster's MaxArraySize of 4"),
+    (["--sweep", "lr=1,2", "--chain", "0", "train.py"], "--chain"),
+    (["--sweep", "lr=1,2", "--chain", "2", "train.py"], "--chain with --sweep"),
+    (["--sweep", "lr=x,2", "train.py"], "--sweep task 0 (lr=x): lr"),
+    (["--max-running", "2", "train.py"], "no sweep is given"),
+    (["--sweep", "lr=1,2", "--max-running", "2", "--executor", "local", "train.py"], "one by one"),
+])
+def test_bad_sweeps_are_one_line_exit_2_nothing_submitted_or_written(project, args, message):
+    result = invoke("submit", *args)
+    assert result.exit_code == 2, result.output
+    errors = [line for line in result.output.splitlines() if "error" in line]
+    assert len(errors) == 1 and message in errors[0], result.output
+    assert not (project / "sbatch-calls").exists() and not (project / "runs").exists()
