@@ -20,12 +20,12 @@ from hpc_ddp.common import rundir
 from hpc_ddp.common.errors import SpecError, UserError
 from hpc_ddp.common.events import read_jsonl
 from hpc_ddp.common.rundir import RunDir
-from hpc_ddp.launch.executors.base import Plan, Submission
+from hpc_ddp.launch.executors.base import Plan, Run, Submission
 from hpc_ddp.spec.jobspec import JobSpec
 from hpc_ddp.spec.sweep import Sweep, describe
 
 __all__ = ["Task", "SweepPlan", "plan_sweep", "submit_sweep", "read_sweep", "sweep_status", "format_sweep",
-           "array_directives", "check_array_size", "best_metric"]
+           "array_directives", "check_array_size", "best_metric", "task_runs", "cancel_sweep"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,6 +151,29 @@ def read_sweep(sweep_dir: Path) -> dict[str, Any]:
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
+
+
+def task_runs(sweep_dir: Path) -> list[Run]:
+    """Every submitted task as a Run (its run dir, its last job id, its executor)."""
+    runs = []
+    for task in read_sweep(sweep_dir).get("tasks", []):
+        run_dir = Path(sweep_dir) / str(task.get("run_dir"))
+        subs = read_jsonl(RunDir(run_dir).submissions)
+        if subs:
+            runs.append(Run(run_dir, subs[-1].get("job_id"), subs[-1].get("executor")))
+    return runs
+
+
+def cancel_sweep(sweep_dir: Path, executor, live: Callable[[Run], bool]) -> list[str]:
+    """Stop every task still queued or running (`live`): an array in one scancel, else task by task
+    (a local sweep runs one task at a time; cancelling it stops the sweep's loop too)."""
+    runs = [run for run in task_runs(sweep_dir) if live(run)]
+    array = read_sweep(sweep_dir).get("array_job_id")
+    if array and hasattr(executor, "cancel_array"):
+        return [executor.cancel_array(str(array), runs)]
+    if not runs:
+        raise UserError(f"no task of sweep {sweep_dir} is queued or running", hint="`hpc-ddp status` shows the sweep")
+    return [executor.cancel(run) for run in runs]
 
 
 # ---- status ----

@@ -13,6 +13,7 @@ from hpc_ddp.common.rundir import RunDir, is_sweep_dir
 from hpc_ddp.launch.executors import get_executor
 from hpc_ddp.launch.sweep import (
     best_metric,
+    cancel_sweep,
     check_array_size,
     format_sweep,
     plan_sweep,
@@ -43,7 +44,8 @@ def _plan(executor, sweep_dir: str, flags=("lr=0.1,0.01", "args.dropout=0.1,0.3"
 
 
 def _sbatch(answer="4711"):
-    fake = FakeCommands({"sbatch": lambda argv: Completed(tuple(argv), 0, f"{answer}\n")})
+    fake = FakeCommands({"sbatch": lambda argv: Completed(tuple(argv), 0, f"{answer}\n"),
+                         "scancel": lambda argv: Completed(tuple(argv), 0)})
     return get_executor("sbatch", commands=fake, generated_at="2026-01-02T03:04:05",
                         command_line="hpc-ddp submit --sweep lr=0.1,0.01 --sweep args.dropout=0.1,0.3 train.py"), fake
 
@@ -174,3 +176,37 @@ def test_status_table(tmp_path):
     assert lines[4].split() == ["2", "lr=0.01", "args.dropout=0.1", "RUNNING", "(1", "restarts)", "9/20",
                                 "eval_acc", "0.75", "4711_2"]
     assert lines[-1] == "best so far: task 2 (lr=0.01 args.dropout=0.1): eval_acc 0.75 at step 9"
+
+
+def test_cancelling_a_sweep_cancels_its_array_once_and_records_it_in_each_live_task(tmp_path):
+    executor, fake = _sbatch()
+    submit_sweep(executor, _plan(executor, str(tmp_path / "s")), lambda t, j: None)
+    lines = cancel_sweep(tmp_path / "s", executor, live=lambda run: run.job_id != "4711_0")  # task 0 has ended
+    assert lines == ["Cancelled array job 4711 (3 task(s) queued or running)"]
+    assert fake.calls[-1][0] == ("scancel", "4711")
+    for i in range(4):
+        events = RunDir(tmp_path / "s" / f"task-{i}").events
+        assert (events.exists() and f'"job_id": "4711_{i}"' in events.read_text()) == (i != 0)
+
+
+def test_cancelling_a_sweep_without_an_array_cancels_each_live_task(tmp_path):
+    class Recorder:
+        name = "local"
+
+        def __init__(self):
+            self.cancelled = []
+
+        def cancel(self, run):
+            self.cancelled.append(run.job_id)
+            return f"cancelled {run.job_id}"
+    plan = _plan(get_executor("local", job_id="l"), str(tmp_path / "s"), values={"nodes": 1})
+    from hpc_ddp.launch.executors.base import Submission, record_submission, write_run_dir
+    from hpc_ddp.launch.sweep import _write_sweep
+    _write_sweep(plan, None)
+    for task in plan.tasks:
+        write_run_dir(task.plan)
+        record_submission(Submission("local", f"l-t{task.index}", task.run_dir, None, state="RUNNING"))
+    recorder = Recorder()
+    assert cancel_sweep(tmp_path / "s", recorder, live=lambda run: run.job_id == "l-t2") == ["cancelled l-t2"]
+    with pytest.raises(UserError, match="no task of sweep"):
+        cancel_sweep(tmp_path / "s", recorder, live=lambda run: False)

@@ -47,6 +47,14 @@ class SlurmControl:
         listed = set(done.stdout.split()) if done.returncode == 0 else set()
         return [j for j in jobs if j in listed]
 
+    def cancel_array(self, array_id: str, tasks: list[Run]) -> str:
+        """A sweep's array, every task at once (one scancel of the array's id); `tasks`, those still queued
+        or running, each get the cancel recorded in its own run dir."""
+        self._scancel([array_id])
+        for task in tasks:
+            JsonLines(task.paths.events).write({"event": "cancelled", "job_id": task.job_id, "by": "hpc-ddp cancel"})
+        return f"Cancelled array job {array_id} ({len(tasks)} task(s) queued or running)"
+
     def signal(self, run: Run, name: str) -> None:
         self._scancel(["--signal", name, _job(run)])
 
