@@ -189,7 +189,7 @@ def run_status(run_dir: Path, job_id: str | None, executor: str | None, commands
         "scheduler": sched or None, "restarts": max(len(attempts) - 1, 0),
         "attempts": [{"attempt": a.number, "start_step": a.start_step, "ended": a.ended_cause if a.exit_code is not None
                       or a is not attempts[-1] else ("running" if state in ("RUNNING", "PENDING") else "killed"),
-                      "exit_code": a.exit_code} for a in attempts],
+                      "exit_code": a.exit_code, "job_id": a.job_id} for a in attempts],
         "last_checkpoint_step": latest_checkpoint_step(run_dir), "step": step, "total_steps": total,
         "progress": round(step / total, 4) if step and total else None,
         "samples_per_s": metrics[-1].get("samples_per_s") if metrics else None,
@@ -392,8 +392,11 @@ def format_status(s: dict[str, Any]) -> Iterator[str]:
     yield f"last checkpoint  step {s['last_checkpoint_step']}" if s["last_checkpoint_step"] is not None \
         else "last checkpoint  none"
     yield f"restarts         {s['restarts']}"
+    # Slurm numbers attempts per job: a chain's (or a requeue fallback's) next job starts at 0 again.
+    several_jobs = len({a.get("job_id") for a in s["attempts"]}) > 1
     for a in s["attempts"]:
-        yield f"  attempt {a['attempt']}: started at checkpoint step {a['start_step']}, ended: {a['ended']}" + (
+        job = f" of job {a['job_id']}" if several_jobs and a.get("job_id") else ""
+        yield f"  attempt {a['attempt']}{job}: started at checkpoint step {a['start_step']}, ended: {a['ended']}" + (
             f" (exit code {a['exit_code']})" if a["exit_code"] not in (None, 0) else "")
     for r in s["resumes"]:
         yield f"  resumed at step {r['step']} from {r['from']}"

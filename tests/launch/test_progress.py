@@ -246,3 +246,21 @@ def test_eta_of_an_attempt_still_restarting_counts_the_rest_of_its_start_up():
                          time_limit_s=100, signal_lead_s=10, restart_s=20, startup_left_s=30, requeues_left=3)
     # 100 - 10 - 2 - 30 = 58 s left to train here: 60 s of work needs one more attempt
     assert tight.more_attempts == 1
+
+
+def test_status_names_the_job_of_each_attempt_when_a_run_spans_several_jobs():
+    """Slurm numbers attempts per job: after a chain's second job starts, `attempt 0` alone would be ambiguous."""
+    from hpc_ddp.launch.status import format_status
+
+    base = {"scheduler": None, "job_id": "12", "executor": "sbatch", "state": "COMPLETED", "run_dir": "/r",
+            "step": None, "last_checkpoint_step": 40, "restarts": 2, "resumes": [], "gave_up": None,
+            "failure": None, "last_event": None}
+    attempts = [{"attempt": 0, "start_step": None, "ended": "time_limit", "exit_code": 75, "job_id": "11"},
+                {"attempt": 1, "start_step": 20, "ended": "time_limit", "exit_code": 75, "job_id": "11"},
+                {"attempt": 0, "start_step": 40, "ended": "completed", "exit_code": 0, "job_id": "12"}]
+    lines = list(format_status({**base, "attempts": attempts}))
+    assert "  attempt 1 of job 11: started at checkpoint step 20, ended: time_limit (exit code 75)" in lines
+    assert "  attempt 0 of job 12: started at checkpoint step 40, ended: completed" in lines
+    one_job = [{**a, "job_id": "11"} for a in attempts[:2]]
+    assert "  attempt 1: started at checkpoint step 20, ended: time_limit (exit code 75)" in list(
+        format_status({**base, "attempts": one_job}))
