@@ -1,0 +1,121 @@
+"""Before anything queues: can the Python the ranks will run (`spec.interpreter` chose it) run hpc-ddp's
+per-rank runner? It must exist, be executable, and import hpc_ddp, as the batch script will run it: from
+the job's working directory, in this shell's environment (sbatch exports it to the job).
+
+A preflight check (`preflight.run_preflight` calls `python_findings`), so `doctor` shows it and `submit`
+refuses a job whose ranks could not start: one line, exit 2, nothing queued. A job in a container runs
+the image's Python, which this machine cannot see: only the rest is checked (`container_python_ok`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from hpc_ddp import __version__
+from hpc_ddp.common import verbosity
+from hpc_ddp.spec.interpreter import NAMED, choose
+
+__all__ = ["Probe", "probe", "python_findings", "container_python_ok", "PROBE_TIMEOUT_S"]
+
+# Long enough for a cold start on a network filesystem, short enough not to hold a submission up.
+PROBE_TIMEOUT_S = 20.0
+_PROBE_CODE = "import sys, hpc_ddp; sys.stdout.write(hpc_ddp.__version__)"
+_MISSING = "No module named 'hpc_ddp'"
+
+
+@dataclasses.dataclass(frozen=True)
+class Probe:
+    """What running `python -c 'import hpc_ddp'` said: the version it imported, or why it could not."""
+
+    version: str | None = None
+    problem: str | None = None    # one line: the last line of its stderr, or why it did not run
+    missing: bool = False         # hpc_ddp is not installed there
+    timed_out: bool = False
+
+
+def probe(python: str, cwd: str, environ: Mapping[str, str], timeout: float = PROBE_TIMEOUT_S) -> Probe:
+    """Run `python` as the batch script will (from `cwd`, in `environ`) and ask it to import hpc_ddp."""
+    argv = [python, "-c", _PROBE_CODE]
+    verbosity.detail(f"checking the ranks' python: {shlex.join(argv)} (in {cwd})")
+    try:
+        done = subprocess.run(argv, cwd=cwd, env=dict(environ), capture_output=True, text=True, timeout=timeout,
+                              stdin=subprocess.DEVNULL, errors="replace")
+    except subprocess.TimeoutExpired:
+        return Probe(timed_out=True, problem=f"did not answer within {timeout:.0f} s")
+    except OSError as exc:  # not executable, a script with a bad #!, cwd gone
+        return Probe(problem=exc.strerror or str(exc))
+    if done.returncode == 0:
+        return Probe(version=done.stdout.strip()[:40] or "unknown")
+    last = next((ln.strip() for ln in reversed(done.stderr.splitlines()) if ln.strip()), f"exit code {done.returncode}")
+    return Probe(problem=last[:300], missing=_MISSING in done.stderr)
+
+
+def container_python_ok(spec: Any) -> bool:
+    """True for a job whose ranks run in a container: its Python is the image's, not checkable here."""
+    return bool(getattr(spec, "container", None))
+
+
+def python_findings(spec: Any, environ: Mapping[str, str] | None = None, executable: str | None = None,
+                    run_probe: Callable[..., Probe] = probe) -> Sequence[Any]:
+    """Preflight findings (`preflight.Finding`) about `spec.python`: one, an error when the ranks could
+    not start."""
+    from hpc_ddp.launch.preflight import Finding
+
+    environ = os.environ if environ is None else environ
+    who = _who(spec.python, environ, sys.executable if executable is None else executable)
+    if container_python_ok(spec):
+        return [Finding("ok", f"python {spec.python} runs inside the container: not checked on this machine")]
+    if "/" not in spec.python and spec.setup:
+        return [Finding("ok", f"python {spec.python} ({who}) is looked up on each node's PATH after the setup "
+                              "lines: not checked on this machine")]
+    problem = _unusable(spec.python, spec.workdir, environ)
+    if problem:
+        shown = spec.python if spec.python.isprintable() else repr(spec.python)
+        return [Finding("error", f"python {shown} ({who}) {problem}",
+                        hint="give --python with an existing interpreter, or activate the environment the job "
+                             "should use")]
+    return [_judge(run_probe(spec.python, spec.workdir, environ), spec.python, who)]
+
+
+def _unusable(python: str, workdir: str, environ: Mapping[str, str]) -> str | None:
+    """Why `python` cannot even be started (as the batch script would, from `workdir`), if it cannot."""
+    if not python.isprintable():
+        return "contains a control character"
+    if "/" not in python:
+        return None if shutil.which(python, path=environ.get("PATH", os.defpath)) else "is not on PATH"
+    path = os.path.join(workdir, python)  # an absolute `python` stays itself
+    if not os.path.exists(path):
+        return "does not exist"
+    if not os.path.isfile(path) or not os.access(path, os.X_OK):
+        return "is not an executable file"
+    return None
+
+
+def _judge(result: Probe, python: str, who: str) -> Any:
+    from hpc_ddp.launch.preflight import Finding
+
+    fix = f"install hpc-ddp into that environment ({shlex.quote(python)} -m pip install hpc-ddp), or give --python"
+    if result.timed_out:
+        return Finding("warning", f"python {python} ({who}) {result.problem} to `import hpc_ddp`: not checked",
+                       hint="if the ranks cannot import hpc_ddp they fail at once; " + fix)
+    if result.missing:
+        return Finding("error", f"python {python} ({who}) cannot import hpc_ddp, which every rank runs", hint=fix)
+    if result.problem:
+        return Finding("error", f"python {python} ({who}) cannot run hpc-ddp: {result.problem}", hint=fix)
+    if result.version != __version__:
+        return Finding("warning", f"python {python} ({who}) has hpc-ddp {result.version}, this command is "
+                                  f"{__version__}: the ranks run that one",
+                       hint=f"{shlex.quote(python)} -m pip install 'hpc-ddp=={__version__}'")
+    return Finding("ok", f"python {python} ({who}) imports hpc_ddp {result.version}")
+
+
+def _who(python: str, environ: Mapping[str, str], executable: str) -> str:
+    chosen = choose(environ, executable)
+    return chosen.why if python == chosen.path else NAMED
