@@ -1,6 +1,7 @@
-"""The `hpc-ddp` group: its commands (one module per group of them) and the one place where errors
-become a line and an exit code (`common.errors.report`): a UserError exits 2, any other HpcDdpError 1
-with its cause, a bug 1 with "internal error". Importing this stays fast: no torch, no submitit.
+"""The `hpc-ddp` group: its commands (one module per group of them), its -v/-q, its shell completion
+(`completion`), and the one place where errors become a line and an exit code (`common.errors.report`):
+a UserError exits 2, any other HpcDdpError 1 with its cause, a bug 1 with "internal error" (the codes:
+`common.exitcodes`). Importing this stays fast: no torch, no submitit, no matplotlib.
 """
 
 from __future__ import annotations
@@ -10,10 +11,15 @@ import sys
 import click
 
 from hpc_ddp import __version__
-from hpc_ddp.cli import cmd_manage, cmd_submit, cmd_tools, cmd_watch
-from hpc_ddp.common.errors import report
+from hpc_ddp.cli import cmd_manage, cmd_submit, cmd_tools, cmd_watch, completion
+from hpc_ddp.common import verbosity
+from hpc_ddp.common.errors import UserError, report
+from hpc_ddp.common.exitcodes import CANCELLED, USAGE
 
 __all__ = ["cli", "main"]
+
+# An optional dependency a command imports when it needs it -> the extra of hpc-ddp that installs it.
+EXTRAS = {"matplotlib": "plot"}
 
 
 class Cli(click.Group):
@@ -25,12 +31,22 @@ class Cli(click.Group):
         except click.exceptions.Exit as exc:
             sys.exit(exc.exit_code)
         except click.UsageError as exc:
-            _fail(exc.format_message(), 2)
+            _fail(exc.format_message(), USAGE)
         except click.Abort:
-            _fail("aborted", 130)
+            _fail("aborted", CANCELLED)
         except Exception as exc:  # noqa: BLE001 - ours: one line; a bug: one line naming it
-            sys.exit(report(exc))
+            sys.exit(report(missing_extra(exc) or exc))
         sys.exit(rv if isinstance(rv, int) else 0)
+
+
+def missing_extra(exc: BaseException) -> UserError | None:
+    """A command that needs an optional dependency which is not installed: one line naming the extra."""
+    top = (getattr(exc, "name", None) or "").partition(".")[0]
+    if not isinstance(exc, ModuleNotFoundError) or top not in EXTRAS:
+        return None
+    extra = EXTRAS[top]
+    return UserError(f"{top} is not installed here, and this command draws with it (hpc-ddp's [{extra}] extra)",
+                     hint=f"pip install 'hpc-ddp[{extra}]' (installed with pipx: pipx inject hpc-ddp {top})")
 
 
 def _fail(message: str, code: int) -> None:
@@ -43,14 +59,25 @@ def _fail(message: str, code: int) -> None:
 
 @click.group(cls=Cli, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="hpc-ddp")
-def cli() -> None:
+@click.option("-v", "--verbose", is_flag=True,
+              help="Say more on stderr: every command run (sbatch, squeue, ...) and the choices made.")
+@click.option("-q", "--quiet", is_flag=True, help="Say nothing on stderr but warnings and errors.")
+def cli(verbose: bool, quiet: bool) -> None:
     """Run PyTorch DDP training on Slurm: nodes x GPUs, a correct torch.distributed environment on every
-    rank, and the exact batch script shown before anything queues."""
+    rank, and the exact batch script shown before anything queues.
+
+    Shell completion (job ids, run dirs, profiles): see `hpc-ddp completion --help`.
+    """
+    if verbose and quiet:
+        raise click.UsageError("give -v or -q, not both")
+    verbosity.set_level(verbosity.VERBOSE if verbose else verbosity.QUIET if quiet else verbosity.NORMAL)
 
 
 for _group in (cmd_submit, cmd_tools, cmd_watch, cmd_manage):
     for _command in _group.COMMANDS:
         cli.add_command(_command)
+cli.add_command(completion.completion_command)
+completion.install(cli)
 
 
 def main() -> None:

@@ -1,6 +1,17 @@
-"""cancel, preempt: act on a run through the executor it was submitted with."""
+"""cancel, preempt: act on a run through the executor it was submitted with.
+
+`--json` prints one object with stable keys (README, "Watching and managing"):
+
+    cancel    {"action": "cancel", "job_id", "run_dir", "executor", "message"}
+    preempt   {"action": "preempt", "job_id", "run_dir", "executor", "signal", "message"}
+
+`message` is the line the command prints without --json. A refusal is not JSON: one line on stderr and
+exit 2 (or 1), as for every command.
+"""
 
 from __future__ import annotations
+
+import json
 
 import click
 
@@ -12,17 +23,20 @@ from hpc_ddp.launch.registry import resolve
 
 @click.command()
 @click.argument("job")
-def cancel(job: str) -> None:
+@click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object.")
+def cancel(job: str, as_json: bool) -> None:
     """Cancel JOB (a job id or a run dir): scancel on Slurm, or stop the local executor (its ranks
     checkpoint first; it is not restarted)."""
     run = resolve(job)
-    click.echo(executor_for_run(run.executor, SubprocessCommands()).cancel(run))
+    executor = executor_for_run(run.executor, SubprocessCommands())
+    _done(as_json, "cancel", executor.cancel(run), run, executor.name)
 
 
 @click.command()
 @click.argument("job")
 @click.option("--signal", "sig", help="Signal to send [default: the job's warning signal, e.g. USR2].")
-def preempt(job: str, sig: str | None) -> None:
+@click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object.")
+def preempt(job: str, sig: str | None, as_json: bool) -> None:
     """Rehearse a preemption: send the warning signal to every rank of JOB (local or Slurm). The ranks
     checkpoint at the next step and the job requeues itself."""
     from hpc_ddp.spec.jobspec import SIGNALS, load_spec
@@ -31,8 +45,17 @@ def preempt(job: str, sig: str | None) -> None:
     name = (sig or load_spec(run.paths.spec).signal).upper().removeprefix("SIG")
     if name not in SIGNALS:
         raise UserError(f"--signal {sig!r} is not one of {', '.join(SIGNALS)}")
-    executor_for_run(run.executor, SubprocessCommands()).signal(run, name)
-    click.echo(f"Sent SIG{name} to every rank of job {run.job_id}")
+    executor = executor_for_run(run.executor, SubprocessCommands())
+    executor.signal(run, name)
+    _done(as_json, "preempt", f"Sent SIG{name} to every rank of job {run.job_id}", run, executor.name, signal=name)
+
+
+def _done(as_json: bool, action: str, message: str, run, executor: str, **extra: str) -> None:
+    if not as_json:
+        click.echo(message)
+        return
+    click.echo(json.dumps({"action": action, "job_id": run.job_id, "run_dir": str(run.run_dir), "executor": executor,
+                           **extra, "message": message}, indent=2))
 
 
 COMMANDS = [cancel, preempt]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -78,7 +79,9 @@ _FOLLOWED = ("RUNNING", "PENDING", "CONFIGURING", "COMPLETING")
 @click.argument("job", required=False)
 @click.option("--rank", type=int, help="Only this rank.")
 @click.option("-f", "--follow", is_flag=True, help="Keep printing new lines while the job runs.")
-def logs(job: str | None, rank: int | None, follow: bool) -> None:
+@click.option("--json", "as_json", is_flag=True,
+              help='One JSON object per line: {"attempt": A, "rank": R, "line": TEXT}.')
+def logs(job: str | None, rank: int | None, follow: bool, as_json: bool) -> None:
     """Every rank's log across all attempts, each line prefixed by attempt and rank."""
     from hpc_ddp.launch.status import new_log_lines
 
@@ -87,10 +90,22 @@ def logs(job: str | None, rank: int | None, follow: bool) -> None:
     while True:
         running = follow and _status(run)["state"] in _FOLLOWED
         for line in new_log_lines(run.run_dir, rank, offsets, whole_lines=running):  # srun wrote these: mask
-            click.echo(line)
+            click.echo(json.dumps(_log_record(line)) if as_json else line)
         if not running:
             return
         time.sleep(1)
+
+
+# The prefix `new_log_lines` puts on every line.
+_LOG_PREFIX = re.compile(r"\[attempt (\d+) rank (\d+)\] ", re.ASCII)
+
+
+def _log_record(line: str) -> dict:
+    """`[attempt A rank R] text` -> the stable keys of `logs --json`."""
+    found = _LOG_PREFIX.match(line)
+    if found is None:  # not ours: keep the text, say nothing we do not know
+        return {"attempt": None, "rank": None, "line": line}
+    return {"attempt": int(found[1]), "rank": int(found[2]), "line": line[found.end():]}
 
 
 @click.command("list")
