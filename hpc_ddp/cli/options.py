@@ -18,7 +18,7 @@ from hpc_ddp.launch.executors import NAMES, get_executor, resolve_executor
 from hpc_ddp.slurm.helptext import installed_options
 from hpc_ddp.spec.config import spec_from_command
 from hpc_ddp.spec.jobspec import JobSpec, Target
-from hpc_ddp.spec.slurmargs import SBATCH, unlisted
+from hpc_ddp.spec.slurmargs import SBATCH, SRUN, unlisted
 
 __all__ = ["spec_options", "build", "executor_for", "warn"]
 
@@ -37,6 +37,11 @@ _SPEC_OPTIONS = [
                       "can hold]"),
     click.option("--run-dir", help="Where logs, checkpoints and the script go [default: ./runs/NAME-TIME]."),
     click.option("--sbatch-arg", "sbatch_args", multiple=True, help="Extra sbatch option, e.g. --sbatch-arg=--exclusive."),
+    click.option("--srun-arg", "srun_args", multiple=True,
+                 help="Extra option of the ranks' srun, e.g. --srun-arg=--cpu-bind=cores (repeatable)."),
+    click.option("--env", "env", multiple=True, metavar="NAME=VALUE",
+                 help="Set a variable on every rank, over the profile's and job file's env (repeatable; "
+                      "$NAME in VALUE expands there)."),
     click.option("--gpu-bind", type=click.Choice(["rank", "node"]),
                  help="rank: each rank sees only its GPU (cuda:0); node: every rank sees the node's GPUs."),
     click.option("--signal", help="Warning signal before the time limit [default: USR2]."),
@@ -83,7 +88,7 @@ def build(params: dict, default_target: Target | None = None) -> JobSpec:
 def _warn_unchecked(spec: JobSpec) -> None:
     """Extra Slurm options that nothing here could check: their command is not on PATH to ask. They cannot
     matter on this machine, and on the cluster sbatch refuses an unknown option before it queues anything."""
-    for tool, flag, args in ((SBATCH, "--sbatch-arg", spec.sbatch_args),):
+    for tool, flag, args in ((SBATCH, "--sbatch-arg", spec.sbatch_args), (SRUN, "--srun-arg", spec.srun_args)):
         unchecked = unlisted(args, tool)
         if unchecked and installed_options(tool) is None:
             warn(f"warning: {flag} {' '.join(unchecked)}: not checked, there is no {tool} on PATH here to ask "

@@ -22,8 +22,9 @@ from hpc_ddp.common.machine import physical_gpus
 from hpc_ddp.job.distenv import DistEnv, from_environ
 from hpc_ddp.job.ports import PORT_HINT, port_in_use, taken_port_message
 from hpc_ddp.spec.jobspec import JobSpec, load_spec
+from hpc_ddp.spec.siteenv import expand
 
-__all__ = ["select_gpus", "rank_environment", "run_id_for", "program_argv", "main"]
+__all__ = ["select_gpus", "rank_environment", "site_environment", "run_id_for", "program_argv", "main"]
 
 _NO_GPU = ("", "-1", "NoDevFiles", "none")
 
@@ -105,6 +106,12 @@ def rank_environment(spec: JobSpec, dist: DistEnv, env: Mapping[str, str], run_d
     return out
 
 
+def site_environment(spec: JobSpec, env: Mapping[str, str]) -> dict[str, str]:
+    """The spec's env table, its $NAME references expanded against this rank's environment (so $RANK and
+    $SLURM_TMPDIR mean this rank's). Set after hpc-ddp's own variables, which it may not name."""
+    return {name: expand(value, env) for name, value in spec.env}
+
+
 def program_argv(spec: JobSpec, dist: DistEnv, python: str, spec_path: str = rundir.SPEC) -> list[str]:
     target = spec.target
     if target.kind == "script":
@@ -143,6 +150,7 @@ def prepare(spec_path: str) -> tuple[list[str], dict[str, str]]:
     run_dir = str(Path(spec_path).resolve().parent)
     env = dict(base)
     env.update(rank_environment(spec, dist, base, run_dir, nvidia_driver=physical_gpus() > 0))
+    env.update(site_environment(spec, env))
     _check_master_port(dist, int(env["MASTER_PORT"]))
     if spec.datasets:
         from hpc_ddp.job.stagejob import dataset_env, scratch_dir, stage_for_job

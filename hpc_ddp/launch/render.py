@@ -33,6 +33,7 @@ from hpc_ddp.common.rundir import RunDir
 from hpc_ddp.job.attempts import RUN_COMPLETE_EXIT_CODE
 from hpc_ddp.slurm.slurmtime import format_time
 from hpc_ddp.spec.jobspec import JobSpec
+from hpc_ddp.spec.siteenv import bash_value
 
 __all__ = ["check_custom_script", "directives", "refuse_secrets", "render_array", "render_sbatch", "runner_command"]
 
@@ -72,6 +73,16 @@ def _dependency(after: str) -> str:
     return after
 
 
+def env_exports(spec: JobSpec) -> list[str]:
+    """`NAME="value"` for each site variable: values double-quoted, only $NAME references expand (`siteenv`)."""
+    return [f"{name}={bash_value(value)}" for name, value in spec.env]
+
+
+def srun_options(spec: JobSpec) -> list[str]:
+    """Options of the ranks' srun beyond the ones every job has: the spec's --srun-arg."""
+    return list(spec.srun_args)
+
+
 def runner_command(spec: JobSpec, run_dir: str) -> list[str]:
     """What each rank starts: the per-rank runner, which then execs the user's program."""
     return [spec.python, "-m", "hpc_ddp.job.runner", str(RunDir(run_dir).spec)]
@@ -86,7 +97,8 @@ def render_sbatch(spec: JobSpec, run_dir: str, *, generated_at: str, command_lin
         template = env.get_template(name)
         text = template.render(
             spec=spec, run_dir=run_dir, directives=directives(spec),
-            runner=runner_command(spec, run_dir), requeue_exit_code=REQUEUE_EXIT_CODE,
+            runner=runner_command(spec, run_dir), srun_options=srun_options(spec), env_exports=env_exports(spec),
+            requeue_exit_code=REQUEUE_EXIT_CODE,
             version=__version__, generated_at=generated_at, command_line=scrub(command_line),
             script_name=rundir.SCRIPT, attempt_logs=rundir.attempt_logs("$SLURM_JOB_ID", "$ATTEMPT"),
             rank_log=rundir.RANK_LOG.format(rank="%t"), program=scrub(spec.target.describe()),
@@ -169,17 +181,19 @@ def check_custom_script(text: str, spec: JobSpec, run_dir: str, name: str = "tem
                         hint="write the directives with {% for d in directives %}#SBATCH {{ d }}{% endfor %}")
     # Lines as bash splits them (on \n only: "# x\rsrun ..." is one comment to bash).
     commands = [ln for ln in text.split("\n") if ln.strip() and not ln.lstrip().startswith("#")]
-    required = [("-m hpc_ddp.job.attempts begin", "the requeue policy's `-m hpc_ddp.job.attempts begin`"),
-                (shlex.join(runner_command(spec, run_dir)), "the per-rank runner `{{ runner | qjoin }}`"),
-                ("-m hpc_ddp.job.attempts end", "the requeue policy's `-m hpc_ddp.job.attempts end`")]
+    required = [("-m hpc_ddp.job.attempts begin", "the requeue policy's `-m hpc_ddp.job.attempts begin`", 1)]
+    if srun_options(spec):  # on the runner's srun line, or a line before it (a `\` continuation)
+        required.append((shlex.join(srun_options(spec)), "the srun options `{{ srun_options | qjoin }}`", 0))
+    required += [(shlex.join(runner_command(spec, run_dir)), "the per-rank runner `{{ runner | qjoin }}`", 1),
+                 ("-m hpc_ddp.job.attempts end", "the requeue policy's `-m hpc_ddp.job.attempts end`", 1)]
     at, after = 0, ""
-    for needle, what in required:
+    for needle, what, step in required:
         at = next((i for i in range(at, len(commands)) if needle in commands[i]), -1)
         if at < 0:
             raise SpecError(f"template {name!r} does not run {what}{after}",
                             hint="start from templates/sbatch.sh.j2: attempts begin, srun of the runner, "
                                  "attempts end, in this order, outside comments")
-        at, after = at + 1, f" after {what}"
+        at, after = at + step, f" after {what}"
 
 
 def refuse_secrets(lines: list[str], spec: JobSpec, scrub: secrets.Scrubber) -> None:
@@ -194,17 +208,25 @@ def refuse_secrets(lines: list[str], spec: JobSpec, scrub: secrets.Scrubber) -> 
 
 
 def _where(line: str, number: int, spec: JobSpec) -> str:
+    name = re.match(r"export ([A-Za-z_][A-Za-z0-9_]*)=", line)
+    if name and name.group(1) in dict(spec.env):
+        return f"env {name.group(1)}"
     if line in spec.setup or line.strip() in spec.setup:
         return f"a setup line of profile {spec.profile!r}" if spec.profile else "a setup line"
     if line.startswith("#SBATCH") or line in spec.sbatch_args:
         return "an sbatch option"
+    if any(shlex.quote(arg) in line for arg in spec.srun_args):
+        return "an srun option"
     return f"line {number} of the template"
 
 
 def _hint(where: str, leak: secrets.Leak) -> str:
     name = leak.name or "NAME"
-    if where == "an sbatch option":  # #SBATCH lines are not expanded by the shell: no $NAME there
-        return f"sbatch options are not secret: export {name} before submitting and read it in the job instead"
+    if where in ("an sbatch option", "an srun option"):  # neither is expanded by a shell: no $NAME there
+        return f"{where[3:]}s are not secret: export {name} before submitting and read it in the job instead"
+    if where.startswith("env "):
+        return (f"export {where[4:]} in your shell before submitting instead of writing its value in env: sbatch "
+                "passes your environment to the job")
     pasted = "its value" if leak.name else f"it (export {name}=... before submitting)"
     place = "the setup line" if where.startswith("a setup line") else "the template"
     return f"reference it as ${name} in {place} instead of pasting {pasted}"

@@ -18,7 +18,8 @@ from typing import Any
 
 from hpc_ddp.common.errors import HpcDdpError, SpecError
 from hpc_ddp.slurm.slurmtime import parse_time
-from hpc_ddp.spec.slurmargs import SBATCH, check_option, directive_safe
+from hpc_ddp.spec.siteenv import parse_env
+from hpc_ddp.spec.slurmargs import SBATCH, SRUN, SRUN_MANAGED, check_option, directive_safe
 from hpc_ddp.spec.trainconfig import MAX_BATCH, MAX_EPOCHS, TrainConfig, parse_train
 from hpc_ddp.spec.values import choice, count, flag, number
 
@@ -64,9 +65,11 @@ class JobSpec:
     executor: str | None = None
     run_dir: str | None = None
     sbatch_args: tuple[str, ...] = ()
+    srun_args: tuple[str, ...] = ()    # extra options of the ranks' srun (--srun-arg)
     gpu_request: str = "gpus-per-node"
     gpu_bind: str = "rank"
     setup: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()  # the site's variables, set on every rank (spec.siteenv)
     scratch: str | None = None
     template: str | None = None
     signal: str = "USR2"
@@ -101,16 +104,17 @@ class JobSpec:
         fields = dict(data)
         t = fields.pop("target")
         fields["target"] = Target(t["kind"], t["value"], tuple(t["args"]))
-        for key in ("sbatch_args", "setup"):
-            fields[key] = tuple(fields[key])
+        for key in ("sbatch_args", "srun_args", "setup"):
+            fields[key] = tuple(fields.get(key, ()))
         if fields.get("train") is not None:
             fields["train"] = TrainConfig(**fields["train"])
         fields["datasets"] = tuple(tuple(d) for d in fields.get("datasets", ()))
+        fields["env"] = tuple(tuple(pair) for pair in fields.get("env", ()))
         return cls(**fields)
 
 
 # Keys whose flag is not simply --key-with-dashes (repeatable flags are named in the singular).
-_FLAG_NAMES = {"sbatch_args": "--sbatch-arg", "datasets": "--stage"}
+_FLAG_NAMES = {"sbatch_args": "--sbatch-arg", "srun_args": "--srun-arg", "datasets": "--stage"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -332,6 +336,10 @@ def _sbatch_args(raw: Any, known: frozenset[str] | None = None) -> tuple[str, ..
     return tuple(_sbatch_arg(x, known) for x in _lines(raw))
 
 
+def _srun_args(raw: Any, known: frozenset[str] | None = None) -> tuple[str, ...]:
+    return tuple(check_option(x, SRUN, SRUN_MANAGED, known) for x in _lines(raw))
+
+
 # Ceilings: far above any real job, low enough that a slip of the keyboard (an extra few digits) is an
 # error here and not a job that can never start, or an overflow inside a rank.
 MAX_NODES = 100_000
@@ -344,7 +352,7 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "cpus_per_task": count(1, MAX_PER_NODE),
     "mem": _mem, "time": _time, "partition": _token, "account": _token, "qos": _token,
     "constraint": _token, "job_name": _job_name, "executor": choice(EXECUTORS), "run_dir": _string,
-    "sbatch_args": _sbatch_args, "gpu_request": choice(GPU_REQUESTS), "gpu_bind": choice(GPU_BINDS),
+    "sbatch_args": _sbatch_args, "srun_args": _srun_args, "gpu_request": choice(GPU_REQUESTS), "gpu_bind": choice(GPU_BINDS),
     "setup": _setup, "scratch": _string, "template": _template, "signal": _signal,
     "signal_lead": count(10, 65535),  # Slurm's --signal=SIG@TIME takes at most 65535 s
     "max_requeues": count(0, MAX_REQUEUES), "max_preemptions": count(0, MAX_REQUEUES), "pass_local_rank": flag,
@@ -353,7 +361,7 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "train": _train, "datasets": _datasets, "stage_fallback": choice(("shared", "fail")),
     "stage_checksums": flag, "stage_timeout": count(10, WEEK), "master_port": _port,
     "rendezvous_timeout": count(5, WEEK), "collective_timeout": count(10, WEEK),
-    "after": _after, "chain": count(1, MAX_CHAIN),
+    "after": _after, "chain": count(1, MAX_CHAIN), "env": parse_env,
 }
 SPEC_KEYS = frozenset(PARSERS)
 PROFILE_KEYS = SPEC_KEYS - {"script", "module", "args", "profile", "job_name", "run_dir", "pass_local_rank", "train",
@@ -373,12 +381,16 @@ def _check_keys(layer: Layer) -> None:
 # is not installed: read at the edge and handed in, so building a spec stays pure.
 OptionSource = Callable[[str], frozenset[str] | None]
 # Keys whose parser also takes what the installed tool accepts.
-_CLUSTER_CHECKED = {"sbatch_args": (_sbatch_args, SBATCH)}
+_CLUSTER_CHECKED = {"sbatch_args": (_sbatch_args, SBATCH), "srun_args": (_srun_args, SRUN)}
 
 
 def no_installed_options(tool: str) -> None:
     """The option source where nothing is asked: the fixed lists alone decide."""
     return None
+
+
+# Tables merged entry by entry across layers: a job file's env adds to its profile's.
+_PER_ENTRY = {"env"}
 
 
 def _parser(key: str, options: OptionSource) -> Callable[[Any], Any]:
@@ -397,7 +409,10 @@ def merge(layers: Sequence[Layer], options: OptionSource = no_installed_options)
             if raw is None:
                 continue
             try:
-                merged[key] = (_parser(key, options)(raw), layer.origin)
+                value = _parser(key, options)(raw)
+                if key in _PER_ENTRY and key in merged:  # a table adds to (and overrides) the layers below
+                    value = tuple({**dict(merged[key][0]), **dict(value)}.items())
+                merged[key] = (value, layer.origin)
             except SpecError as exc:
                 raise SpecError(f"{layer.where(key)}: {exc.message}", hint=exc.hint) from None
             except ValueError as exc:

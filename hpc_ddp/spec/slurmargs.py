@@ -101,10 +101,12 @@ def check_option(raw: object, tool: str, managed: Mapping[str, str], known: froz
         close = difflib.get_close_matches(name, sorted(accepted | set(managed)), n=1, cutoff=0.75)
         guess = f" (did you mean --{close[0]}?)" if close else f" (`{tool} --help` here lists no --{name})"
         raise ValueError(f"--{name} is not an {tool} option{guess}")
-    if arg is not None:
-        (directive_safe if tool == SBATCH else _word_safe)(arg)
+    if arg is not None and tool == SBATCH:
+        directive_safe(arg)
         if any(c.isspace() for c in arg):
             raise ValueError("the value contains whitespace")
+    elif arg is not None:
+        _word_safe(name, arg)
     return value
 
 
@@ -126,16 +128,16 @@ def directive_safe(value: str) -> str:
     return value
 
 
-def _word_safe(value: str) -> str:
+def _word_safe(name: str, value: str) -> None:
     """A value for a word of an srun line: quoted there, and refused where it can only be a mistake."""
     if any(ord(c) < 32 or ord(c) == 127 for c in value):
-        raise ValueError("contains a control character (newline, NUL, ...)")
+        raise ValueError(f"--{name}: the value contains a control character (newline, NUL, ...)")
+    if any(c.isspace() for c in value):
+        raise ValueError(f"--{name}: the value contains whitespace (give each option as one --srun-arg)")
     for bad in ('"', "'", "\\", *sorted(_SHELL_SYNTAX)):
         if bad in value:
-            what = "$NAME is not expanded: srun gets the value as written" if bad == "$" else \
-                "no shell reads it: srun gets the value as written"
-            raise ValueError(f"contains {bad!r} ({what})")
-    return value
+            why = "$NAME is not expanded" if bad == "$" else "no shell reads it"
+            raise ValueError(f"--{name}: the value contains {bad!r}: srun gets it as written, {why}")
 
 
 def _short(raw: object) -> str:

@@ -88,3 +88,58 @@ def test_a_profile_may_give_a_plugin_option(site):
     (site / "profiles.toml").write_text('[nersc]\nsbatch_args = ["--image=docker:nersc/pytorch:ngc-23.07"]\n')
     result = invoke("submit", "--dry-run", "--profile", "nersc", "train.py")
     assert result.exit_code == 0 and "#SBATCH --image=docker:nersc/pytorch:ngc-23.07" in result.output
+
+
+# ---- srun options ----
+
+def test_srun_options_go_onto_the_ranks_srun_line(site):
+    result = invoke("submit", "--dry-run", "--srun-arg=--container-image=nvcr.io#nvidia/pytorch:24.01-py3",
+                    "--srun-arg=--mpi=pmix", "train.py")
+    assert result.exit_code == 0, result.output
+    line = next(ln for ln in result.output.splitlines() if ln.startswith("srun --kill-on-bad-exit"))
+    assert "'--container-image=nvcr.io#nvidia/pytorch:24.01-py3' --mpi=pmix \\" in line
+
+
+@pytest.mark.parametrize("value,message", [
+    ("--mpi=pmix\n#SBATCH --uid=0", "--srun-arg: --mpi: the value contains a control character"),
+    ("--mpi=pmix;reboot", "--srun-arg: --mpi: the value contains ';'"),
+    ("--mpi=pmix && reboot", "--srun-arg: --mpi: the value contains whitespace"),
+    ("--mpii=pmix", "--srun-arg: --mpii is not an srun option (did you mean --mpi?)"),
+    ("--ntasks=3", "--srun-arg: --ntasks is set by hpc-ddp; use --nodes and --tasks-per-node instead"),
+    ("-l", "is not of the form --option"),
+])
+def test_bad_srun_options_are_one_line_and_nothing_is_submitted(site, value, message):
+    assert message in refused(site, f"--srun-arg={value}")
+
+
+def test_a_bad_srun_option_in_a_profile_names_the_profile(site):
+    (site / "profiles.toml").write_text('[p]\nsrun_args = ["--mpi=pmix;x"]\n')
+    assert "profile 'p': srun_args: --mpi: the value contains ';'" in refused(site, "--profile", "p")
+
+
+# ---- the site environment ----
+
+def test_env_from_the_profile_and_the_command_line_is_exported(site):
+    (site / "profiles.toml").write_text('[p]\nenv = { NCCL_SOCKET_IFNAME = "ib0", HF_HOME = "$SLURM_TMPDIR/hf" }\n')
+    result = invoke("submit", "--dry-run", "--profile", "p", "--env", "NCCL_SOCKET_IFNAME=eth0", "train.py")
+    assert result.exit_code == 0, result.output
+    assert 'export NCCL_SOCKET_IFNAME="eth0"\nexport HF_HOME="${SLURM_TMPDIR-}/hf"\n' in result.output
+
+
+@pytest.mark.parametrize("value,message", [
+    ("BAD-KEY=x", "--env: 'BAD-KEY' is not a variable name"),
+    ("X;reboot=1", "--env: 'X;reboot' is not a variable name"),
+    ("RANK=0", "--env: RANK is set by hpc-ddp"),
+    ("MASTER_ADDR=localhost", "--env: MASTER_ADDR is set by hpc-ddp"),
+    ("JUSTANAME", "--env: 'JUSTANAME' is not NAME=VALUE"),
+    ("X=a\nb", "--env: X: the value contains a control character"),
+])
+def test_bad_env_entries_are_one_line_and_nothing_is_submitted(site, value, message):
+    assert message in refused(site, "--env", value)
+
+
+def test_a_bad_env_key_in_a_job_file_names_the_file(site):
+    (site / "job.toml").write_text('script = "train.py"\n[env]\n"NOT VALID" = "x"\n')
+    result = invoke("submit", "job.toml")
+    assert result.exit_code == 2 and "job.toml': env: 'NOT VALID' is not a variable name" in result.output
+    assert not (site / "calls").exists()

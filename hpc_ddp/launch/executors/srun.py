@@ -50,7 +50,7 @@ from hpc_ddp.launch.executors.base import Plan, Submission, write_run_dir
 from hpc_ddp.launch.executors.foreground import CANCELLED_EXIT_CODE, ForegroundControl
 from hpc_ddp.launch.executors.foreground import say as _say
 from hpc_ddp.launch.executors.local import bash_word, comment_text
-from hpc_ddp.launch.render import runner_command
+from hpc_ddp.launch.render import runner_command, srun_options
 from hpc_ddp.slurm.nodelist import expand_hostlist, expand_tasks_per_node
 from hpc_ddp.slurm.slurmtime import format_time
 from hpc_ddp.spec.jobspec import JobSpec
@@ -254,7 +254,7 @@ def srun_argv(spec: JobSpec, run_dir: str, job_id: str, attempt: int, alloc: All
         argv.append(f"--time={format_time(spec.time)}")
     if alloc.step:  # run from a step's shell: without it, the new step waits for the CPUs that shell holds
         argv.append("--overlap")
-    argv += ["--kill-on-bad-exit=1", f"--output={output_pattern(run_dir, job_id, attempt)}"]
+    argv += ["--kill-on-bad-exit=1", f"--output={output_pattern(run_dir, job_id, attempt)}", *srun_options(spec)]
     return argv + runner_command(spec, run_dir)
 
 

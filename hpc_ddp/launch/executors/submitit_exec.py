@@ -40,6 +40,8 @@ def submitit_parameters(spec: JobSpec) -> dict:
             params[key] = getattr(spec, key)
     if spec.setup:
         params["setup"] = list(spec.setup)
+    if spec.srun_args:
+        params["srun_args"] = list(spec.srun_args)
     extra = {}
     for arg in spec.sbatch_args:
         name, _, value = arg[2:].partition("=")
@@ -160,7 +162,7 @@ class SubmititExecutor(SlurmControl):
     def plan(self, spec: JobSpec, run_dir: str) -> Plan:
         scrub = secrets.current()
         # submitit writes setup lines and sbatch options into its own script: refuse secrets, as render does.
-        refuse_secrets([*spec.setup, *spec.sbatch_args], spec, scrub)
+        refuse_secrets([*spec.setup, *spec.sbatch_args, *spec.srun_args], spec, scrub)
         params = submitit_parameters(spec)
         lines = [f"# submitit executor: SlurmExecutor(folder={str(RunDir(run_dir).submitit / '%j')!r}, python={spec.python!r})",
                  "update_parameters("]

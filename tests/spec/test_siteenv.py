@@ -1,0 +1,87 @@
+"""The site environment table: names, values, hpc-ddp's own variables refused, and one expansion grammar in
+Python (the runner) and bash (the batch script) that agree, checked by running bash."""
+
+import subprocess
+
+import pytest
+
+from hpc_ddp.common.errors import SpecError
+from hpc_ddp.spec.jobspec import PROFILE_KEYS, JobSpec, Layer, Target, build_spec
+from hpc_ddp.spec.siteenv import bash_value, expand, managed_problem, parse_env
+
+
+def build(*layers: Layer) -> JobSpec:
+    return build_spec(list(layers), target=Target("script", "/t.py"), workdir="/", python="p")
+
+
+def test_a_table_and_name_value_pairs_give_the_same_env():
+    table = parse_env({"NCCL_SOCKET_IFNAME": "ib0", "OMP_NUM_THREADS": 8, "HF_HOME": "$SLURM_TMPDIR/hf"})
+    pairs = parse_env(["NCCL_SOCKET_IFNAME=ib0", "OMP_NUM_THREADS=8", "HF_HOME=$SLURM_TMPDIR/hf"])
+    assert table == pairs == (("NCCL_SOCKET_IFNAME", "ib0"), ("OMP_NUM_THREADS", "8"),
+                              ("HF_HOME", "$SLURM_TMPDIR/hf"))
+    assert parse_env(["EMPTY=", "EQ=a=b"]) == (("EMPTY", ""), ("EQ", "a=b"))
+
+
+def test_layers_merge_variable_by_variable_the_higher_one_winning():
+    profile = Layer("profile 'site'", {"env": {"NCCL_SOCKET_IFNAME": "ib0", "GLOO_SOCKET_IFNAME": "ib0"}},
+                    frozenset(PROFILE_KEYS))
+    job = Layer("job file", {"env": {"HF_HOME": "/scratch/hf"}})
+    flags = Layer("command line", {"env": ["GLOO_SOCKET_IFNAME=eth0"]}, is_cli=True)
+    spec = build(profile, job, flags)
+    assert dict(spec.env) == {"NCCL_SOCKET_IFNAME": "ib0", "GLOO_SOCKET_IFNAME": "eth0", "HF_HOME": "/scratch/hf"}
+    assert JobSpec.from_dict(spec.to_dict()) == spec
+
+
+@pytest.mark.parametrize("value,message", [
+    (["1BAD=x"], "'1BAD' is not a variable name"),
+    (["BAD-NAME=x"], "is not a variable name"),
+    (["A B=x"], "is not a variable name"),
+    (["$(id)=x"], "is not a variable name"),
+    (["NOEQUALS"], "'NOEQUALS' is not NAME=VALUE"),
+    (["X=a\nexport Y=1"], "X: the value contains a control character"),
+    (["X=a\x00"], "control character"),
+    (["RANK=0"], "RANK is set by hpc-ddp; hpc-ddp sets it on every rank"),
+    (["MASTER_ADDR=localhost"], "MASTER_ADDR is set by hpc-ddp"),
+    (["MASTER_PORT=1234"], "use --master-port"),
+    (["CUDA_VISIBLE_DEVICES=0"], "use --gpu-bind"),
+    (["SLURM_CPUS_PER_TASK=4"], "give the option as --sbatch-arg or --srun-arg"),
+    (["SBATCH_TIMELIMIT=5"], "--sbatch-arg"),
+    (["HPC_DDP_RUN_DIR=/x"], "hpc-ddp's own variables"),
+    (["TORCHELASTIC_RUN_ID=x"], "torchrun"),
+    ("A=1", "expected a table"),
+])
+def test_bad_env_entries_are_refused_naming_the_flag(value, message):
+    with pytest.raises(SpecError, match=message) as info:
+        build(Layer("command line", {"env": value}, is_cli=True))
+    assert str(info.value).startswith("--env: ") and "\n" not in str(info.value)
+
+
+def test_bad_table_values_name_the_file_and_variable():
+    with pytest.raises(SpecError, match=r"^job file 'j.toml': env: X: True is not a string"):
+        build(Layer("job file 'j.toml'", {"env": {"X": True}}))
+    with pytest.raises(SpecError, match=r"X: .* is not a string"):
+        build(Layer("job file 'j.toml'", {"env": {"X": [1]}}))
+
+
+def test_the_knobs_hpc_ddp_reads_stay_yours():
+    assert managed_problem("HPC_DDP_BACKEND") is None and managed_problem("HPC_DDP_RUN_ID") is None
+    assert managed_problem("OMP_NUM_THREADS") is None and managed_problem("NCCL_DEBUG") is None
+
+
+CASES = ["plain", "$HOME/x", "${HOME}x", "a$", "$$HOME", "$1", "${UNSET_VAR_XYZ}/y", "it's \"q\" `id` \\ $(id)",
+         "$HOME$HOME", "${HOME", "tab\there", "~/x", "*", "a b  c"]
+
+
+@pytest.mark.parametrize("value", CASES)
+def test_bash_and_python_expand_a_value_alike(value):
+    env = {"HOME": "/home/ada", "PATH": "/usr/bin:/bin"}
+    done = subprocess.run(["bash", "-c", f"set -u; export X={bash_value(value)}; printf %s \"$X\""], env=env,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == expand(value, env)
+
+
+def test_expansion_is_only_of_references():
+    env = {"SLURM_TMPDIR": "/tmp/job7", "RANK": "3"}
+    assert expand("$SLURM_TMPDIR/hf-$RANK", env) == "/tmp/job7/hf-3"
+    assert expand("$(reboot) `id` $$5", env) == "$(reboot) `id` $5"
