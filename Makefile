@@ -16,8 +16,9 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q --upgrade pip
 	# Install torch with its matching torchvision first, as one pair (see constraints.txt).
 	$(PY) -m pip install -q -c constraints.txt torch torchvision
-	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
-	$(PY) -c 'import torch, torchvision, submitit, click, jinja2; print("installed torch", torch.__version__, "torchvision", torchvision.__version__)'
+	# [plot]: make demo draws its training curve; [test]: make test (and its plot and timeline tests).
+	$(PY) -m pip install -q -c constraints.txt -e '.[plot,test]'
+	$(PY) -c 'import torch, torchvision, submitit, click, jinja2, matplotlib; print("installed torch", torch.__version__, "torchvision", torchvision.__version__)'
 	touch $(STAMP)
 
 demo: install

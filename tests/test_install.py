@@ -1,0 +1,40 @@
+"""What `pip install hpc-ddp` asks for: torch and torchvision as ranges (an environment's own torch build is
+kept), matplotlib only in the [plot] extra, and `make install` installing what make demo and make test use."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+REPO = Path(__file__).resolve().parent.parent
+PROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+
+
+def _requirements(items):
+    return {re.split(r"[\s<>=!~;\[]", item, maxsplit=1)[0].lower(): item for item in items}
+
+
+def test_torch_and_torchvision_are_lower_bounds_never_pins():
+    core = _requirements(PROJECT["dependencies"])
+    for name in ("torch", "torchvision"):
+        spec = core[name].removeprefix(name)
+        assert re.fullmatch(r">=[\d.]+", spec), f"{name}: {core[name]!r} is not a plain lower bound"
+
+
+def test_the_core_has_no_plotting_library_and_the_plot_extra_has_it():
+    assert "matplotlib" not in _requirements(PROJECT["dependencies"])
+    assert "matplotlib" in _requirements(PROJECT["optional-dependencies"]["plot"])
+    for name in ("torch", "torchvision", "submitit", "click", "jinja2"):
+        assert name in _requirements(PROJECT["dependencies"]), name
+
+
+def test_make_install_installs_what_make_demo_and_make_test_need():
+    makefile = (REPO / "Makefile").read_text()
+    assert "-e '.[plot,test]'" in makefile
+    assert "import torch, torchvision, submitit, click, jinja2, matplotlib" in makefile
