@@ -6,13 +6,16 @@ import datetime as _dt
 import json
 import shlex
 import sys
+from pathlib import Path
 
 import click
 
 from hpc_ddp.cli.options import build, executor_for, spec_options, warn
+from hpc_ddp.common.errors import SpecError
 from hpc_ddp.common.procs import SubprocessCommands
 from hpc_ddp.common.rundir import RunDir
 from hpc_ddp.launch.rundirs import new_run_dir
+from hpc_ddp.spec.interpreter import explain
 
 
 @click.command(context_settings={"allow_interspersed_args": False})
@@ -20,21 +23,32 @@ from hpc_ddp.launch.rundirs import new_run_dir
 @click.option("--dry-run", is_flag=True, help="Print the exact script (or plan); submit nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @click.option("--no-preflight", is_flag=True, help="Skip the checks against the cluster (see `hpc-ddp doctor`).")
+@click.option("--sweep", multiple=True, metavar="KEY=V1,V2,...",
+              help="Run one task per combination of values, each a whole job with its own run dir (a Slurm "
+                   "array under sbatch). KEY: lr, epochs, batch_size, a [train] key, or args.NAME (your script "
+                   "gets --NAME=V). Repeat for a grid. A job file's [sweep] table does the same.")
+@click.option("--max-running", metavar="N", help="At most N tasks of the sweep run at once (Slurm's %N).")
 def submit(**params) -> None:
     """Submit TARGET (a script, -m module, or a job file) on N nodes x G GPUs.
 
     \b
       hpc-ddp submit --nodes 4 --gpus 8 train.py -- --lr 0.1
       hpc-ddp submit --dry-run --nodes 2 --gpus 4 -m mypkg.train
+      hpc-ddp submit --nodes 2 --gpus 4 --sweep lr=0.1,0.01 --sweep batch_size=32,64 job.toml
     """
     from hpc_ddp.launch.registry import record_run
 
     spec = build(params)
+    sweep = _sweep(params, spec)
+    if sweep is not None:
+        _submit_sweep(params, spec, sweep)
+        return
     executor, now, which = executor_for(spec)
     _chains_need_support(spec, executor)
     plan = executor.plan(spec, new_run_dir(spec, now))
     if not params["as_json"] or not spec.executor:
         warn(which)
+        warn(explain(spec))
     if params["dry_run"]:
         if params["as_json"]:
             click.echo(json.dumps({"executor": plan.executor, "job_id": None, "run_dir": plan.run_dir,
@@ -60,6 +74,69 @@ def submit(**params) -> None:
         sys.exit(1)
 
 
+def _sweep(params: dict, spec):
+    from hpc_ddp.spec.config import is_job_file, read_toml
+    from hpc_ddp.spec.sweep import check_no_flag_conflict, sweep_from
+
+    head = params["argv"][0] if params["argv"] and not params["module"] else None
+    table = read_toml(Path(head).resolve(), "job file").get("sweep") if head and is_job_file(head) else None
+    if table is not None and not isinstance(table, dict):
+        raise SpecError("the job file's sweep must be a table: [sweep] with KEY = [values]")
+    sweep = sweep_from(params["sweep"], table, params["max_running"], spec.target.kind)
+    if sweep is not None:
+        check_no_flag_conflict(sweep, params)
+    return sweep
+
+
+def _submit_sweep(params: dict, spec, sweep) -> None:
+    """Plan every task (each spec built and checked like a single job's), then one array or task by task."""
+    from hpc_ddp.launch.registry import record_run
+    from hpc_ddp.launch.sweep import plan_sweep, submit_sweep
+    from hpc_ddp.spec.sweep import check_spec, describe, task_spec
+
+    check_spec(spec)
+    executor, now, which = executor_for(spec)
+    plan = plan_sweep(executor, sweep, new_run_dir(spec, now),
+                      lambda values, index: task_spec(spec, values, index, lambda extra: build(params, extra=extra)))
+    if not params["as_json"] or not spec.executor:
+        warn(which)
+        warn(explain(spec))
+    if params["dry_run"]:
+        click.echo(json.dumps({"executor": plan.executor, "sweep_dir": plan.sweep_dir, "dry_run": True,
+                               "script": plan.script, "tasks": [{"task": t.index, "values": dict(t.values),
+                                                                  "run_dir": t.run_dir} for t in plan.tasks]},
+                              indent=2) if params["as_json"] else plan.dry_run_text(), nl=params["as_json"])
+        return
+    if executor.queues and not params["no_preflight"]:
+        _preflight(plan.tasks[0].plan, array_size=len(plan.tasks) if plan.script is not None else None)
+
+    def recorded(task, job_id: str) -> None:
+        array = job_id.partition("_")[0] if plan.script is not None else None
+        record_run(task.plan.spec, task.run_dir, job_id, executor.name, warn,
+                   {"sweep": plan.sweep_dir, "task": task.index, "values": dict(task.values),
+                    **({"array_job_id": array} if array else {})})
+    subs = submit_sweep(executor, plan, recorded)
+    if params["as_json"]:
+        click.echo(json.dumps({"executor": plan.executor, "sweep_dir": plan.sweep_dir,
+                               "array_job_id": subs[0].job_id.partition("_")[0] if plan.script else None,
+                               "tasks": [{"task": t.index, "values": dict(t.values), **s.to_json()}
+                                         for t, s in zip(plan.tasks, subs)]}, indent=2))
+    elif plan.script is not None:
+        click.echo(f"Submitted array job {subs[0].job_id.partition('_')[0]} ({plan.executor}): {len(subs)} tasks, "
+                   f"sweep dir {plan.sweep_dir}")
+        for task, sub in zip(plan.tasks, subs):
+            click.echo(f"  task {task.index}: job {sub.job_id}  {describe(task.values)}")
+        click.echo(f"Watch it: hpc-ddp status {shlex.quote(plan.sweep_dir)}")
+    else:
+        for task, sub in zip(plan.tasks, subs):
+            click.echo(f"task {task.index}: {sub.executor} job {sub.job_id} {sub.state.lower()}  "
+                       f"{describe(task.values)}")
+        if len(subs) < len(plan.tasks):
+            warn(f"stopped after task {len(subs) - 1}; tasks {len(subs)}..{len(plan.tasks) - 1} did not run")
+    if any(s.returncode for s in subs):
+        sys.exit(1)
+
+
 def _chains_need_support(spec, executor) -> None:
     """--after and --chain make Slurm jobs wait for each other, which only an executor that says so
     (`chains`) does: the spec refuses another one named; this catches the one chosen for the user
@@ -72,11 +149,15 @@ def _chains_need_support(spec, executor) -> None:
                         f"{executor.name}", hint="load Slurm (put sbatch on PATH), or drop it")
 
 
-def _preflight(plan) -> None:
-    from hpc_ddp.launch.preflight import Host, gate, job_paths, run_preflight
+def _preflight(plan, array_size: int | None = None) -> None:
+    from hpc_ddp.launch.preflight import Host, gate, job_paths, read_slurm_config, run_preflight
 
-    gate(run_preflight(plan.spec, SubprocessCommands(), Host.current(), paths=job_paths(plan.spec, plan.run_dir)),
-         warn)
+    commands = SubprocessCommands()
+    if array_size is not None:
+        from hpc_ddp.launch.sweep import check_array_size
+
+        check_array_size(array_size, read_slurm_config(commands))
+    gate(run_preflight(plan.spec, commands, Host.current(), paths=job_paths(plan.spec, plan.run_dir)), warn)
 
 
 @click.command(context_settings={"allow_interspersed_args": False})
