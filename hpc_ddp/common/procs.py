@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -16,6 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
 
+from hpc_ddp.common import verbosity
 from hpc_ddp.common.errors import SubmitError
 
 __all__ = ["Completed", "CommandRunner", "SubprocessCommands", "FakeCommands", "slurm_unreachable", "ProcessIdentity",
@@ -47,6 +49,7 @@ class CommandRunner(Protocol):
 class SubprocessCommands:
     def run(self, argv: Sequence[str], *, cwd: str | None = None, env: Mapping[str, str] | None = None,
             timeout: float = 60) -> Completed:
+        verbosity.detail(f"running {shlex.join(argv)}" + (f" (in {cwd})" if cwd else ""))  # -v
         try:
             proc = subprocess.run(list(argv), cwd=cwd, env=None if env is None else dict(env),
                                   capture_output=True, text=True, timeout=timeout)
