@@ -39,6 +39,8 @@ _SPEC_OPTIONS = [
     click.option("--sbatch-arg", "sbatch_args", multiple=True, help="Extra sbatch option, e.g. --sbatch-arg=--exclusive."),
     click.option("--srun-arg", "srun_args", multiple=True,
                  help="Extra option of the ranks' srun, e.g. --srun-arg=--cpu-bind=cores (repeatable)."),
+    click.option("--node-setup", "node_setup", multiple=True, metavar="COMMAND",
+                 help="A bash line run once on every node before the ranks start, each attempt (repeatable)."),
     click.option("--env", "env", multiple=True, metavar="NAME=VALUE",
                  help="Set a variable on every rank, over the profile's and job file's env (repeatable; "
                       "$NAME in VALUE expands there)."),

@@ -31,6 +31,7 @@ from hpc_ddp.common.errors import SpecError
 from hpc_ddp.common.exitcodes import REQUEUE_EXIT_CODE
 from hpc_ddp.common.rundir import RunDir
 from hpc_ddp.job.attempts import RUN_COMPLETE_EXIT_CODE
+from hpc_ddp.launch.shellwords import bash_line
 from hpc_ddp.slurm.slurmtime import format_time
 from hpc_ddp.spec.jobspec import JobSpec
 from hpc_ddp.spec.siteenv import bash_value
@@ -78,6 +79,17 @@ def env_exports(spec: JobSpec) -> list[str]:
     return [f"{name}={bash_value(value)}" for name, value in spec.env]
 
 
+NODE_SETUP_SHELL = "set -eo pipefail"  # not -u: module and activation scripts read unset variables
+
+
+def node_setup_command(spec: JobSpec, *, overlap: bool = False) -> list[str]:
+    """The per-node setup: its lines as one bash script, run by a step of one task on each node, before the
+    ranks' step. `overlap`: started from a step's own shell (srun --pty bash), which holds the CPUs."""
+    script = "\n".join([NODE_SETUP_SHELL, *spec.node_setup])
+    return ["srun", f"--nodes={spec.nodes}", f"--ntasks={spec.nodes}", "--ntasks-per-node=1",
+            *(["--overlap"] if overlap else []), "--kill-on-bad-exit=1", "--label", "bash", "-c", script]
+
+
 def srun_options(spec: JobSpec) -> list[str]:
     """Options of the ranks' srun beyond the ones every job has: the spec's --srun-arg."""
     return list(spec.srun_args)
@@ -98,6 +110,7 @@ def render_sbatch(spec: JobSpec, run_dir: str, *, generated_at: str, command_lin
         text = template.render(
             spec=spec, run_dir=run_dir, directives=directives(spec),
             runner=runner_command(spec, run_dir), srun_options=srun_options(spec), env_exports=env_exports(spec),
+            node_setup=node_setup_command(spec) if spec.node_setup else None,
             requeue_exit_code=REQUEUE_EXIT_CODE,
             version=__version__, generated_at=generated_at, command_line=scrub(command_line),
             script_name=rundir.SCRIPT, attempt_logs=rundir.attempt_logs("$SLURM_JOB_ID", "$ATTEMPT"),
@@ -182,6 +195,8 @@ def check_custom_script(text: str, spec: JobSpec, run_dir: str, name: str = "tem
     # Lines as bash splits them (on \n only: "# x\rsrun ..." is one comment to bash).
     commands = [ln for ln in text.split("\n") if ln.strip() and not ln.lstrip().startswith("#")]
     required = [("-m hpc_ddp.job.attempts begin", "the requeue policy's `-m hpc_ddp.job.attempts begin`", 1)]
+    if spec.node_setup:
+        required.append((bash_line(node_setup_command(spec)), "the per-node setup `{{ node_setup | qline }}`", 1))
     if srun_options(spec):  # on the runner's srun line, or a line before it (a `\` continuation)
         required.append((shlex.join(srun_options(spec)), "the srun options `{{ srun_options | qjoin }}`", 0))
     required += [(shlex.join(runner_command(spec, run_dir)), "the per-rank runner `{{ runner | qjoin }}`", 1),
@@ -213,6 +228,8 @@ def _where(line: str, number: int, spec: JobSpec) -> str:
         return f"env {name.group(1)}"
     if line in spec.setup or line.strip() in spec.setup:
         return f"a setup line of profile {spec.profile!r}" if spec.profile else "a setup line"
+    if spec.node_setup and bash_line(node_setup_command(spec)) in line:
+        return "a node_setup line"
     if line.startswith("#SBATCH") or line in spec.sbatch_args:
         return "an sbatch option"
     if any(shlex.quote(arg) in line for arg in spec.srun_args):
@@ -228,7 +245,8 @@ def _hint(where: str, leak: secrets.Leak) -> str:
         return (f"export {where[4:]} in your shell before submitting instead of writing its value in env: sbatch "
                 "passes your environment to the job")
     pasted = "its value" if leak.name else f"it (export {name}=... before submitting)"
-    place = "the setup line" if where.startswith("a setup line") else "the template"
+    place = {"a setup line": "the setup line", "a node_setup line": "the node_setup line"}.get(
+        where.split(" of ")[0], "the template")
     return f"reference it as ${name} in {place} instead of pasting {pasted}"
 
 
@@ -255,6 +273,7 @@ def _sandbox(loader: jinja2.BaseLoader) -> jinja2.Environment:
     env.filters["q"] = lambda value: shlex.quote(str(value))
     env.filters["qjoin"] = lambda values: " ".join(shlex.quote(str(v)) for v in values)
     env.filters["comment"] = _comment
+    env.filters["qline"] = bash_line
     return env
 
 

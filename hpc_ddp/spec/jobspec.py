@@ -69,6 +69,7 @@ class JobSpec:
     gpu_request: str = "gpus-per-node"
     gpu_bind: str = "rank"
     setup: tuple[str, ...] = ()
+    node_setup: tuple[str, ...] = ()   # run once on every node before the ranks, each attempt (a step of its own)
     env: tuple[tuple[str, str], ...] = ()  # the site's variables, set on every rank (spec.siteenv)
     scratch: str | None = None
     template: str | None = None
@@ -104,7 +105,7 @@ class JobSpec:
         fields = dict(data)
         t = fields.pop("target")
         fields["target"] = Target(t["kind"], t["value"], tuple(t["args"]))
-        for key in ("sbatch_args", "srun_args", "setup"):
+        for key in ("sbatch_args", "srun_args", "setup", "node_setup"):
             fields[key] = tuple(fields.get(key, ()))
         if fields.get("train") is not None:
             fields["train"] = TrainConfig(**fields["train"])
@@ -353,7 +354,7 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "mem": _mem, "time": _time, "partition": _token, "account": _token, "qos": _token,
     "constraint": _token, "job_name": _job_name, "executor": choice(EXECUTORS), "run_dir": _string,
     "sbatch_args": _sbatch_args, "srun_args": _srun_args, "gpu_request": choice(GPU_REQUESTS), "gpu_bind": choice(GPU_BINDS),
-    "setup": _setup, "scratch": _string, "template": _template, "signal": _signal,
+    "setup": _setup, "node_setup": _lines, "scratch": _string, "template": _template, "signal": _signal,
     "signal_lead": count(10, 65535),  # Slurm's --signal=SIG@TIME takes at most 65535 s
     "max_requeues": count(0, MAX_REQUEUES), "max_preemptions": count(0, MAX_REQUEUES), "pass_local_rank": flag,
     "epochs": count(1, MAX_EPOCHS), "lr": number(0.0, strict=True), "batch_size": count(1, MAX_BATCH),

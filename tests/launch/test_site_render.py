@@ -138,3 +138,107 @@ def test_the_batch_shell_exports_each_value_as_written_with_only_references_expa
 def test_a_secret_pasted_into_env_is_refused_naming_the_variable():
     with pytest.raises(SpecError, match=r"env WANDB_API_KEY would write .* HINT: export WANDB_API_KEY in your shell"):
         render(spec_of({"env": ["WANDB_API_KEY=ghp_" + "a1B2" * 9]}))
+
+
+# ---- per-node setup ----
+
+def bash_words(command: str) -> list[str]:
+    """The words of `command` as bash splits them (`$'...'` included), with `words` standing for the command."""
+    done = subprocess.run(["bash", "-c", "words() { printf '%s\\0' \"$@\"; }; " + command], capture_output=True,
+                          text=True, env={"RUN_DIR": RUN_DIR})
+    return done.stdout.split("\0")[:-1]
+
+
+NODE_SETUP = ["module load python/3.11", 'cp -a ~/venvs/ddp "$SLURM_TMPDIR/venv"  # once per node, not per rank',
+              "echo \"it's $(hostname)\""]
+
+
+def test_golden_node_setup():
+    check_golden("site_node_setup.sbatch", render(spec_of({"nodes": 2, "gpus": 2, "node_setup": NODE_SETUP},
+                                                          profile={"env": {"HF_HOME": "$SLURM_TMPDIR/hf"}})))
+
+
+def test_the_node_setup_step_runs_the_lines_as_written_once_per_node():
+    text = render(spec_of({"nodes": 3, "node_setup": NODE_SETUP}))
+    line = next(ln for ln in text.splitlines() if ln.startswith('HPC_DDP_RUN_DIR="$RUN_DIR" srun'))
+    words = bash_words(line.split(" || ")[0].replace(" srun ", " words srun ", 1))
+    assert words[:7] == ["srun", "--nodes=3", "--ntasks=3", "--ntasks-per-node=1", "--kill-on-bad-exit=1", "--label",
+                         "bash"]
+    assert words[7:] == ["-c", "\n".join(["set -eo pipefail", *NODE_SETUP])]
+    # Before the ranks' step, which runs only when the setup succeeded.
+    lines = text.splitlines()
+    setup_at = lines.index(line)
+    ranks_at = next(i for i, ln in enumerate(lines) if "srun --kill-on-bad-exit=1 --output" in ln)
+    assert setup_at < ranks_at and lines[setup_at + 1] == 'if [ "$rc" != 0 ]; then'
+
+
+def test_a_failed_node_setup_skips_the_ranks_and_reaches_the_policy(tmp_path):
+    """Run the script's own lines with stand-ins for srun and the policy: the ranks never start, and the
+    policy hears the setup's exit code."""
+    text = render(spec_of({"nodes": 2, "node_setup": ["exit 7"]}), run_dir=str(tmp_path / "run"))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text('#!/bin/bash\necho "srun ${*//$\'\\n\'/ }" >> "$CALLS"\n'
+                                  'case "$*" in *--label*) exit 7;; esac\n')
+    (bin_dir / "srun").chmod(0o755)
+    (bin_dir / "python").write_text('#!/bin/bash\necho "policy $*" >> "$CALLS"\n')
+    (bin_dir / "python").chmod(0o755)
+    script = text.replace("/opt/venv/bin/python", str(bin_dir / "python"))
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "CALLS": str(tmp_path / "calls"), "SLURM_JOB_ID": "5",
+           "SLURM_JOB_NODELIST": "n[1-2]"}
+    subprocess.run(["bash", "-c", script.replace("cd /home/ada/proj", "cd /")], env=env, capture_output=True, text=True)
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert [c.split()[0] for c in calls] == ["policy", "srun", "policy"]
+    assert "--label" in calls[1] and calls[2].endswith(" 0 7")
+
+
+def test_a_custom_template_must_run_the_node_setup(tmp_path):
+    head = "#!/bin/bash\n{% for d in directives %}#SBATCH {{ d }}\n{% endfor %}"
+    begin = "{{ spec.python | q }} -m hpc_ddp.job.attempts begin x 0\n"
+    end = "{{ spec.python | q }} -m hpc_ddp.job.attempts end x 0 0\n"
+    tpl = tmp_path / "site.j2"
+    tpl.write_text(head + begin + "srun {{ runner | qjoin }}\n" + end)
+    with pytest.raises(SpecError, match="does not run the per-node setup"):
+        render(spec_of({"template": str(tpl), "node_setup": ["true"]}))
+    tpl.write_text(head + begin + "{{ node_setup | qline }} || exit 1\nsrun {{ runner | qjoin }}\n" + end)
+    spec = spec_of({"template": str(tpl), "node_setup": ["true"]})
+    check_custom_script(render(spec), spec, RUN_DIR)
+
+
+def test_a_secret_in_a_node_setup_line_is_refused_naming_it():
+    with pytest.raises(SpecError, match=r"a node_setup line would write .* in the node_setup line"):
+        render(spec_of({"node_setup": ["curl -H 'Authorization: token ghp_" + "a1B2" * 9 + "' x"]}))
+
+
+def test_the_srun_executor_and_submitit_run_the_node_setup_first():
+    from hpc_ddp.common import secrets
+    from hpc_ddp.launch.executors.srun import plan_text
+
+    spec = spec_of({"nodes": 2, "node_setup": ["true"], "env": ["NCCL_SOCKET_IFNAME=ib0"]})
+    alloc = allocation_from_env({"SLURM_JOB_ID": "184", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "n[1-2]",
+                                 "SLURM_STEP_ID": "0"})
+    text = plan_text(spec, RUN_DIR, "184-srun-1-2", alloc, secrets.Scrubber({}))
+    lines = text.splitlines()
+    setup = next(i for i, ln in enumerate(lines) if "--label" in ln)
+    assert "--overlap" in lines[setup] and lines[setup].endswith(" &&") and "--kill-on-bad-exit=1 --output" in \
+        lines[setup + 1]
+    assert 'export NCCL_SOCKET_IFNAME="ib0"' in lines
+    setup_lines = submitit_parameters(spec, RUN_DIR)["setup"]
+    assert setup_lines[0] == 'export NCCL_SOCKET_IFNAME="ib0"'
+    assert setup_lines[-1].startswith(f"HPC_DDP_RUN_DIR={RUN_DIR} srun --nodes=2 --ntasks=2")
+    assert setup_lines[-1].endswith(" || exit $?")
+
+
+def test_the_local_executor_runs_the_setup_once_per_simulated_node(tmp_path, capsys):
+    from hpc_ddp.launch.executors.local import node_setup, rank_envs
+
+    spec = spec_of({"nodes": 2, "tasks_per_node": 2, "node_setup": ['echo "$HPC_DDP_RUN_DIR $TMPDIR $HF_HOME"'],
+                    "env": ["HF_HOME=$TMPDIR/hf"]})
+    envs = rank_envs(spec, "local-1", 20000, 0, run_dir=str(tmp_path))
+    spec = JobSpec(**{**spec.__dict__, "workdir": str(tmp_path)})
+    assert node_setup(spec, str(tmp_path), envs) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 2 and out[0].startswith("[node 0] ") and out[1].startswith("[node 1] ")
+    assert out[1].split()[3:] == [envs[2]["TMPDIR"], envs[2]["TMPDIR"] + "/hf"]
+    failing = JobSpec(**{**spec.__dict__, "node_setup": ("exit 9",)})
+    assert node_setup(failing, str(tmp_path), envs) == 9

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shlex
 import signal
 import subprocess
 import sys
@@ -33,11 +32,13 @@ from hpc_ddp.common.procs import die_with_parent_preexec
 from hpc_ddp.common.rundir import RANK_LOG, RunDir
 from hpc_ddp.job import attempts
 from hpc_ddp.job.distenv import port_for_job
+from hpc_ddp.job.runner import site_environment
 from hpc_ddp.job.ports import first_free_port
 from hpc_ddp.launch.executors.base import Plan, Submission, write_run_dir
 from hpc_ddp.launch.executors.foreground import CANCELLED_EXIT_CODE, ForegroundControl
 from hpc_ddp.launch.executors.foreground import say as _say
-from hpc_ddp.launch.render import runner_command
+from hpc_ddp.launch.render import env_exports, node_setup_command, runner_command
+from hpc_ddp.launch.shellwords import bash_word, comment_text  # noqa: F401 - srun.py and tests import them here
 from hpc_ddp.spec.jobspec import JobSpec
 
 _GRACE_S = 10
@@ -120,6 +121,16 @@ def _plan_head(spec: JobSpec, scrubber: secrets.Scrubber) -> list[str]:
     ]
 
 
+def _plan_node_setup(spec: JobSpec, envs: list[dict[str, str]]) -> list[str]:
+    """The per-node setup in the plan: the site's env, then the lines once for each simulated node."""
+    if not spec.node_setup:
+        return []
+    script = bash_word(node_setup_command(spec)[-1])
+    lines = [f"export {export}" for export in env_exports(spec)]
+    return lines + [f"TMPDIR={bash_word(envs[node * spec.tasks_per_node]['TMPDIR'])} HPC_DDP_RUN_DIR=\"$RUN_DIR\" "
+                    f"bash -c {script} || return" for node in range(spec.nodes)]
+
+
 def _plan_body(spec: JobSpec, run_dir: str, job_id: str, envs: list[dict[str, str]]) -> list[str]:
     """The script's commands, in a function: run as a script, its trap stops the ranks when the script is
     stopped; pasted (an interactive shell), it runs in a subshell, so its `set`, trap and variables stay
@@ -134,7 +145,7 @@ def _plan_body(spec: JobSpec, run_dir: str, job_id: str, envs: list[dict[str, st
             f"&& chmod 600 -- \"$RUN_DIR/{rundir.SPEC}\") || return",
             f"{attempt_env} {python} -m hpc_ddp.job.attempts begin \"$RUN_DIR\" 0 || return",
             "mkdir -p -- " + " ".join(q(d) for d in dict.fromkeys(env["TMPDIR"] for env in envs)) + " || return",
-            "pids=()"]
+            *_plan_node_setup(spec, envs), "pids=()"]
     for env in envs:
         body += [" ".join(f"{k}={q(v)}" for k, v in env.items()) + f" {runner} &", 'pids+=("$!")']
     body += [
@@ -162,37 +173,6 @@ def _plan_body(spec: JobSpec, run_dir: str, job_id: str, envs: list[dict[str, st
     ]
     return (["hpc_ddp_local_plan() {"] + [f"    {line}" for line in body] + ["}",
             'if [[ $- == *i* ]]; then (hpc_ddp_local_plan); else hpc_ddp_local_plan; fi'])
-
-
-def bash_word(value: str) -> str:
-    """`value` as one bash word: shlex.quote where every character is printable, else $'...' with each
-    other character escaped (newline, CR, ESC, bidi controls, ...), so the text holds no raw control
-    character: no value can end a line, and what the terminal shows is what bash runs."""
-    if value.isprintable():
-        return shlex.quote(value)
-    return "$'" + "".join(_ansi_c(c) for c in value) + "'"
-
-
-_ANSI_C = {"\\": "\\\\", "'": "\\'", "\n": "\\n", "\r": "\\r", "\t": "\\t"}
-
-
-def _ansi_c(c: str) -> str:
-    if c in _ANSI_C:
-        return _ANSI_C[c]
-    if c.isprintable():
-        return c
-    try:  # the bytes the value stands for (surrogateescape: bytes that were not UTF-8 in argv)
-        raw = c.encode("utf-8", "surrogateescape")
-    except UnicodeEncodeError:
-        raw = c.encode("utf-8", "surrogatepass")
-    return "".join(f"\\x{b:02x}" for b in raw)
-
-
-def comment_text(text: str) -> str:
-    """Free text safe after `# `: every character that is not printable is shown escaped (\\n, \\x1b,
-    \\u202e), never as itself, so it can neither end the comment line nor disguise it on a terminal."""
-    return "".join(c if c.isprintable() else c.encode("unicode_escape", "backslashreplace").decode("ascii")
-                   for c in text)
 
 
 class LocalExecutor(ForegroundControl):
@@ -239,8 +219,9 @@ class LocalExecutor(ForegroundControl):
             for env in envs:
                 Path(env["TMPDIR"]).mkdir(parents=True, exist_ok=True)
             received: list[str] = []
-            rc = _run_ranks(argv, envs, log_dir, echo=self.echo, cwd=spec.workdir,
-                            timeline=_timeline(spec, deadline), cancel=self.ctrl_c, received=received)
+            rc = node_setup(spec, str(run_dir), envs, echo=self.echo) or \
+                _run_ranks(argv, envs, log_dir, echo=self.echo, cwd=spec.workdir,
+                           timeline=_timeline(spec, deadline), cancel=self.ctrl_c, received=received)
             if self.ctrl_c.requested and rc != 0:  # a run that completed all the same completed
                 return self._cancelled(run_dir, attempt, rc, began=True)
             # A SIGTERM from outside (what Slurm sends at preemption) is not the program's failure, as the
@@ -254,6 +235,28 @@ class LocalExecutor(ForegroundControl):
                 return rc
             attempt += 1
             _say(f"checkpointed at a stop request; restarting ({reason})")
+
+
+def node_setup(spec: JobSpec, run_dir: str, envs: list[dict[str, str]], echo: bool = True) -> int:
+    """The per-node setup, once for each simulated node (with that node's TMPDIR), before its ranks start;
+    its lines echoed as `[node k]`. The first failure ends it: its exit code (0: all ran, or none to run)."""
+    if not spec.node_setup:
+        return 0
+    script = node_setup_command(spec)[-1]  # the lines as one bash script, as the Slurm step runs them
+    scrubber = secrets.current()
+    for node in range(spec.nodes):
+        env = {**os.environ, "TMPDIR": envs[node * spec.tasks_per_node]["TMPDIR"], "HPC_DDP_RUN_DIR": run_dir}
+        env.update(site_environment(spec, env))  # $TMPDIR in a value is this node's
+        proc = subprocess.Popen(["bash", "-c", script], env=env, cwd=spec.workdir, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
+        for line in scrubber.lines(proc.stdout):
+            if echo:
+                sys.stdout.write(f"[node {node}] {line}")
+        if proc.wait():
+            _say(f"the per-node setup failed on simulated node {node} (exit code {proc.returncode}); "
+                 "the ranks were not started")
+            return proc.returncode
+    return 0
 
 
 class _Cancel:

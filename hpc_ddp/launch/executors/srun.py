@@ -46,11 +46,13 @@ from hpc_ddp.common.procs import CommandRunner, SubprocessCommands, die_with_par
 from hpc_ddp.common.rundir import RANK_LOG, RunDir
 from hpc_ddp.job import attempts
 from hpc_ddp.job.distenv import port_for_job
+from hpc_ddp.job.runner import site_environment
 from hpc_ddp.launch.executors.base import Plan, Submission, write_run_dir
 from hpc_ddp.launch.executors.foreground import CANCELLED_EXIT_CODE, ForegroundControl
 from hpc_ddp.launch.executors.foreground import say as _say
 from hpc_ddp.launch.executors.local import bash_word, comment_text
-from hpc_ddp.launch.render import runner_command, srun_options
+from hpc_ddp.launch.render import env_exports, node_setup_command, runner_command, srun_options
+from hpc_ddp.launch.shellwords import bash_line
 from hpc_ddp.slurm.nodelist import expand_hostlist, expand_tasks_per_node
 from hpc_ddp.slurm.slurmtime import format_time
 from hpc_ddp.spec.jobspec import JobSpec
@@ -300,10 +302,12 @@ def plan_text(spec: JobSpec, run_dir: str, job_id: str, alloc: Allocation, scrub
     policy = f"env -u SLURM_JOB_ID HPC_DDP_JOB_ID={q(job_id)} {q(spec.python)} -m hpc_ddp.job.attempts"
     env = " ".join(f"{k}={q(v)}" for k, v in step_environment(spec, job_id, 0, None).items())
     body = ["# The commands of attempt 0 (submit writes the run dir and its spec.json first):",
-            f"cd {q(spec.workdir)}",
-            f"{policy} begin {q(run_dir)} 0",
-            f"{env} {' '.join(q(a) for a in srun_argv(spec, run_dir, job_id, 0, alloc))}",
-            f"{policy} end {q(run_dir)} 0 \"$?\""]
+            f"cd {q(spec.workdir)}", *(f"export {export}" for export in env_exports(spec)),
+            f"{policy} begin {q(run_dir)} 0"]
+    if spec.node_setup:
+        body.append(f"HPC_DDP_RUN_DIR={q(run_dir)} {bash_line(node_setup_command(spec, overlap=bool(alloc.step)))} &&")
+    body += [f"{env} {' '.join(q(a) for a in srun_argv(spec, run_dir, job_id, 0, alloc))}",
+             f"{policy} end {q(run_dir)} 0 \"$?\""]
     return "\n".join(head + body) + "\n"
 
 
@@ -383,7 +387,8 @@ class SrunExecutor(ForegroundControl):
             deadline = time.time() + spec.time if spec.time else None
             ends = _earliest(deadline, alloc_end)
             received: list[str] = []
-            rc = self._run_step(spec, run_dir, alloc, attempt, deadline, received)
+            rc = self._node_setup(spec, run_dir, alloc) or self._run_step(spec, run_dir, alloc, attempt, deadline,
+                                                                          received)
             if self.ctrl_c.requested and rc != 0:  # a run that completed all the same completed
                 return self._cancelled(run_dir, attempt, rc, began=True)
             # A SIGTERM from outside is not the program's failure, as the batch shell's trap tells the policy.
@@ -401,6 +406,23 @@ class SrunExecutor(ForegroundControl):
                 return rc
             attempt += 1
             _say(f"checkpointed at a stop request; restarting ({reason})")
+
+    def _node_setup(self, spec: JobSpec, run_dir: Path, alloc: Allocation) -> int:
+        """The per-node setup step before the ranks' (0 without one), its lines labelled by node. In a session
+        of its own, as the ranks' srun: a Ctrl-C here ends it (and then the run) instead of asking srun."""
+        if not spec.node_setup:
+            return 0
+        env = {**self.environ, **site_environment(spec, self.environ), "HPC_DDP_RUN_DIR": str(run_dir)}
+        proc = subprocess.Popen(node_setup_command(spec, overlap=bool(alloc.step)), env=env, cwd=spec.workdir,
+                                stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent_preexec())
+        while proc.poll() is None:
+            if self.ctrl_c.requested:
+                proc.terminate()  # srun turns it into SIGKILL for the setup's tasks
+            time.sleep(_POLL_S)
+        rc = 128 - proc.returncode if proc.returncode < 0 else proc.returncode
+        if rc:
+            _say(f"the per-node setup failed (exit code {rc}); the ranks were not started")
+        return rc
 
     def _run_step(self, spec: JobSpec, run_dir: Path, alloc: Allocation, attempt: int, deadline: float | None,
                   received: list[str]) -> int:

@@ -20,12 +20,15 @@ from hpc_ddp.common.procs import CommandRunner, SubprocessCommands
 from hpc_ddp.common.rundir import RunDir
 from hpc_ddp.launch.executors.base import Plan, Submission, record_submission, write_run_dir
 from hpc_ddp.launch.executors.slurmctl import SlurmControl
-from hpc_ddp.launch.render import refuse_secrets
+from hpc_ddp.launch.render import env_exports, node_setup_command, refuse_secrets
+from hpc_ddp.launch.shellwords import bash_line, bash_word
 from hpc_ddp.spec.jobspec import JobSpec
 
 
-def submitit_parameters(spec: JobSpec) -> dict:
-    """SlurmExecutor.update_parameters() arguments for `spec`. Pure."""
+def submitit_parameters(spec: JobSpec, run_dir: str = "") -> dict:
+    """SlurmExecutor.update_parameters() arguments for `spec`. Pure. submitit's script runs `setup` lines
+    before its srun: the site's env exports, the profile's setup lines, then the per-node setup step (a
+    failed one ends the job: its exit code)."""
     params: dict = {
         "job_name": spec.job_name, "nodes": spec.nodes, "ntasks_per_node": spec.tasks_per_node,
         # submitit always writes --time; 0 means "no limit" to Slurm (the partition's maximum applies).
@@ -38,8 +41,11 @@ def submitit_parameters(spec: JobSpec) -> dict:
     for key in ("cpus_per_task", "mem", "partition", "qos", "account", "constraint"):
         if getattr(spec, key):
             params[key] = getattr(spec, key)
-    if spec.setup:
-        params["setup"] = list(spec.setup)
+    setup = [*(f"export {export}" for export in env_exports(spec)), *spec.setup]
+    if spec.node_setup:
+        setup.append(f"HPC_DDP_RUN_DIR={bash_word(run_dir)} {bash_line(node_setup_command(spec))} || exit $?")
+    if setup:
+        params["setup"] = setup
     if spec.srun_args:
         params["srun_args"] = list(spec.srun_args)
     extra = {}
@@ -162,8 +168,8 @@ class SubmititExecutor(SlurmControl):
     def plan(self, spec: JobSpec, run_dir: str) -> Plan:
         scrub = secrets.current()
         # submitit writes setup lines and sbatch options into its own script: refuse secrets, as render does.
-        refuse_secrets([*spec.setup, *spec.sbatch_args, *spec.srun_args], spec, scrub)
-        params = submitit_parameters(spec)
+        params = submitit_parameters(spec, run_dir)
+        refuse_secrets([*params.get("setup", ()), *spec.sbatch_args, *spec.srun_args], spec, scrub)
         lines = [f"# submitit executor: SlurmExecutor(folder={str(RunDir(run_dir).submitit / '%j')!r}, python={spec.python!r})",
                  "update_parameters("]
         lines += [f"    {k}={v!r}," for k, v in params.items()]
@@ -176,7 +182,7 @@ class SubmititExecutor(SlurmControl):
         run_dir = write_run_dir(plan)
         executor = submitit.SlurmExecutor(folder=str(RunDir(run_dir).submitit / "%j"), python=plan.spec.python,
                                           max_num_timeout=plan.spec.max_requeues)
-        executor.update_parameters(**submitit_parameters(plan.spec))
+        executor.update_parameters(**submitit_parameters(plan.spec, str(run_dir)))
         old_cwd = os.getcwd()
         try:
             os.chdir(plan.spec.workdir)  # the tasks start where the user submitted from
