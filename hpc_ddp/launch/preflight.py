@@ -448,7 +448,8 @@ def gate(report: Report, warn: Callable[[str], None]) -> None:
 def doctor_report(spec: JobSpec, queues: bool, commands: CommandRunner, host: Host, run_dir: str) -> Report:
     """What `hpc-ddp doctor` checks: for an executor whose jobs queue, the job against the cluster (and
     sbatch --test-only), how a job that must run again gets to (sbatch), and the job an --after names;
-    otherwise only the shell, and this machine when the job would land here unasked."""
+    otherwise only the shell, and this machine when the job would land here unasked. For a multi-node job,
+    also that MASTER_ADDR does not resolve to a loopback address."""
     if not queues:
         from hpc_ddp.launch.executors import probe_machine
 
@@ -461,6 +462,10 @@ def doctor_report(spec: JobSpec, queues: bool, commands: CommandRunner, host: Ho
     extra = [requeue_mode(read_slurm_config(commands), commands.which("scontrol"))] \
         if spec.executor in (None, "sbatch") else []
     extra += [dependency_finding(spec.after, commands)] if spec.after else []
+    if report.cluster is not None:  # a multi-node job's MASTER_ADDR must not be loopback (launch.hostcheck)
+        from hpc_ddp.launch.hostcheck import master_addr_check
+
+        extra += [f for f in [master_addr_check(spec, report.cluster)] if f is not None]
     return Report(report.cluster, report.findings + tuple(extra))
 
 
