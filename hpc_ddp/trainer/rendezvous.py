@@ -17,13 +17,16 @@ no rank does O(world) requests where one rank can do them for all: a waiting ran
 backing off so that all of them together poll about STORE_POLLS_PER_S times per second; when ranks are
 missing (join, health check, a collective barrier) or a peer is lost, the first rank to claim the
 question works out the answer once and publishes it, and the others read it. Steady state costs one
-heartbeat per rank every HEARTBEAT_S.
+heartbeat per rank every HEARTBEAT_S. Rank 0's process holds two connections per rank (each rank's store
+and its heartbeat's): it raises its own open-file limit to fit them before it listens, or says at once that
+the hard limit cannot (at 256 nodes x 8 ranks that is 4,096 sockets; Linux's default soft limit is 1,024).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import resource
 import signal
 import socket
 import sys
@@ -60,6 +63,8 @@ HEARTBEAT_S = 2.0
 STORE_POLLS_PER_S = 5000  # all waiting ranks together, once backed off; one libuv store serves ~100k/s
 FIRST_POLL_S = 0.05       # ranks that arrive together (a checkpoint barrier) go on at once
 MAX_POLL_S = 2.0
+CONNECTIONS_PER_RANK = 2  # each rank's store client and its Heartbeat's, open for the whole run
+FD_MARGIN = 256           # rank 0's own files beside them: libraries, logs, a checkpoint being written
 LEFT_AFTER_OTHERS = "left after another rank's failure"  # a `left/<rank>` reason that blames nobody
 
 
@@ -113,6 +118,7 @@ def _store(env: DistEnv, timeout_s: float, host: str, check: Callable[[], None] 
     timeout = timedelta(seconds=timeout_s)
     # Under torchrun its agent already serves a store on MASTER_PORT: every rank is a client of it.
     if env.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        _room_for_connections(env, host)
         try:
             return dist.TCPStore(env.master_addr, env.master_port, env.world_size, True, timeout,
                                  wait_for_workers=False)
@@ -130,6 +136,25 @@ def _store(env: DistEnv, timeout_s: float, host: str, check: Callable[[], None] 
             f"within {timeout_s:g} s ({exc}): rank 0 ({expected_host(env, 0)}) did not start, died, or is unreachable",
             hint="see rank 0's log (hpc-ddp logs JOB --rank 0); raise rendezvous_timeout if nodes start "
                  "slowly") from None
+
+
+def _room_for_connections(env: DistEnv, host: str) -> None:
+    """Raise this process's soft limit on open files so rank 0's store can accept every rank's connections.
+    Past the limit the server cannot accept, and the ranks it leaves out time out blaming rank 0; a hard
+    limit that cannot hold the connections alone is said here instead, once, with the fix."""
+    connections = CONNECTIONS_PER_RANK * env.world_size
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= connections + FD_MARGIN:
+        return
+    if hard != resource.RLIM_INFINITY and hard <= connections:
+        raise RendezvousError(
+            f"rank 0 on {host} may open at most {hard} files (hard limit), and its rendezvous store needs "
+            f"{connections} connections for {env.world_size} ranks ({CONNECTIONS_PER_RANK} each) and its own files",
+            hint="ask the cluster's admins to raise the open-files limit (nofile) on the compute nodes, or run "
+                 "fewer ranks")
+    wanted = connections + FD_MARGIN if hard == resource.RLIM_INFINITY else min(connections + FD_MARGIN, hard)
+    with contextlib.suppress(ValueError, OSError):  # not allowed here: the store still serves what fits
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
 
 
 def poll_delays(world_size: int) -> Iterator[float]:

@@ -346,3 +346,51 @@ def test_missing_ranks_are_found_by_halving_not_by_asking_for_each(port):
     counted.requests = 0
     assert rendezvous._missing(store, _env(0, world, port), "joined") == [3, 200, 201]
     assert counted.requests < 50  # about 2 m log2(world / m), not 256
+
+
+def _limits(monkeypatch, soft, hard):
+    """getrlimit answers (soft, hard) for open files; the setrlimit calls are recorded, not made."""
+    calls = []
+    monkeypatch.setattr(rendezvous.resource, "getrlimit", lambda what: (soft, hard))
+    monkeypatch.setattr(rendezvous.resource, "setrlimit", lambda what, limits: calls.append((what, limits)))
+    return calls
+
+
+def test_rank_0_raises_its_open_file_limit_to_fit_two_connections_per_rank(monkeypatch):
+    calls = _limits(monkeypatch, 1024, 65536)
+    rendezvous._room_for_connections(_env(0, 2048, 1), "node0")
+    need = 2 * 2048 + rendezvous.FD_MARGIN
+    assert calls == [(rendezvous.resource.RLIMIT_NOFILE, (need, 65536))]
+
+
+def test_a_hard_limit_that_fits_the_connections_but_not_the_margin_is_used_whole(monkeypatch):
+    calls = _limits(monkeypatch, 1024, 4200)
+    rendezvous._room_for_connections(_env(0, 2048, 1), "node0")
+    assert calls == [(rendezvous.resource.RLIMIT_NOFILE, (4200, 4200))]
+
+
+def test_a_soft_limit_that_fits_already_is_left_alone(monkeypatch):
+    calls = _limits(monkeypatch, 8192, 65536)
+    rendezvous._room_for_connections(_env(0, 2048, 1), "node0")
+    calls_unlimited = _limits(monkeypatch, rendezvous.resource.RLIM_INFINITY, rendezvous.resource.RLIM_INFINITY)
+    rendezvous._room_for_connections(_env(0, 2048, 1), "node0")
+    assert calls == [] and calls_unlimited == []
+
+
+def test_a_hard_limit_too_low_for_the_job_fails_rank_0_at_once_saying_so(monkeypatch, port):
+    _limits(monkeypatch, 1024, 4096)
+    started = time.monotonic()
+    with pytest.raises(rendezvous.RendezvousError) as err:
+        rendezvous.join(_env(0, 2048, port), timeout_s=30, host="hpcn1")
+    assert time.monotonic() - started < 5
+    assert "rank 0 on hpcn1 may open at most 4096 files" in err.value.message
+    assert "needs 4096 connections for 2048 ranks" in err.value.message
+    assert "nofile" in err.value.hint
+    assert not port_in_use(port)  # it said so before listening
+
+
+def test_other_ranks_leave_their_limits_alone(monkeypatch, port):
+    calls = _limits(monkeypatch, 64, 64)
+    with pytest.raises(rendezvous.RendezvousError, match="could not reach rank 0"):
+        rendezvous.join(_env(1, 2048, port), timeout_s=0.5)
+    assert calls == []
