@@ -213,6 +213,8 @@ def fixed_notes(spec: JobSpec, record: AttemptRecord) -> list[str]:
         notes.append(f"time limit: none (the job's was {spec.time} s); requeues: none, the rerun runs once")
     else:
         notes.append("requeues: none, the rerun runs once")
+    notes.append("environment: the rank variables as on the cluster; the rest is this shell's (what the job's "
+                 "shell exported is not recorded: export here what the crash needs)")
     if spec.setup:
         notes.append(f"setup lines not run here ({len(spec.setup)}: module loads and the like belong to the cluster)")
     return notes

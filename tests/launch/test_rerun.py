@@ -226,3 +226,24 @@ def test_dry_run_says_what_is_replayed_and_writes_nothing(run_dir, capsys):
     assert out.splitlines()[0] == f"rerun of attempt 0 of job 8 (failed) of {run_dir}"
     assert "starts from step-000000006-r1 (copied)" in out and "saved by 2 ranks" in out
     assert sorted(p.name for p in run_dir.parent.iterdir()) == [run_dir.name]
+
+
+def test_data_comes_from_the_source_else_the_jobs_node_local_copy_still_here(tmp_path):
+    source, copy = tmp_path / "data" / "mnist", tmp_path / "node-scratch" / "hpc-ddp-datasets" / "mnist"
+    source.mkdir(parents=True)
+    copy.mkdir(parents=True)
+    (copy.parent / "mnist.complete.json").write_text(json.dumps({"source": str(source)}))
+    run = tmp_path / "run"
+    logs = run / "logs" / "job-8" / "attempt-0"
+    logs.mkdir(parents=True)
+    (logs / "rank-0.log").write_text(f"hpc-ddp stage: mnist: 3 files, 0.1 MB in 0.0 s (9 MB/s) -> {copy}\n")
+    with_data = spec(datasets=[f"{source}:mnist"])
+    record = rr.attempt_records(EVENTS)[1]
+    assert rr._datasets(with_data, run, record) == (((("mnist", str(source)),),
+                                                     [f"data mnist: staged again from {source}, as on a new node"]))
+    source.rmdir()
+    datasets, notes = rr._datasets(with_data, run, record)
+    assert datasets == (("mnist", str(copy)),) and "its source" in notes[0] and str(copy) in notes[0]
+    (copy.parent / "mnist.complete.json").write_text(json.dumps({"source": "/somewhere/else"}))
+    with pytest.raises(UserError, match="its source .* is gone, and the job's node-local copy is not on this machine"):
+        rr._datasets(with_data, run, record)
