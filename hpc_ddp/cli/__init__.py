@@ -6,6 +6,8 @@
     cmd_watch.py    status, logs, list, timeline, plot: what a run is doing and did
     cmd_manage.py   cancel, preempt: act on a run through its executor
     cmd_tools.py    train, env, stage, inspect, make-dataset: things done on this machine
+    cmd_debug.py    rerun: replay a failed attempt of a run here
+    completion.py   shell completion (job ids, run dirs, profiles)
 """
 
 from hpc_ddp.cli.app import cli, main

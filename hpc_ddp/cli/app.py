@@ -11,7 +11,7 @@ import sys
 import click
 
 from hpc_ddp import __version__
-from hpc_ddp.cli import cmd_manage, cmd_submit, cmd_tools, cmd_watch, completion
+from hpc_ddp.cli import cmd_debug, cmd_manage, cmd_submit, cmd_tools, cmd_watch, completion
 from hpc_ddp.common import verbosity
 from hpc_ddp.common.errors import UserError, report
 from hpc_ddp.common.exitcodes import CANCELLED, USAGE
@@ -73,7 +73,7 @@ def cli(verbose: bool, quiet: bool) -> None:
     verbosity.set_level(verbosity.VERBOSE if verbose else verbosity.QUIET if quiet else verbosity.NORMAL)
 
 
-for _group in (cmd_submit, cmd_tools, cmd_watch, cmd_manage):
+for _group in (cmd_submit, cmd_tools, cmd_watch, cmd_manage, cmd_debug):
     for _command in _group.COMMANDS:
         cli.add_command(_command)
 cli.add_command(completion.completion_command)
