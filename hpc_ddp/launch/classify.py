@@ -19,6 +19,7 @@ _RULES = [
     ("user_code_exception", re.compile(r"Traceback \(most recent call last\)")),
 ]
 KINDS = tuple(kind for kind, _ in _RULES)
+_RANK_PREFIX = re.compile(r"^\[rank\d+\]: ?")
 
 
 def classify_failure(texts: Iterable[str]) -> tuple[str, str] | None:
@@ -34,8 +35,9 @@ def classify_failure(texts: Iterable[str]) -> tuple[str, str] | None:
 
 def _detail(kind: str, text: str, match: re.Match) -> str:
     if kind == "user_code_exception":
-        # The exception line is the last non-indented line of the traceback.
-        tail = text[match.start():].splitlines()
+        # The exception line is the first non-indented line after the traceback's frames. torch's elastic
+        # error handler prefixes every line of a rank's traceback with "[rankN]: ".
+        tail = [_RANK_PREFIX.sub("", line) for line in text[match.start():].splitlines()]
         for line in tail[1:]:
             if line and not line.startswith((" ", "\t", "Traceback")):
                 return line.strip()[:300]

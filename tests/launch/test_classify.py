@@ -1,0 +1,22 @@
+"""Failure classification, pure: log text -> (kind, the line that shows it)."""
+
+from hpc_ddp.launch.classify import classify_failure
+
+
+def test_a_plain_traceback_names_the_exception_line():
+    text = 'Traceback (most recent call last):\n  File "t.py", line 3, in <module>\nValueError: bad lr\n'
+    assert classify_failure([text]) == ("user_code_exception", "ValueError: bad lr")
+
+
+def test_torch_rank_prefixes_are_read_through():
+    text = ("[rank0]: Traceback (most recent call last):\n"
+            '[rank0]:   File "/w/crash_at_step.py", line 33, in <module>\n'
+            "[rank0]:     raise RuntimeError('crash at step 12')\n"
+            "[rank0]: RuntimeError: crash at step 12\n")
+    assert classify_failure([text]) == ("user_code_exception", "RuntimeError: crash at step 12")
+
+
+def test_specific_causes_come_before_a_traceback():
+    text = "Traceback (most recent call last):\ntorch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2 GiB\n"
+    assert classify_failure([text])[0] == "out_of_memory"
+    assert classify_failure(["all fine"]) is None
