@@ -61,4 +61,5 @@ def test_attempts_and_status_over_the_run_dir(run):
     status = rundir["status"]
     assert status["attempts_shown"] == 10 and status["state"] == "FAILED"
     assert status["failure"] == "ValueError: bad shard"
-    assert status["shared_ops"] > 0 and status["entries_listed"] >= rundir["log_files"]
+    # status reads the newest attempt's folder only, not every attempt's logs (ranks x attempts entries).
+    assert status["shared_ops"] > 0 and status["entries_listed"] < rundir["log_files"] // 2
