@@ -122,7 +122,8 @@ def _submit_sweep(params: dict, spec, sweep) -> None:
                                "tasks": [{"task": t.index, "values": dict(t.values), **s.to_json()}
                                          for t, s in zip(plan.tasks, subs)]}, indent=2))
     elif plan.script is not None:
-        click.echo(f"Submitted array job {subs[0].job_id.partition('_')[0]} ({plan.executor}): {len(subs)} tasks, "
+        click.echo(f"Submitted array job {subs[0].job_id.partition('_')[0]} ({plan.executor}): {len(subs)} "
+                   f"task{'s' if len(subs) != 1 else ''}, "
                    f"sweep dir {plan.sweep_dir}")
         for task, sub in zip(plan.tasks, subs):
             click.echo(f"  task {task.index}: job {sub.job_id}  {describe(task.values)}")

@@ -151,9 +151,11 @@ def _checked(axis: Axis) -> Axis:
     if not axis.values:
         raise SpecError(f"--sweep {axis.key}: no values", hint=f"give at least one: --sweep {axis.key}=V1,V2")
     for value in axis.values:
-        if not isinstance(value, (str, int, float, bool)) or (isinstance(value, str) and "\0" in value):
+        if not isinstance(value, (str, int, float, bool)):
             raise SpecError(f"--sweep {axis.key}: {str(value)[:40]!r} is not a plain value (a number, true/false or "
                             "a string)")
+        if isinstance(value, str) and any(ord(c) < 32 or ord(c) == 127 for c in value):
+            raise SpecError(f"--sweep {axis.key}: {value[:40]!r} contains a control character (a newline, NUL, ...)")
     seen = [repr(v) for v in axis.values]
     twice = next((v for v in axis.values if seen.count(repr(v)) > 1), None)
     if twice is not None:
@@ -235,4 +237,7 @@ def task_spec(base: JobSpec, values: Mapping[str, Any], index: int,
     extra_args = task_args(values)
     if extra_args:
         spec = dataclasses.replace(spec, target=dataclasses.replace(spec.target, args=spec.target.args + extra_args))
-    return spec
+    # Added here, not through the env setting: HPC_DDP_* names are hpc-ddp's own (refused from users), and a
+    # value is data, so its `$` is written `$$` (siteenv's grammar would expand $NAME in it).
+    env = {**dict(spec.env), **{k: v.replace("$", "$$") for k, v in task_env(values, index).items()}}
+    return dataclasses.replace(spec, env=tuple(env.items()))

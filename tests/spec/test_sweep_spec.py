@@ -61,6 +61,7 @@ def test_no_sweep_is_none():
     (["lr=0.1,0.1"], None, "script", "listed twice"),
     ([], {"lr": 0.1}, "trainer", "not a list of values"),
     ([], {"lr": [[1, 2]]}, "trainer", "not a plain value"),
+    ([], {"args.tag": ["a\nb"]}, "script", "control character"),
     ([], {"lr": [0.1], "metric": "acc:best"}, "trainer", "NAME[:max|:min]"),
 ])
 def test_bad_sweeps_are_one_line(flags, table, kind, message):
@@ -98,6 +99,9 @@ def test_a_script_task_gets_its_settings_arguments_and_env():
     values = {"lr": 0.01, "args.dropout": 0.2}
     spec = task_spec(base, values, 3, _build(SCRIPT))
     assert spec.lr == 0.01 and spec.target.args == ("--steps", "10", "--dropout=0.2")
+    assert dict(spec.env) == {"HPC_DDP_SWEEP_TASK": "3", "HPC_DDP_SWEEP_LR": "0.01", "HPC_DDP_SWEEP_DROPOUT": "0.2"}
+    odd = task_spec(base, {"args.tag": "a$HOME"}, 0, _build(SCRIPT))
+    assert dict(odd.env)["HPC_DDP_SWEEP_TAG"] == "a$$HOME"  # data, not a reference: the runner gives a$HOME
     assert task_env(values, 3) == {"HPC_DDP_SWEEP_TASK": "3", "HPC_DDP_SWEEP_LR": "0.01",
                                    "HPC_DDP_SWEEP_DROPOUT": "0.2"}
 
