@@ -39,6 +39,9 @@ _SPEC_OPTIONS = [
     click.option("--sbatch-arg", "sbatch_args", multiple=True, help="Extra sbatch option, e.g. --sbatch-arg=--exclusive."),
     click.option("--srun-arg", "srun_args", multiple=True,
                  help="Extra option of the ranks' srun, e.g. --srun-arg=--cpu-bind=cores (repeatable)."),
+    click.option("--container", metavar="RUNTIME:IMAGE",
+                 help="Run every rank in a container: apptainer, singularity, charliecloud, podman, pyxis or shifter, "
+                      "and the image (none: no container, over a profile's)."),
     click.option("--node-setup", "node_setup", multiple=True, metavar="COMMAND",
                  help="A bash line run once on every node before the ranks start, each attempt (repeatable)."),
     click.option("--env", "env", multiple=True, metavar="NAME=VALUE",

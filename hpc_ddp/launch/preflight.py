@@ -415,6 +415,17 @@ def _missing_datasets(spec: JobSpec) -> list[Finding]:
             for name, src in spec.datasets if not os.path.exists(src)]
 
 
+def _container_findings(spec: JobSpec, commands: CommandRunner) -> list[Finding]:
+    """Whether the container runtime is here (a warning if not: login nodes often lack it)."""
+    if spec.container is None:
+        return []
+    from hpc_ddp.launch.container import runtime_finding
+    from hpc_ddp.slurm.helptext import installed_options
+
+    level, message, hint = runtime_finding(spec, commands.which, lambda tool: installed_options(tool, commands))
+    return [Finding(level, message, hint)]
+
+
 def run_preflight(spec: JobSpec, commands: CommandRunner, host: Host, *, paths: Sequence[tuple[str, str]] = (),
                   test_script: str | None = None) -> Report:
     """Read the cluster, check `spec` against it and the shell; with `test_script`, then ask sbatch too
@@ -426,7 +437,7 @@ def run_preflight(spec: JobSpec, commands: CommandRunner, host: Host, *, paths: 
         cluster = None
         findings = [_warning(f"could not read the cluster ({exc.message}): partition, node and time-limit "
                              "checks skipped", hint="check that `sinfo` works in this shell (SLURM_CONF?)")]
-    findings += check(spec, cluster, host, paths) + _missing_datasets(spec)
+    findings += check(spec, cluster, host, paths) + _missing_datasets(spec) + _container_findings(spec, commands)
     if test_script is not None and cluster is not None and not any(f.level == "error" for f in findings):
         findings.append(sbatch_test_only(commands, test_script))
     return Report(cluster, tuple(findings))

@@ -31,6 +31,7 @@ from hpc_ddp.common.errors import SpecError
 from hpc_ddp.common.exitcodes import REQUEUE_EXIT_CODE
 from hpc_ddp.common.rundir import RunDir
 from hpc_ddp.job.attempts import RUN_COMPLETE_EXIT_CODE
+from hpc_ddp.launch import container
 from hpc_ddp.launch.shellwords import bash_line
 from hpc_ddp.slurm.slurmtime import format_time
 from hpc_ddp.spec.jobspec import JobSpec
@@ -62,7 +63,7 @@ def directives(spec: JobSpec) -> list[str]:
             f"--signal={spec.signal}@{spec.signal_lead}"]
     if spec.after:
         out.append(f"--dependency={_dependency(spec.after)}")
-    return out + list(spec.sbatch_args)
+    return out + container.directives(spec) + list(spec.sbatch_args)
 
 
 def _dependency(after: str) -> str:
@@ -90,26 +91,31 @@ def node_setup_command(spec: JobSpec, *, overlap: bool = False) -> list[str]:
             *(["--overlap"] if overlap else []), "--kill-on-bad-exit=1", "--label", "bash", "-c", script]
 
 
-def srun_options(spec: JobSpec) -> list[str]:
-    """Options of the ranks' srun beyond the ones every job has: the spec's --srun-arg."""
-    return list(spec.srun_args)
+def srun_options(spec: JobSpec, run_dir: str) -> list[str]:
+    """Options of the ranks' srun beyond the ones every job has: the container's (pyxis), then --srun-arg."""
+    return [*container.srun_options(spec, run_dir), *spec.srun_args]
 
 
 def runner_command(spec: JobSpec, run_dir: str) -> list[str]:
-    """What each rank starts: the per-rank runner, which then execs the user's program."""
+    """What each rank starts: the per-rank runner, which then execs the user's program; in the container, if
+    the job has one (from the run dir's copy of hpc_ddp, with the image's Python: `launch.container`)."""
+    if spec.container is not None:
+        return container.runner_words(spec, run_dir)
     return [spec.python, "-m", "hpc_ddp.job.runner", str(RunDir(run_dir).spec)]
 
 
 def render_sbatch(spec: JobSpec, run_dir: str, *, generated_at: str, command_line: str,
                   scrubber: secrets.Scrubber | None = None) -> str:
     scrub = scrubber or secrets.current()
+    container.check_image(spec, run_dir)
     env = _environment(spec.template)
     name = Path(spec.template).name if spec.template else DEFAULT_TEMPLATE
     try:
         template = env.get_template(name)
         text = template.render(
             spec=spec, run_dir=run_dir, directives=directives(spec),
-            runner=runner_command(spec, run_dir), srun_options=srun_options(spec), env_exports=env_exports(spec),
+            runner=runner_command(spec, run_dir), srun_options=srun_options(spec, run_dir),
+            env_exports=env_exports(spec),
             node_setup=node_setup_command(spec) if spec.node_setup else None,
             requeue_exit_code=REQUEUE_EXIT_CODE,
             version=__version__, generated_at=generated_at, command_line=scrub(command_line),
@@ -162,7 +168,8 @@ def check_custom_script(text: str, spec: JobSpec, run_dir: str, name: str = "tem
     - the `#SBATCH` lines (leading spaces allowed, any case) are exactly `directives(spec)`, each once,
       all before the first command (sbatch reads no directive after it): no resource, array or uid
       request that the spec's checks never saw, and none of ours missing (`--requeue`, `--signal`);
-    - outside comments, three lines run in this order: one with `-m hpc_ddp.job.attempts begin` (the
+    - outside comments, three lines run in this order (more where the spec asks: the container's copy of
+      hpc_ddp first, the per-node setup, the srun options): one with `-m hpc_ddp.job.attempts begin` (the
       requeue policy's start of attempt), one with the runner command exactly as `{{ runner | qjoin }}`
       writes it (every rank starts hpc_ddp.job.runner on this run's spec.json), one with
       `-m hpc_ddp.job.attempts end` (the policy's decision after the step).
@@ -194,11 +201,14 @@ def check_custom_script(text: str, spec: JobSpec, run_dir: str, name: str = "tem
                         hint="write the directives with {% for d in directives %}#SBATCH {{ d }}{% endfor %}")
     # Lines as bash splits them (on \n only: "# x\rsrun ..." is one comment to bash).
     commands = [ln for ln in text.split("\n") if ln.strip() and not ln.lstrip().startswith("#")]
-    required = [("-m hpc_ddp.job.attempts begin", "the requeue policy's `-m hpc_ddp.job.attempts begin`", 1)]
+    required = []
+    if spec.container is not None:  # the copy of hpc_ddp the ranks import in the container, first
+        required.append(("-m hpc_ddp.job.containersrc", "`-m hpc_ddp.job.containersrc` (hpc_ddp for the container)", 1))
+    required.append(("-m hpc_ddp.job.attempts begin", "the requeue policy's `-m hpc_ddp.job.attempts begin`", 1))
     if spec.node_setup:
         required.append((bash_line(node_setup_command(spec)), "the per-node setup `{{ node_setup | qline }}`", 1))
-    if srun_options(spec):  # on the runner's srun line, or a line before it (a `\` continuation)
-        required.append((shlex.join(srun_options(spec)), "the srun options `{{ srun_options | qjoin }}`", 0))
+    if srun_options(spec, run_dir):  # on the runner's srun line, or a line before it (a `\` continuation)
+        required.append((shlex.join(srun_options(spec, run_dir)), "the srun options `{{ srun_options | qjoin }}`", 0))
     required += [(shlex.join(runner_command(spec, run_dir)), "the per-rank runner `{{ runner | qjoin }}`", 1),
                  ("-m hpc_ddp.job.attempts end", "the requeue policy's `-m hpc_ddp.job.attempts end`", 1)]
     at, after = 0, ""

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_ddp.common.errors import SpecError
+from hpc_ddp.spec.container import absolute_image
 from hpc_ddp.spec.jobspec import (
     PROFILE_KEYS,
     SPEC_KEYS,
@@ -75,7 +76,7 @@ def profile_layer(name: str, path: Path) -> Layer:
     table = profiles[name]
     if not isinstance(table, dict):
         raise SpecError(f"profile {name!r} in {str(path)!r} is not a table")
-    return Layer(f"profile {name!r}", _resolve_paths(table, path.parent, ("template",)),
+    return Layer(f"profile {name!r}", _resolve_paths(table, path.parent, ("template", "container")),
                  allowed=frozenset(PROFILE_KEYS))
 
 
@@ -86,7 +87,8 @@ def job_file_layer(path: Path) -> Layer:
         data["train"] = _resolve_paths(data["train"], path.parent, ("data_dir",))
     if isinstance(data.get("datasets"), dict):
         data["datasets"] = _resolve_paths(data["datasets"], path.parent, tuple(data["datasets"]))
-    return Layer(f"job file {str(path)!r}", _resolve_paths(data, path.parent, ("script", "template", "run_dir")),
+    return Layer(f"job file {str(path)!r}", _resolve_paths(data, path.parent, ("script", "template", "run_dir",
+                                                                              "container")),
                  allowed=frozenset(SPEC_KEYS))
 
 
@@ -140,7 +142,9 @@ def _resolve_paths(table: Mapping[str, Any], base: Path, keys: tuple[str, ...]) 
     out = dict(table)
     for key in keys:
         value = out.get(key)
-        if isinstance(value, str) and value and not os.path.isabs(value):
+        if key == "container" and value is not None:  # "RUNTIME:IMAGE" or a table: only a path image moves
+            out[key] = absolute_image(value, str(base))
+        elif isinstance(value, str) and value and not os.path.isabs(value):
             out[key] = str((base / value).resolve())
     return out
 
@@ -155,6 +159,8 @@ def spec_from_command(words: tuple[str, ...], module: str | None, flags: Mapping
     head, args = (None, list(words)) if module else (words[0] if words else None, list(words[1:]))
     args = args[1:] if args[:1] == ["--"] else args
     flags = dict(flags)
+    if flags.get("container"):  # so is --container's image, where it is a path
+        flags["container"] = absolute_image(flags["container"], str(cwd))
     if "datasets" in flags:  # --stage paths are relative to where the command runs
         flags["datasets"] = [_absolute_stage(item, cwd) for item in flags["datasets"]]
     layers: list[Layer] = []

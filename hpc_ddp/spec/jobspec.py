@@ -18,6 +18,7 @@ from typing import Any
 
 from hpc_ddp.common.errors import HpcDdpError, SpecError
 from hpc_ddp.slurm.slurmtime import parse_time
+from hpc_ddp.spec.container import Container, image_is_path, parse_container
 from hpc_ddp.spec.siteenv import parse_env
 from hpc_ddp.spec.slurmargs import SBATCH, SRUN, SRUN_MANAGED, check_option, directive_safe
 from hpc_ddp.spec.trainconfig import MAX_BATCH, MAX_EPOCHS, TrainConfig, parse_train
@@ -71,6 +72,7 @@ class JobSpec:
     setup: tuple[str, ...] = ()
     node_setup: tuple[str, ...] = ()   # run once on every node before the ranks, each attempt (a step of its own)
     env: tuple[tuple[str, str], ...] = ()  # the site's variables, set on every rank (spec.siteenv)
+    container: Container | None = None     # the runtime and image every rank runs in (spec.container)
     scratch: str | None = None
     template: str | None = None
     signal: str = "USR2"
@@ -111,6 +113,7 @@ class JobSpec:
             fields["train"] = TrainConfig(**fields["train"])
         fields["datasets"] = tuple(tuple(d) for d in fields.get("datasets", ()))
         fields["env"] = tuple(tuple(pair) for pair in fields.get("env", ()))
+        fields["container"] = Container.from_dict(fields.get("container"))
         return cls(**fields)
 
 
@@ -326,6 +329,20 @@ def _last_job_of(ref: str) -> str:
     return jobs[-1]
 
 
+def _container(raw: Any) -> Container | None:
+    """A container whose image is a path that surely does not exist here is refused now (one whose filesystem
+    only the compute nodes mount is not: see `data.staging.missing_here`)."""
+    from hpc_ddp.data.staging import missing_here
+
+    container = parse_container(raw)
+    if container is not None and image_is_path(container.runtime, container.image):
+        missing = missing_here(container.image)
+        if missing:
+            raise SpecError(f"container image {missing}",
+                            hint=f"give the {container.runtime} image's path, or build it there first")
+    return container
+
+
 def _port(raw: Any) -> int:
     port = count(1)(raw)
     if not 1024 <= port <= 65535:
@@ -353,7 +370,8 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "cpus_per_task": count(1, MAX_PER_NODE),
     "mem": _mem, "time": _time, "partition": _token, "account": _token, "qos": _token,
     "constraint": _token, "job_name": _job_name, "executor": choice(EXECUTORS), "run_dir": _string,
-    "sbatch_args": _sbatch_args, "srun_args": _srun_args, "gpu_request": choice(GPU_REQUESTS), "gpu_bind": choice(GPU_BINDS),
+    "sbatch_args": _sbatch_args, "srun_args": _srun_args, "gpu_request": choice(GPU_REQUESTS),
+    "gpu_bind": choice(GPU_BINDS),
     "setup": _setup, "node_setup": _lines, "scratch": _string, "template": _template, "signal": _signal,
     "signal_lead": count(10, 65535),  # Slurm's --signal=SIG@TIME takes at most 65535 s
     "max_requeues": count(0, MAX_REQUEUES), "max_preemptions": count(0, MAX_REQUEUES), "pass_local_rank": flag,
@@ -362,7 +380,7 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "train": _train, "datasets": _datasets, "stage_fallback": choice(("shared", "fail")),
     "stage_checksums": flag, "stage_timeout": count(10, WEEK), "master_port": _port,
     "rendezvous_timeout": count(5, WEEK), "collective_timeout": count(10, WEEK),
-    "after": _after, "chain": count(1, MAX_CHAIN), "env": parse_env,
+    "after": _after, "chain": count(1, MAX_CHAIN), "env": parse_env, "container": _container,
 }
 SPEC_KEYS = frozenset(PARSERS)
 PROFILE_KEYS = SPEC_KEYS - {"script", "module", "args", "profile", "job_name", "run_dir", "pass_local_rank", "train",
@@ -468,10 +486,25 @@ def _check_whole(values: dict[str, Any], merged: dict[str, tuple[Any, str]], tar
     if values.get("executor") == "submitit" and values.get("signal", "USR2") != "USR2":
         raise SpecError("the submitit executor always uses SIGUSR2 as its warning signal",
                         hint="drop --signal, or use --executor sbatch")
+    _check_container(values)
     if values.get("template") and values.get("executor") == "submitit":
         raise SpecError("a custom sbatch template cannot be used with the submitit executor",
                         hint="use --executor sbatch, or drop the template")
     _check_chain(values)
+
+
+def _check_container(values: dict[str, Any]) -> None:
+    """Executors that cannot start ranks in a container are refused here, when they are asked for."""
+    container, executor = values.get("container"), values.get("executor")
+    if container is None:
+        return
+    if executor == "submitit":
+        raise SpecError("the submitit executor runs each rank in its own Python process, outside any container",
+                        hint="use --executor sbatch (or srun inside an allocation) with --container")
+    if executor == "local" and container.runtime in ("pyxis", "shifter"):
+        raise SpecError(f"--container {container.runtime}: that runtime starts containers through Slurm, and the "
+                        "local executor runs the ranks on this machine", hint="use --executor sbatch, or a "
+                        "runtime installed here (charliecloud, apptainer, podman)")
 
 
 def _check_chain(values: dict[str, Any]) -> None:

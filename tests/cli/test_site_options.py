@@ -143,3 +143,44 @@ def test_a_bad_env_key_in_a_job_file_names_the_file(site):
     result = invoke("submit", "job.toml")
     assert result.exit_code == 2 and "job.toml': env: 'NOT VALID' is not a variable name" in result.output
     assert not (site / "calls").exists()
+
+
+# ---- containers ----
+
+def test_a_container_job_renders_with_its_runtime(site):
+    result = invoke("submit", "--dry-run", "--container", "pyxis:nvcr.io#nvidia/pytorch:24.01-py3", "train.py")
+    assert result.exit_code == 0, result.output
+    assert "'--container-image=nvcr.io#nvidia/pytorch:24.01-py3'" in result.output
+    assert "-m hpc_ddp.job.containersrc" in result.output
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--container", "apptainer:/usr/share/no-such-image.sif"],
+     "--container: container image /usr/share/no-such-image.sif does not exist (/usr/share has no"),
+    (["--container", "docker:pytorch/pytorch"], "--container: unknown container runtime 'docker'"),
+    (["--container", "apptainer"], "--container: 'apptainer' is not RUNTIME:IMAGE"),
+    (["--container", "pyxis:x", "--executor", "submitit"], "the submitit executor runs each rank in its own"),
+])
+def test_bad_containers_are_one_line_and_nothing_is_submitted(site, args, message):
+    assert message in refused(site, *args)
+
+
+def test_a_bad_container_in_a_profile_names_the_profile(site):
+    (site / "profiles.toml").write_text('[p]\ncontainer = { runtime = "singularty", image = "/x.sif" }\n')
+    assert "profile 'p': container: unknown container runtime 'singularty' (did you mean singularity?" in \
+        refused(site, "--profile", "p")
+
+
+def test_the_local_executor_refuses_a_runtime_this_machine_lacks(site, monkeypatch):
+    monkeypatch.setenv("PATH", f"{site / 'bin'}")  # no ch-run here
+    (site / "img" / "tmp").mkdir(parents=True)
+    result = invoke("submit", "--executor", "local", "--container", f"charliecloud:{site / 'img'}", "train.py")
+    assert result.exit_code == 2, result.output
+    assert "--container charliecloud: no ch-run on PATH here, and the local executor runs the ranks on this " \
+           "machine" in result.output and not (site / "runs").exists()
+
+
+def test_doctor_says_whether_the_runtime_is_here(site):
+    result = invoke("doctor", "--container", "apptainer:docker://pytorch/pytorch", "train.py")
+    assert "warning: container runtime apptainer: no apptainer on PATH here (login nodes often lack it)" in \
+        result.output

@@ -22,14 +22,15 @@ log() { printf 'slurm-up: %s\n' "$*" >&2; }
 
 install_packages() {
     if command -v slurmctld >/dev/null && command -v munged >/dev/null && command -v sbatch >/dev/null \
-        && command -v slurmdbd >/dev/null && command -v mariadbd >/dev/null; then
+        && command -v slurmdbd >/dev/null && command -v mariadbd >/dev/null && command -v ch-run >/dev/null; then
         return
     fi
-    log "installing slurm-wlm, munge, slurmdbd and mariadb-server (apt-get)"
+    log "installing slurm-wlm, munge, slurmdbd, mariadb-server and charliecloud-runtime (apt-get)"
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -qq
     # The packages' own MariaDB service is not used: the one below has a data dir of its own.
-    apt-get install -y -qq slurm-wlm munge slurmdbd mariadb-server >/dev/null
+    # charliecloud-runtime (ch-run) is the container runtime of the container tests (tests/cluster/ch-image.sh).
+    apt-get install -y -qq slurm-wlm munge slurmdbd mariadb-server charliecloud-runtime >/dev/null
 }
 
 # Start a daemon in the background with none of our file descriptors: one it inherited would hold what

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -31,9 +32,11 @@ from hpc_ddp.common.machine import physical_gpus
 from hpc_ddp.common.procs import die_with_parent_preexec
 from hpc_ddp.common.rundir import RANK_LOG, RunDir
 from hpc_ddp.job import attempts
+from hpc_ddp.job.containersrc import ensure_source
 from hpc_ddp.job.distenv import port_for_job
-from hpc_ddp.job.runner import site_environment
 from hpc_ddp.job.ports import first_free_port
+from hpc_ddp.job.runner import site_environment
+from hpc_ddp.launch import container
 from hpc_ddp.launch.executors.base import Plan, Submission, write_run_dir
 from hpc_ddp.launch.executors.foreground import CANCELLED_EXIT_CODE, ForegroundControl
 from hpc_ddp.launch.executors.foreground import say as _say
@@ -188,14 +191,18 @@ class LocalExecutor(ForegroundControl):
         # The port attempt 0 starts from (submit moves on to the next free one if it is taken).
         port = spec.master_port or port_for_job(f"{self.job_id}-0")
         envs = rank_envs(spec, self.job_id, port, physical_gpus(), run_dir=run_dir)
+        container.check_image(spec, run_dir)
         return Plan("local", spec, run_dir, None,
                     summary=plan_script(spec, run_dir, self.job_id, envs, secrets.current()))
 
     def submit(self, plan: Plan, on_job_id=None) -> Submission:
+        container.refuse_missing_runtime(plan.spec, shutil.which)  # the ranks run here: so must the runtime
         if on_job_id is not None:  # before it runs: it may run for hours
             on_job_id(self.job_id)
         run_dir = write_run_dir(plan)
         spec = plan.spec
+        if spec.container is not None:
+            ensure_source(run_dir)
         return self.run_here(run_dir, lambda: self._attempts(spec, run_dir))
 
     def _attempts(self, spec: JobSpec, run_dir: Path) -> int:
@@ -216,6 +223,8 @@ class LocalExecutor(ForegroundControl):
             port = spec.master_port or first_free_port(port_for_job(f"{self.job_id}-{attempt}"))
             deadline = time.time() + spec.time if spec.time else None
             envs = rank_envs(spec, self.job_id, port, physical_gpus(), attempt, deadline, str(run_dir))
+            if spec.container is not None:
+                envs = [{**env, **container.runtime_environment(os.environ)} for env in envs]
             for env in envs:
                 Path(env["TMPDIR"]).mkdir(parents=True, exist_ok=True)
             received: list[str] = []

@@ -45,8 +45,10 @@ from hpc_ddp.common.exitcodes import REQUEUE_EXIT_CODE
 from hpc_ddp.common.procs import CommandRunner, SubprocessCommands, die_with_parent_preexec
 from hpc_ddp.common.rundir import RANK_LOG, RunDir
 from hpc_ddp.job import attempts
+from hpc_ddp.job.containersrc import ensure_source
 from hpc_ddp.job.distenv import port_for_job
 from hpc_ddp.job.runner import site_environment
+from hpc_ddp.launch import container
 from hpc_ddp.launch.executors.base import Plan, Submission, write_run_dir
 from hpc_ddp.launch.executors.foreground import CANCELLED_EXIT_CODE, ForegroundControl
 from hpc_ddp.launch.executors.foreground import say as _say
@@ -256,7 +258,8 @@ def srun_argv(spec: JobSpec, run_dir: str, job_id: str, attempt: int, alloc: All
         argv.append(f"--time={format_time(spec.time)}")
     if alloc.step:  # run from a step's shell: without it, the new step waits for the CPUs that shell holds
         argv.append("--overlap")
-    argv += ["--kill-on-bad-exit=1", f"--output={output_pattern(run_dir, job_id, attempt)}", *srun_options(spec)]
+    argv += ["--kill-on-bad-exit=1", f"--output={output_pattern(run_dir, job_id, attempt)}",
+             *srun_options(spec, run_dir)]
     return argv + runner_command(spec, run_dir)
 
 
@@ -340,6 +343,7 @@ class SrunExecutor(ForegroundControl):
             raise UserError(f"run dir {run_dir!r} contains a backslash, which srun's --output cannot take",
                             hint="give a --run-dir without one")
         fitted = fit_to_allocation(spec, alloc, self.given)
+        container.check_image(fitted, run_dir)
         return Plan(NAME, fitted, run_dir, None,
                     summary=plan_text(fitted, run_dir, self.job_id, alloc, secrets.current()))
 
@@ -351,6 +355,8 @@ class SrunExecutor(ForegroundControl):
         if on_job_id is not None:  # before it runs: it may run for hours
             on_job_id(self.job_id)
         run_dir = write_run_dir(plan)
+        if plan.spec.container is not None:
+            ensure_source(run_dir)
         for flag in ignored_settings(plan.spec):
             _say(f"{flag} is ignored inside an allocation (the allocation's own applies)")
         return self.run_here(run_dir, lambda: self._attempts(plan.spec, run_dir, alloc, ends))
@@ -428,6 +434,8 @@ class SrunExecutor(ForegroundControl):
                   received: list[str]) -> int:
         argv = srun_argv(spec, str(run_dir), self.job_id, attempt, alloc)
         env = {**self.environ, **step_environment(spec, self.job_id, attempt, deadline)}
+        if spec.container is not None:
+            env.update(container.runtime_environment(env))
         # A session of its own: the terminal's Ctrl-C reaches only us (srun's own would only print status).
         proc = subprocess.Popen(argv, env=env, cwd=spec.workdir, stdin=subprocess.DEVNULL, start_new_session=True,
                                 preexec_fn=die_with_parent_preexec())
