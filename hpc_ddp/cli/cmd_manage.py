@@ -17,6 +17,7 @@ import click
 
 from hpc_ddp.common.errors import UserError
 from hpc_ddp.common.procs import SubprocessCommands
+from hpc_ddp.common.rundir import is_sweep_dir
 from hpc_ddp.launch.executors import executor_for_run
 from hpc_ddp.launch.registry import resolve
 
@@ -28,8 +29,16 @@ def cancel(job: str, as_json: bool) -> None:
     """Cancel JOB (a job id or a run dir): scancel on Slurm, or stop the local executor (its ranks
     checkpoint first; it is not restarted)."""
     run = resolve(job)
-    executor = executor_for_run(run.executor, SubprocessCommands())
-    _done(as_json, "cancel", executor.cancel(run), run, executor.name)
+    commands = SubprocessCommands()
+    executor = executor_for_run(run.executor, commands)
+    if is_sweep_dir(run.run_dir):  # every task still queued or running
+        from hpc_ddp.launch.status import LIVE
+        from hpc_ddp.launch.sweep import cancel_sweep, in_state
+
+        message = "\n".join(cancel_sweep(run.run_dir, executor, in_state(run.run_dir, executor, commands, LIVE)))
+    else:
+        message = executor.cancel(run)
+    _done(as_json, "cancel", message, run, executor.name)
 
 
 @click.command()
@@ -39,15 +48,24 @@ def cancel(job: str, as_json: bool) -> None:
 def preempt(job: str, sig: str | None, as_json: bool) -> None:
     """Rehearse a preemption: send the warning signal to every rank of JOB (local or Slurm). The ranks
     checkpoint at the next step and the job requeues itself."""
+    from hpc_ddp.launch import sweep
     from hpc_ddp.spec.jobspec import SIGNALS, load_spec
 
     run = resolve(job)
-    name = (sig or load_spec(run.paths.spec).signal).upper().removeprefix("SIG")
+    is_sweep = is_sweep_dir(run.run_dir)
+    spec_path = sweep.first_task_spec(run.run_dir) if is_sweep else run.paths.spec
+    name = (sig or load_spec(spec_path).signal).upper().removeprefix("SIG")
     if name not in SIGNALS:
         raise UserError(f"--signal {sig!r} is not one of {', '.join(SIGNALS)}")
-    executor = executor_for_run(run.executor, SubprocessCommands())
-    executor.signal(run, name)
-    _done(as_json, "preempt", f"Sent SIG{name} to every rank of job {run.job_id}", run, executor.name, signal=name)
+    commands = SubprocessCommands()
+    executor = executor_for_run(run.executor, commands)
+    if is_sweep:
+        running = sweep.in_state(run.run_dir, executor, commands, ("RUNNING",))
+        message = sweep.signal_sweep(run.run_dir, executor, name, running)
+    else:
+        executor.signal(run, name)
+        message = f"Sent SIG{name} to every rank of job {run.job_id}"
+    _done(as_json, "preempt", message, run, executor.name, signal=name)
 
 
 def _done(as_json: bool, action: str, message: str, run, executor: str, **extra: str) -> None:

@@ -25,7 +25,8 @@ from hpc_ddp.spec.jobspec import JobSpec
 from hpc_ddp.spec.sweep import Sweep, describe
 
 __all__ = ["Task", "SweepPlan", "plan_sweep", "submit_sweep", "read_sweep", "sweep_status", "format_sweep",
-           "array_directives", "check_array_size", "best_metric", "task_runs", "cancel_sweep"]
+           "array_directives", "check_array_size", "best_metric", "task_runs", "cancel_sweep",
+           "signal_sweep", "in_state", "first_task_spec"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,6 +163,37 @@ def task_runs(sweep_dir: Path) -> list[Run]:
         if subs:
             runs.append(Run(run_dir, subs[-1].get("job_id"), subs[-1].get("executor")))
     return runs
+
+
+def in_state(sweep_dir: Path, executor, commands, states: Sequence[str]) -> Callable[[Run], bool]:
+    """Whether a task's scheduler state is one of `states`; for an array, from one question to Slurm."""
+    from hpc_ddp.launch.status import array_states
+
+    array = read_sweep(sweep_dir).get("array_job_id")
+    if array and executor.queues:
+        known = array_states(str(array), commands)
+        return lambda run: known.get(str(run.job_id), {}).get("state") in states
+    return lambda run: executor.state(run).get("state") in states
+
+
+def signal_sweep(sweep_dir: Path, executor, name: str, running: Callable[[Run], bool]) -> str:
+    """The signal to every rank of every running task: in one scancel where the executor can
+    (`signal_jobs`), else task by task. Tasks still waiting are left alone: they have nothing to save."""
+    runs = [run for run in task_runs(sweep_dir) if running(run)]
+    if not runs:
+        raise UserError(f"no task of sweep {sweep_dir} is running", hint="`hpc-ddp status` shows the sweep")
+    if hasattr(executor, "signal_jobs"):
+        executor.signal_jobs([str(run.job_id) for run in runs], name)
+    else:
+        for run in runs:
+            executor.signal(run, name)
+    return f"Sent SIG{name} to every rank of task(s) {', '.join(str(r.job_id) for r in runs)}"
+
+
+def first_task_spec(sweep_dir: Path) -> Path:
+    """Task 0's spec.json: every task shares the settings a command may need (its warning signal)."""
+    tasks = read_sweep(sweep_dir).get("tasks") or [{}]
+    return RunDir(Path(sweep_dir) / str(tasks[0].get("run_dir"))).spec
 
 
 def cancel_sweep(sweep_dir: Path, executor, live: Callable[[Run], bool]) -> list[str]:

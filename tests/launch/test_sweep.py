@@ -16,10 +16,13 @@ from hpc_ddp.launch.sweep import (
     cancel_sweep,
     check_array_size,
     format_sweep,
+    in_state,
     plan_sweep,
     read_sweep,
+    signal_sweep,
     submit_sweep,
     sweep_status,
+    task_runs,
 )
 from hpc_ddp.spec.jobspec import Layer, Target, build_spec
 from hpc_ddp.spec.sweep import sweep_from, task_spec
@@ -210,3 +213,28 @@ def test_cancelling_a_sweep_without_an_array_cancels_each_live_task(tmp_path):
     assert cancel_sweep(tmp_path / "s", recorder, live=lambda run: run.job_id == "l-t2") == ["cancelled l-t2"]
     with pytest.raises(UserError, match="no task of sweep"):
         cancel_sweep(tmp_path / "s", recorder, live=lambda run: False)
+
+
+def test_preempting_a_sweep_signals_its_running_tasks_in_one_scancel_and_leaves_waiting_ones(tmp_path):
+    executor, fake = _sbatch()
+    submit_sweep(executor, _plan(executor, str(tmp_path / "s")), lambda t, j: None)
+    running = {"4711_1", "4711_2"}
+    assert signal_sweep(tmp_path / "s", executor, "USR2", lambda run: run.job_id in running) == \
+        "Sent SIGUSR2 to every rank of task(s) 4711_1, 4711_2"
+    assert fake.calls[-1][0] == ("scancel", "--signal", "USR2", "4711_1", "4711_2")
+    with pytest.raises(UserError, match="no task of sweep .* is running"):
+        signal_sweep(tmp_path / "s", executor, "USR2", lambda run: False)
+
+
+def test_task_states_come_from_one_question_for_the_whole_array(tmp_path):
+    fake = FakeCommands({"sbatch": lambda argv: Completed(tuple(argv), 0, "4711\n"),
+                         "sacct": lambda argv: Completed(tuple(argv), 0, ""),
+                         "squeue": lambda argv: Completed(tuple(argv), 0, "4711_0|RUNNING|None\n4711_3|PENDING|"
+                                                                         "JobArrayTaskLimit\n")},
+                        installed=("sbatch", "squeue", "sacct", "scancel"))
+    executor = get_executor("sbatch", commands=fake)
+    submit_sweep(executor, _plan(executor, str(tmp_path / "s")), lambda t, j: None)
+    running = in_state(tmp_path / "s", executor, fake, ("RUNNING",))
+    assert [run.job_id for run in task_runs(tmp_path / "s") if running(run)] == ["4711_0"]
+    asked = [c[0][0] for c in fake.calls if c[0][0] in ("squeue", "sacct")]
+    assert asked == ["sacct", "squeue"]  # once each, not once per task

@@ -58,6 +58,11 @@ class SlurmControl:
     def signal(self, run: Run, name: str) -> None:
         self._scancel(["--signal", name, _job(run)])
 
+    def signal_jobs(self, job_ids: list[str], name: str) -> None:
+        """Several jobs (a sweep's running tasks) in one scancel. Only running ones: scancel --signal waits
+        about 30 s for a pending job (an array's waiting tasks) before it gives up on it."""
+        self._scancel(["--signal", name, *job_ids])
+
     def _scancel(self, args: list[str]) -> None:
         done = self.commands.run(["scancel", *args], timeout=30)
         if done.returncode != 0:
