@@ -49,6 +49,16 @@ def status(job: str | None, as_json: bool, watch: bool, interval: float) -> None
         click.echo(line)
 
 
+def _one_run(job: str | None):
+    """The run JOB names, where a command needs one run, not a sweep of them."""
+    run = resolve(job)
+    if is_sweep_dir(run.run_dir):
+        raise UserError(f"{job or run.run_dir} is a sweep: give one of its tasks",
+                        hint=f"e.g. {run.job_id}_0 or {run.run_dir / 'task-0'}; `hpc-ddp status` shows the tasks"
+                        if run.job_id else f"e.g. {run.run_dir / 'task-0'}; `hpc-ddp status` shows the tasks")
+    return run
+
+
 def _sweep_status(run, as_json: bool) -> None:
     from hpc_ddp.launch.executors import executor_for_run
     from hpc_ddp.launch.status import array_states, run_status
@@ -85,7 +95,7 @@ def logs(job: str | None, rank: int | None, follow: bool, as_json: bool) -> None
     """Every rank's log across all attempts, each line prefixed by attempt and rank."""
     from hpc_ddp.launch.status import new_log_lines
 
-    run = resolve(job)
+    run = _one_run(job)
     offsets: dict[str, int] = {}
     while True:
         running = follow and _status(run)["state"] in _FOLLOWED
@@ -133,7 +143,7 @@ def timeline(job: str | None, output: str | None) -> None:
     from hpc_ddp.launch.status import records, submitted_at
     from hpc_ddp.launch.timeline import build_timeline, draw, save_png, summarize, summary_line
 
-    run = resolve(job)
+    run = _one_run(job)
     run_dir = run.run_dir
     out = _png_output(output) or run.paths.picture("timeline")
     if out.parent == run_dir and not os.access(run_dir, os.W_OK):

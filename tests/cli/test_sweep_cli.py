@@ -77,3 +77,11 @@ def test_bad_sweeps_are_one_line_exit_2_nothing_submitted_or_written(project, ar
     errors = [line for line in result.output.splitlines() if "error" in line]
     assert len(errors) == 1 and message in errors[0], result.output
     assert not (project / "sbatch-calls").exists() and not (project / "runs").exists()
+
+
+def test_commands_that_need_one_run_name_a_task_of_a_sweep(project):
+    assert invoke("submit", "--sweep", "lr=0.1,0.2", "--run-dir", "sw", "train.py").exit_code == 0
+    for command in ("logs", "timeline"):
+        result = invoke(command, "sw")
+        assert result.exit_code == 2 and "is a sweep: give one of its tasks" in result.output, result.output
+        assert "900_0" in result.output
