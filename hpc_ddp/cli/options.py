@@ -9,15 +9,18 @@ import datetime as _dt
 import os
 import shlex
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import click
 
+from hpc_ddp.common import verbosity
 from hpc_ddp.common.procs import SubprocessCommands
 from hpc_ddp.launch.executors import NAMES, get_executor, resolve_executor
 from hpc_ddp.slurm.helptext import installed_options
 from hpc_ddp.spec.config import spec_from_command
-from hpc_ddp.spec.jobspec import JobSpec, Target
+from hpc_ddp.spec.interpreter import choose
+from hpc_ddp.spec.jobspec import JobSpec, Layer, Target
 from hpc_ddp.spec.slurmargs import SBATCH, SRUN, unlisted
 
 __all__ = ["spec_options", "build", "executor_for", "warn"]
@@ -68,6 +71,8 @@ _SPEC_OPTIONS = [
                  help="Append --local_rank=N to the script's arguments (torch.distributed.launch style)."),
     click.option("--stage", "datasets", multiple=True, metavar="SRC[:NAME]",
                  help="Copy a dataset (dir, .tar[.gz], .zip) to node-local disk before training (repeatable)."),
+    click.option("--python", help="The Python every rank runs [default: the active venv's or conda env's, "
+                                  "else the one running hpc-ddp]; it must be able to import hpc_ddp."),
     click.option("-m", "module", help="Run a module (like python -m) instead of a script."),
     click.argument("argv", nargs=-1, type=click.UNPROCESSED),
 ]
@@ -79,13 +84,14 @@ def spec_options(fn):
     return fn
 
 
-_NOT_SPEC = ("argv", "module", "dry_run", "as_json", "no_preflight")
+_NOT_SPEC = ("argv", "module", "dry_run", "as_json", "no_preflight", "sweep", "max_running")
 
 
-def build(params: dict, default_target: Target | None = None) -> JobSpec:
+def build(params: dict, default_target: Target | None = None, extra: Sequence[Layer] = ()) -> JobSpec:
     flags = {k: v for k, v in params.items() if k not in _NOT_SPEC and v not in (None, ())}
     spec = spec_from_command(tuple(params["argv"]), params["module"], flags, cwd=Path.cwd(), environ=os.environ,
-                             python=sys.executable, default_target=default_target, options=installed_options)
+                             python=choose(os.environ, sys.executable).path, default_target=default_target,
+                             extra=extra, options=installed_options)
     _warn_unchecked(spec)
     return spec
 
@@ -113,4 +119,4 @@ def executor_for(spec: JobSpec):
 
 
 def warn(message: str) -> None:
-    click.echo(f"hpc-ddp: {message}", err=True)
+    verbosity.say(message)  # -q keeps only "warning: ..." lines

@@ -58,14 +58,18 @@ class Host:
 
     environ: Mapping[str, str]
     mounts: tuple[tuple[str, str], ...] = ()
+    # Runs the ranks' python to ask whether it imports hpc_ddp (interpreter_check.probe); None: not asked.
+    probe_python: Callable[..., Any] | None = None
 
     @classmethod
     def current(cls) -> Host:
+        from hpc_ddp.launch.interpreter_check import probe
+
         try:
             mounts = parse_mounts(Path("/proc/mounts").read_text())
         except OSError:  # not Linux: no filesystem types, the path checks still run
             mounts = ()
-        return cls(dict(os.environ), mounts)
+        return cls(dict(os.environ), mounts, probe)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -438,6 +442,10 @@ def run_preflight(spec: JobSpec, commands: CommandRunner, host: Host, *, paths: 
         findings = [_warning(f"could not read the cluster ({exc.message}): partition, node and time-limit "
                              "checks skipped", hint="check that `sinfo` works in this shell (SLURM_CONF?)")]
     findings += check(spec, cluster, host, paths) + _missing_datasets(spec) + _container_findings(spec, commands)
+    if host.probe_python is not None:
+        from hpc_ddp.launch.interpreter_check import python_findings
+
+        findings += python_findings(spec, host.environ, run_probe=host.probe_python)
     if test_script is not None and cluster is not None and not any(f.level == "error" for f in findings):
         findings.append(sbatch_test_only(commands, test_script))
     return Report(cluster, tuple(findings))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -89,7 +89,7 @@ def job_file_layer(path: Path) -> Layer:
         data["datasets"] = _resolve_paths(data["datasets"], path.parent, tuple(data["datasets"]))
     return Layer(f"job file {str(path)!r}", _resolve_paths(data, path.parent, ("script", "template", "run_dir",
                                                                               "container")),
-                 allowed=frozenset(SPEC_KEYS))
+                 allowed=frozenset(SPEC_KEYS | {"sweep"}))
 
 
 def _check_target_types(data: Mapping[str, Any], origin: str) -> None:
@@ -151,10 +151,11 @@ def _resolve_paths(table: Mapping[str, Any], base: Path, keys: tuple[str, ...]) 
 
 def spec_from_command(words: tuple[str, ...], module: str | None, flags: Mapping[str, Any], *, cwd: Path,
                       environ: Mapping[str, str], python: str, default_target: Target | None = None,
-                      options: OptionSource = no_installed_options) -> JobSpec:
+                      extra: Sequence[Layer] = (), options: OptionSource = no_installed_options) -> JobSpec:
     """The spec a command line asks for. `words`: TARGET and its arguments (a script, a job file, or the
-    module's arguments with -m); `flags`: the spec options given. A job file's own script, module and
-    args name the target; the profile is the flag's, else the job file's, else HPC_DDP_PROFILE's.
+    module's arguments with -m); `flags`: the spec options given; `extra`: layers above the flags (a sweep
+    task's values). A job file's own script, module and args name the target; the profile is the flag's,
+    else the job file's, else HPC_DDP_PROFILE's. A job file's [sweep] table is read by `spec.sweep`.
     `options`: what the installed sbatch and srun accept (read at the edge, `slurm.helptext`)."""
     head, args = (None, list(words)) if module else (words[0] if words else None, list(words[1:]))
     args = args[1:] if args[:1] == ["--"] else args
@@ -168,7 +169,7 @@ def spec_from_command(words: tuple[str, ...], module: str | None, flags: Mapping
         job_path = (cwd / head).resolve()
         job_layer = job_file_layer(job_path)
         target = _job_target(job_layer, job_path, tuple(args), cwd)
-        job_values = {k: v for k, v in job_layer.values.items() if k not in ("script", "module", "args")}
+        job_values = {k: v for k, v in job_layer.values.items() if k not in ("script", "module", "args", "sweep")}
         layers.append(Layer(job_layer.origin, job_values, job_layer.allowed))
     elif default_target is not None and not (head or module):
         target = default_target
@@ -180,7 +181,7 @@ def spec_from_command(words: tuple[str, ...], module: str | None, flags: Mapping
         layers.insert(0, profile_layer(str(profile), profiles_path(environ)))
         flags.setdefault("profile", profile)
     layers.append(Layer("command line", flags, is_cli=True))
-    return build_spec(layers, target=target, workdir=str(cwd), python=python, options=options)
+    return build_spec([*layers, *extra], target=target, workdir=str(cwd), python=python, options=options)
 
 
 def _absolute_stage(item: str, cwd: Path) -> str:
