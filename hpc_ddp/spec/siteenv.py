@@ -76,7 +76,7 @@ def _checked_name(name: str) -> str:
         raise ValueError(f"{name[:60]!r} is not a variable name (a letter or _, then letters, digits or _)")
     problem = managed_problem(name)
     if problem:
-        raise ValueError(f"{name} is set by hpc-ddp; {problem}")
+        raise ValueError(f"{name} cannot be set through env: {problem}")
     return name
 
 

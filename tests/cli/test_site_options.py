@@ -129,8 +129,8 @@ def test_env_from_the_profile_and_the_command_line_is_exported(site):
 @pytest.mark.parametrize("value,message", [
     ("BAD-KEY=x", "--env: 'BAD-KEY' is not a variable name"),
     ("X;reboot=1", "--env: 'X;reboot' is not a variable name"),
-    ("RANK=0", "--env: RANK is set by hpc-ddp"),
-    ("MASTER_ADDR=localhost", "--env: MASTER_ADDR is set by hpc-ddp"),
+    ("RANK=0", "--env: RANK cannot be set through env: hpc-ddp sets it on every rank"),
+    ("MASTER_ADDR=localhost", "--env: MASTER_ADDR cannot be set through env"),
     ("JUSTANAME", "--env: 'JUSTANAME' is not NAME=VALUE"),
     ("X=a\nb", "--env: X: the value contains a control character"),
 ])
