@@ -2,6 +2,7 @@
 ranks, and the env table reaches every rank, expanded there."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -37,7 +38,10 @@ HF_HOME = "/tmp/hf $$HOME"
 """)
     job = submit_json("--run-dir", "site", "job.toml", cwd=tmp_path)["job_id"]
     run_dir = tmp_path / "site"
-    assert wait_for_job(job, timeout=120) == "COMPLETED", (run_dir / f"logs/slurm-{job}.out").read_text()
+    state = wait_for_job(job, timeout=120)
+    for marker in Path("/tmp").glob(f"hpc-ddp-node-setup-{job}-*"):  # what the setup left on each node
+        marker.unlink()
+    assert state == "COMPLETED", (run_dir / f"logs/slurm-{job}.out").read_text()
     lines = sorted((run_dir / "node-setup.txt").read_text().splitlines())
     assert lines == ["hpcn1 0 lo", "hpcn2 1 lo"]  # once on each node, with the site's env
     probes = [json.loads((run_dir / f"probe-{r}.json").read_text()) for r in range(4)]
