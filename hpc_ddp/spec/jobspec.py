@@ -243,7 +243,7 @@ _MANAGED = {
     "open-mode": "nothing (the template appends)", "requeue": "nothing (the template requeues)",
     "no-requeue": "max_requeues = 0 and max_preemptions = 0", "signal": "signal / signal_lead in the job file",
     "chdir": "nothing (the script changes to the submit directory itself)", "wrap": "a TARGET script",
-    "array": "one submission per task for now (array tasks would share one run dir and its checkpoints)",
+    "array": "--sweep KEY=V1,V2 (a Slurm array whose tasks each get their own run dir)",
 }
 
 
