@@ -77,6 +77,7 @@ def test_a_typo_is_refused_with_the_option_meant(site):
 def test_without_sbatch_an_unlisted_option_is_let_through_with_a_warning(site, monkeypatch):
     for tool in ("sbatch", "srun", "sinfo"):
         (site / "bin" / tool).unlink()
+    monkeypatch.setenv("PATH", str(site / "bin"))  # not /usr/bin: CI installs the test Slurm's sbatch there
     result = invoke("submit", "--dry-run", "--sbatch-arg=--image=x", "--sbatch-arg=--exclusive", "train.py")
     assert result.exit_code == 0, result.output
     assert ("warning: --sbatch-arg --image=x: not checked, there is no sbatch on PATH here to ask which options "
