@@ -67,6 +67,13 @@ _SPEC_OPTIONS = [
     click.option("--chain", metavar="N",
                  help="Queue N jobs up front, each starting when the one before ends and resuming the run dir "
                       "(for short time limits) [default: 1]."),
+    click.option("--debug-rank", metavar="R",
+                 help="Rank R starts under debugpy and waits for VS Code/PyCharm to attach (its log and `status` "
+                      "show where, and the ssh tunnel); the job's timeouts are stretched meanwhile."),
+    click.option("--debug-port", metavar="PORT",
+                 help="Port the debug rank listens on [default: the first free one from 5678]."),
+    click.option("--pdb", is_flag=True, default=None,
+                 help="With --debug-rank and --executor local: that rank runs under pdb in this terminal."),
     click.option("--pass-local-rank", is_flag=True, default=None,
                  help="Append --local_rank=N to the script's arguments (torch.distributed.launch style)."),
     click.option("--stage", "datasets", multiple=True, metavar="SRC[:NAME]",
@@ -89,11 +96,22 @@ _NOT_SPEC = ("argv", "module", "dry_run", "as_json", "no_preflight", "sweep", "m
 
 def build(params: dict, default_target: Target | None = None, extra: Sequence[Layer] = ()) -> JobSpec:
     flags = {k: v for k, v in params.items() if k not in _NOT_SPEC and v not in (None, ())}
+    if flags.pop("pdb", None):
+        flags["debugger"] = "pdb"
     spec = spec_from_command(tuple(params["argv"]), params["module"], flags, cwd=Path.cwd(), environ=os.environ,
                              python=choose(os.environ, sys.executable).path, default_target=default_target,
                              extra=extra, options=installed_options)
     _warn_unchecked(spec)
+    _say_debug(spec)
     return spec
+
+
+def _say_debug(spec: JobSpec) -> None:
+    """The timeouts a debug rank stretched are not the ones given: say so where the job is planned."""
+    if spec.debug_rank is not None:
+        verbosity.say(f"debug: rank {spec.debug_rank} starts under {spec.debugger} and waits for you; meanwhile "
+                      f"rendezvous_timeout = {spec.rendezvous_timeout} s and collective_timeout = "
+                      f"{spec.collective_timeout} s, so the other ranks wait instead of timing out")
 
 
 def _warn_unchecked(spec: JobSpec) -> None:

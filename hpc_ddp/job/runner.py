@@ -18,6 +18,7 @@ from pathlib import Path
 
 from hpc_ddp.common import rundir
 from hpc_ddp.common.errors import EnvError, report
+from hpc_ddp.common.events import JsonLines
 from hpc_ddp.common.machine import physical_gpus
 from hpc_ddp.job.distenv import DistEnv, from_environ
 from hpc_ddp.job.ports import PORT_HINT, port_in_use, taken_port_message
@@ -158,7 +159,18 @@ def prepare(spec_path: str) -> tuple[list[str], dict[str, str]]:
         staged = stage_for_job(spec, dist, Path(run_dir), os.environ,
                                log=lambda m: print(m, file=sys.stderr, flush=True))
         env.update(dataset_env(staged, scratch_dir(spec, os.environ), spec))
-    return program_argv(spec, dist, sys.executable, str(Path(spec_path).resolve())), env
+    argv = program_argv(spec, dist, sys.executable, str(Path(spec_path).resolve()))
+    return _under_debugger(spec, dist, argv, env, run_dir), env
+
+
+def _under_debugger(spec: JobSpec, dist: DistEnv, argv: list[str], env: dict[str, str], run_dir: str) -> list[str]:
+    """--debug-rank: that rank's program starts under its debugger, and says where in its log and events."""
+    from hpc_ddp.job import debugger
+
+    argv, record = debugger.wrap(spec, dist.rank, argv, env, say=lambda m: print(m, flush=True))
+    if record is not None:
+        JsonLines(Path(run_dir) / rundir.EVENTS).write({**record, "job_id": dist.job_id})
+    return argv
 
 
 def _check_master_port(dist: DistEnv, port: int) -> None:

@@ -94,6 +94,9 @@ class JobSpec:
     collective_timeout: int = 600      # seconds one collective may block before a rank gives up
     after: str | None = None           # "afterok:ID" / "afterany:ID": start after that job (--after)
     chain: int = 1                     # jobs queued up front, each after the one before (--chain)
+    debug_rank: int | None = None      # this rank starts under a debugger and waits for it (job.debugger)
+    debug_port: int | None = None      # where debugpy listens; None: the first free port from 5678
+    debugger: str = "debugpy"          # "debugpy" (an IDE attaches) or "pdb" (the terminal; local executor)
 
     @property
     def world_size(self) -> int:
@@ -381,10 +384,11 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "stage_checksums": flag, "stage_timeout": count(10, WEEK), "master_port": _port,
     "rendezvous_timeout": count(5, WEEK), "collective_timeout": count(10, WEEK),
     "after": _after, "chain": count(1, MAX_CHAIN), "env": parse_env, "container": _container,
+    "debug_rank": count(0, MAX_NODES * MAX_PER_NODE), "debug_port": _port, "debugger": choice(("debugpy", "pdb")),
 }
 SPEC_KEYS = frozenset(PARSERS)
 PROFILE_KEYS = SPEC_KEYS - {"script", "module", "args", "profile", "job_name", "run_dir", "pass_local_rank", "train",
-                            "datasets", "after", "chain"}
+                            "datasets", "after", "chain", "debug_rank", "debugger"}
 
 
 def _check_keys(layer: Layer) -> None:
@@ -450,6 +454,7 @@ def build_spec(layers: Sequence[Layer], *, target: Target, workdir: str, python:
     values.setdefault("tasks_per_node", gpus or 1)
     values.setdefault("job_name", _default_job_name(target))
     _check_whole(values, merged, target)
+    _check_debug(values, python)
     if target.kind == "trainer":
         values["train"] = _trainer_overrides(values.get("train") or TrainConfig(), values)
     return JobSpec(target=target, workdir=workdir, python=values.pop("python", python), **values)
@@ -491,6 +496,31 @@ def _check_whole(values: dict[str, Any], merged: dict[str, tuple[Any, str]], tar
         raise SpecError("a custom sbatch template cannot be used with the submitit executor",
                         hint="use --executor sbatch, or drop the template")
     _check_chain(values)
+
+
+def _check_debug(values: dict[str, Any], python: str) -> None:
+    """--debug-rank R: a rank of this job, under a debugger the ranks can run; while it may stop, the others
+    wait a long time instead of timing out (the stretched timeouts are in the spec, so the dry run shows them)."""
+    from hpc_ddp.job.debugger import check_debugpy, stretched
+
+    rank, debugger = values.get("debug_rank"), values.get("debugger", "debugpy")
+    if rank is None:
+        given = [flag for flag, on in (("--pdb", debugger == "pdb"), ("--debug-port", values.get("debug_port")))
+                 if on]
+        if given:
+            raise SpecError(f"{' and '.join(given)} without --debug-rank", hint="add --debug-rank R (the rank to debug)")
+        return
+    world = values.get("nodes", 1) * values["tasks_per_node"]
+    if rank >= world:
+        raise SpecError(f"--debug-rank {rank} is outside the job's {world} rank(s)",
+                        hint=f"give a rank from 0 to {world - 1}")
+    if debugger == "pdb" and values.get("executor") != "local":
+        raise SpecError("--pdb opens pdb in this terminal, so the rank must run on this machine",
+                        hint="add --executor local, or drop --pdb to attach an IDE through debugpy")
+    if debugger == "debugpy" and values.get("container") is None:  # an image's Python cannot be asked here
+        check_debugpy(values.get("python", python), f"--debug-rank {rank}")
+    for key in ("rendezvous_timeout", "collective_timeout"):
+        values[key] = stretched(values.get(key, JobSpec.__dataclass_fields__[key].default))
 
 
 def _check_container(values: dict[str, Any]) -> None:
