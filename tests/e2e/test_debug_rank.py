@@ -3,6 +3,7 @@ a breakpoint, reads a variable, continues, and the job completes: the other rank
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import time
@@ -76,3 +77,37 @@ def _connect(port: int) -> DapClient | None:
     except OSError:
         return None
 
+
+
+def test_pdb_on_rank_1_reads_the_terminal(tmp_path):
+    """--pdb: rank 1's pdb reads this process's stdin (a pipe here, the terminal for a user); the other ranks'
+    output is still shown, prefixed, and the job completes."""
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    line = next(i for i, x in enumerate(SCRIPT.splitlines(), 1) if "# BREAK" in x)
+    # After the program ends `python -m pdb` offers to restart it: q ends it there.
+    commands = f"b {line}\nc\np secret * 100\nc\nq\n"
+    done = subprocess.run([sys.executable, "-m", "hpc_ddp", "submit", "--executor", "local", "--nodes", "2",
+                           "--tasks-per-node", "2", "--debug-rank", "1", "--pdb", "--run-dir", "run", str(script)],
+                          cwd=tmp_path, input=commands, capture_output=True, text=True, timeout=90)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "(Pdb) 800" in done.stdout  # rank 1's secret, 8, printed by pdb itself
+    assert "[rank 0] total=46" in done.stdout and "[rank 3] total=46" in done.stdout
+    assert "rank 1 runs under pdb" in done.stdout
+    log = next((tmp_path / "run").glob("logs/job-local-*/attempt-0/rank-1.log")).read_text()
+    assert "ran under pdb" in log
+
+
+def test_a_taken_debug_port_is_refused_before_anything_runs(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "hpc_ddp", "submit", "--executor", "local", "--debug-rank", "0",
+                               "--debug-port", str(port), "--run-dir", "run", str(script)],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert f"--debug-port {port} is already in use on this machine" in done.stderr
+    assert not (tmp_path / "run").exists()

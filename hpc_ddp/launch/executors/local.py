@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from hpc_ddp.common import rundir, secrets
+from hpc_ddp.common.errors import UserError
 from hpc_ddp.common.exitcodes import REQUEUE_EXIT_CODE
 from hpc_ddp.common.machine import physical_gpus
 from hpc_ddp.common.procs import die_with_parent_preexec
@@ -34,7 +35,7 @@ from hpc_ddp.common.rundir import RANK_LOG, RunDir
 from hpc_ddp.job import attempts
 from hpc_ddp.job.containersrc import ensure_source
 from hpc_ddp.job.distenv import port_for_job
-from hpc_ddp.job.ports import first_free_port
+from hpc_ddp.job.ports import first_free_port, port_in_use
 from hpc_ddp.job.runner import site_environment
 from hpc_ddp.launch import container
 from hpc_ddp.launch.executors.base import Plan, Submission, write_run_dir
@@ -197,6 +198,7 @@ class LocalExecutor(ForegroundControl):
 
     def submit(self, plan: Plan, on_job_id=None) -> Submission:
         container.refuse_missing_runtime(plan.spec, shutil.which)  # the ranks run here: so must the runtime
+        refuse_taken_debug_port(plan.spec)
         if on_job_id is not None:  # before it runs: it may run for hours
             on_job_id(self.job_id)
         run_dir = write_run_dir(plan)
@@ -230,7 +232,8 @@ class LocalExecutor(ForegroundControl):
             received: list[str] = []
             rc = node_setup(spec, str(run_dir), envs, echo=self.echo) or \
                 _run_ranks(argv, envs, log_dir, echo=self.echo, cwd=spec.workdir,
-                           timeline=_timeline(spec, deadline), cancel=self.ctrl_c, received=received)
+                           timeline=_timeline(spec, deadline), cancel=self.ctrl_c, received=received,
+                           terminal_rank=spec.debug_rank if spec.debugger == "pdb" else None)
             if self.ctrl_c.requested and rc != 0:  # a run that completed all the same completed
                 return self._cancelled(run_dir, attempt, rc, began=True)
             # A SIGTERM from outside (what Slurm sends at preemption) is not the program's failure, as the
@@ -244,6 +247,14 @@ class LocalExecutor(ForegroundControl):
                 return rc
             attempt += 1
             _say(f"checkpointed at a stop request; restarting ({reason})")
+
+
+def refuse_taken_debug_port(spec: JobSpec) -> None:
+    """--debug-port N under the local executor: the rank will listen here, so a taken port is known now."""
+    if spec.debug_rank is not None and spec.debugger == "debugpy" and spec.debug_port is not None \
+            and port_in_use(spec.debug_port, "127.0.0.1"):
+        raise UserError(f"--debug-port {spec.debug_port} is already in use on this machine",
+                        hint="choose another --debug-port, or leave it out to take the first free one from 5678")
 
 
 def node_setup(spec: JobSpec, run_dir: str, envs: list[dict[str, str]], echo: bool = True) -> int:
@@ -303,18 +314,26 @@ def _timeline(spec: JobSpec, deadline: float | None) -> list[tuple[float, int]]:
 
 def _run_ranks(argv: list[str], envs: list[dict[str, str]], log_dir: Path, *, echo: bool, cwd: str,
                timeline: list[tuple[float, int]] | None = None, cancel: _Cancel | None = None,
-               received: list[str] | None = None) -> int:
+               received: list[str] | None = None, terminal_rank: int | None = None) -> int:
+    """Start every rank and wait for them. `terminal_rank` (--pdb) gets this terminal (stdin and output,
+    unprefixed, so pdb's prompt shows) instead of a pump; its log file says where its output went."""
     procs = []
     scrubber = secrets.current()  # built once: the pumps call it for every line
     # Each rank dies with the executor, even a SIGKILLed one: in their own sessions, nothing else would
     # stop them. Every rank is started before any pump thread, so no thread runs while we fork.
     die_with_us = die_with_parent_preexec()
-    for extra in envs:
-        procs.append(subprocess.Popen(argv, env={**os.environ, **extra}, cwd=cwd, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_us))
+    for rank, extra in enumerate(envs):
+        # In a session of its own, the terminal rank has no controlling terminal: it reads this one without
+        # being stopped (SIGTTIN), and Ctrl-C still reaches the executor (a cancel), not pdb.
+        piped = {} if rank == terminal_rank else {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT}
+        procs.append(subprocess.Popen(argv, env={**os.environ, **extra}, cwd=cwd, start_new_session=True,
+                                      preexec_fn=die_with_us, **piped))
+    if terminal_rank is not None:
+        (log_dir / RANK_LOG.format(rank=terminal_rank)).write_text(
+            f"hpc-ddp: rank {terminal_rank} ran under pdb; its output went to the terminal, not here\n")
     pumps = [threading.Thread(target=_pump, daemon=True,
                               args=(proc, log_dir / RANK_LOG.format(rank=rank), f"[rank {rank}] ", echo, scrubber))
-             for rank, proc in enumerate(procs)]
+             for rank, proc in enumerate(procs) if rank != terminal_rank]
     for pump in pumps:
         pump.start()
     previous = _forward_signals(procs, received if received is not None else [])
