@@ -207,9 +207,25 @@ def run_status(run_dir: Path, job_id: str | None, executor: str | None, commands
                     for e in events if e.get("event") == "resume"],
         "failure": _failure(run_dir, events) if state in ("FAILED", "STOPPED") else None,
         "time_used": line, "eta": dataclasses.asdict(eta) if eta and state in LIVE else None,
+        "debugger": _debugger(current) if state in LIVE else None,
     }
     # events.jsonl is masked as written; this also covers records written before masking existed.
     return secrets.current().deep(status)
+
+
+def _debugger(events: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The current attempt's debug rank (--debug-rank): where it listens and the tunnel to it."""
+    start = max((i for i, e in enumerate(events) if e.get("event") == "attempt_start"), default=0)
+    return next((e for e in reversed(events[start:]) if e.get("event") == "debugger"), None)
+
+
+def debugger_lines(d: dict[str, Any]) -> list[str]:
+    timeouts = (f"(timeouts stretched: rendezvous {d.get('rendezvous_timeout')} s, "
+                f"collective {d.get('collective_timeout')} s)")
+    if d.get("debugger") == "pdb":
+        return [f"debugger         rank {d.get('rank')} under pdb in the submitting terminal {timeouts}"]
+    return [f"debugger         rank {d.get('rank')} waits for debugpy on {d.get('listen')} {timeouts}",
+            f"  tunnel         {d.get('tunnel')}  then attach to localhost:{d.get('port')}"]
 
 
 def records(path: Path) -> list[dict[str, Any]]:
@@ -409,6 +425,8 @@ def format_status(s: dict[str, Any]) -> Iterator[str]:
             f" (exit code {a['exit_code']})" if a["exit_code"] not in (None, 0) else "")
     for r in s["resumes"]:
         yield f"  resumed at step {r['step']} from {r['from']}"
+    if s.get("debugger"):
+        yield from debugger_lines(s["debugger"])
     if s["gave_up"]:
         yield f"not requeued     {s['gave_up']}"
     if s["failure"]:

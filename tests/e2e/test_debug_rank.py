@@ -6,7 +6,6 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -55,8 +54,11 @@ def test_attach_to_rank_1_of_a_2x2_local_job(tmp_path):
         try:
             stopped = client.attach_and_break(str(script), line)
             assert client.local_variable(stopped["body"]["threadId"], "secret") == "8"  # rank 1: 1 * 7 + 1
-            time.sleep(1)  # the others sit in the all-reduce meanwhile, and must still be there
-            assert proc.poll() is None
+            shown = subprocess.run([sys.executable, "-m", "hpc_ddp", "status", str(run_dir)], capture_output=True,
+                                   text=True, timeout=60).stdout
+            assert f"rank 1 waits for debugpy on 127.0.0.1:{event['port']}" in shown, shown
+            assert "collective 86400 s" in shown and f"ssh -N -L {event['port']}:127.0.0.1:{event['port']}" in shown
+            assert proc.poll() is None  # the others sat in the all-reduce meanwhile
             client.request("continue", threadId=stopped["body"]["threadId"])
             out, err = proc.communicate(timeout=60)
         finally:
