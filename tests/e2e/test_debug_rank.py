@@ -3,6 +3,7 @@ a breakpoint, reads a variable, continues, and the job completes: the other rank
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
@@ -13,7 +14,7 @@ import pytest
 from hpc_ddp.common.events import read_jsonl
 
 from .dap import DapClient
-from .helpers import wait_until
+from .helpers import hpc_ddp, wait_for_job, wait_until
 
 pytestmark = pytest.mark.e2e
 pytest.importorskip("debugpy")
@@ -73,9 +74,9 @@ def test_attach_to_rank_1_of_a_2x2_local_job(tmp_path):
     assert f"ssh -N -L {event['port']}:127.0.0.1:{event['port']}" in log
 
 
-def _connect(port: int) -> DapClient | None:
+def _connect(port: int, host: str = "127.0.0.1") -> DapClient | None:
     try:
-        return DapClient("127.0.0.1", port)
+        return DapClient(host, port)
     except OSError:
         return None
 
@@ -113,3 +114,35 @@ def test_a_taken_debug_port_is_refused_before_anything_runs(tmp_path):
     assert done.returncode == 2, done.stderr
     assert f"--debug-port {port} is already in use on this machine" in done.stderr
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slurm
+def test_attach_to_rank_3_of_a_2x2_job_on_the_test_slurm(slurm_conf, tmp_path):
+    """On a cluster the debug rank listens on its node's own address (hpcn2 here) and says how to tunnel there
+    through the submit host; the client attaches as it would through that tunnel."""
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    line = next(i for i, x in enumerate(SCRIPT.splitlines(), 1) if "# BREAK" in x)
+    run_dir = tmp_path / "run"
+    done = hpc_ddp("submit", "--executor", "sbatch", "--nodes", "2", "--gpus", "2", "--debug-rank", "3",
+                   "--run-dir", str(run_dir), "--json", str(script), cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    job_id = json.loads(done.stdout[done.stdout.index("{"):])["job_id"]
+    try:
+        event = wait_until(lambda: _debugger_event(run_dir), 120, "the debugger event")
+        assert event["node"] == "hpcn2" and event["listen"] == f"127.0.1.12:{event['port']}"  # hpcn2's address
+        assert event["tunnel"] == f"ssh -N -L {event['port']}:hpcn2:{event['port']} {socket.gethostname()}"
+        host, port = event["listen"].rsplit(":", 1)
+        client = wait_until(lambda: _connect(int(port), host), 30, "debugpy listening")
+        try:
+            stopped = client.attach_and_break(str(script), line)
+            assert client.local_variable(stopped["body"]["threadId"], "secret") == "22"  # rank 3: 3 * 7 + 1
+            client.request("continue", threadId=stopped["body"]["threadId"])
+        finally:
+            client.close()
+        assert wait_for_job(job_id, timeout=120) == "COMPLETED"
+    finally:
+        subprocess.run(["scancel", job_id], capture_output=True)
+    logs = [p.read_text() for p in sorted(run_dir.glob(f"logs/job-{job_id}/attempt-0/rank-*.log"))]
+    assert all("total=46" in log for log in logs), logs
+    assert "hpc-ddp: from your laptop: ssh -N -L" in logs[3]
