@@ -67,7 +67,8 @@ def debug_argv(argv: list[str], debugger: str, host: str, port: int) -> list[str
     python, rest = argv[0], argv[1:]
     if debugger == "pdb":
         return [python, "-m", "pdb", *rest]
-    return [python, "-m", "debugpy", "--listen", f"{host}:{port}", "--wait-for-client", *rest]
+    # Frozen stdlib modules (3.11+) can make debugpy miss breakpoints (it warns in the log): off, as it advises.
+    return [python, "-Xfrozen_modules=off", "-m", "debugpy", "--listen", f"{host}:{port}", "--wait-for-client", *rest]
 
 
 def record(rank: int, debugger: str, host: str, node: str, port: int, login: str,

@@ -61,7 +61,7 @@ def test_a_python_that_cannot_import_debugpy_is_missing(tmp_path):
 def test_argv_under_each_debugger():
     argv = ["/py", "-m", "pkg.train", "--lr", "1"]
     assert debugger.debug_argv(argv, "debugpy", "10.0.0.5", 5678) == [
-        "/py", "-m", "debugpy", "--listen", "10.0.0.5:5678", "--wait-for-client", "-m", "pkg.train", "--lr", "1"]
+        "/py", "-Xfrozen_modules=off", "-m", "debugpy", "--listen", "10.0.0.5:5678", "--wait-for-client", "-m", "pkg.train", "--lr", "1"]
     assert debugger.debug_argv(["/py", "/a/t.py"], "pdb", "", 0) == ["/py", "-m", "pdb", "/a/t.py"]
 
 
@@ -86,7 +86,7 @@ def test_wrap_changes_only_the_debug_rank():
     argv = [sys.executable, "/abs/train.py"]
     assert debugger.wrap(s, 0, argv, {"HPC_DDP_LOCAL": "1"}, say=said.append) == (argv, None)
     wrapped, rec = debugger.wrap(s, 1, argv, {"HPC_DDP_LOCAL": "1"}, say=said.append)
-    assert wrapped[1:4] == ["-m", "debugpy", "--listen"] and wrapped[4] == f"127.0.0.1:{rec['port']}"
+    assert wrapped[2:5] == ["-m", "debugpy", "--listen"] and wrapped[5] == f"127.0.0.1:{rec['port']}"
     assert rec["event"] == "debugger" and rec["loopback"] and len(said) == 3
 
 
