@@ -14,7 +14,7 @@ from hpc_ddp.cli.options import build, executor_for, spec_options, warn
 from hpc_ddp.common.errors import SpecError
 from hpc_ddp.common.procs import SubprocessCommands
 from hpc_ddp.common.rundir import RunDir
-from hpc_ddp.launch.rundirs import new_run_dir
+from hpc_ddp.launch.rundirs import check_kind, new_run_dir
 from hpc_ddp.spec.interpreter import explain
 
 
@@ -45,7 +45,9 @@ def submit(**params) -> None:
         return
     executor, now, which = executor_for(spec)
     _chains_need_support(spec, executor)
-    plan = executor.plan(spec, new_run_dir(spec, now))
+    run_dir = new_run_dir(spec, now)
+    check_kind(run_dir, sweep=False)
+    plan = executor.plan(spec, run_dir)
     if not params["as_json"] or not spec.executor:
         warn(which)
         warn(explain(spec))
@@ -91,13 +93,21 @@ def _sweep(params: dict, spec):
 def _submit_sweep(params: dict, spec, sweep) -> None:
     """Plan every task (each spec built and checked like a single job's), then one array or task by task."""
     from hpc_ddp.launch.registry import record_run
-    from hpc_ddp.launch.sweep import plan_sweep, submit_sweep
+    from hpc_ddp.launch.sweep import check_resubmission, plan_sweep, submit_sweep
     from hpc_ddp.spec.sweep import check_spec, describe, task_spec
 
     check_spec(spec)
     executor, now, which = executor_for(spec)
-    plan = plan_sweep(executor, sweep, new_run_dir(spec, now),
+    sweep_dir = new_run_dir(spec, now)
+    check_kind(sweep_dir, sweep=True)
+    plan = plan_sweep(executor, sweep, sweep_dir,
                       lambda values, index: task_spec(spec, values, index, lambda extra: build(params, extra=extra)))
+    check_resubmission(plan, executor)  # --dry-run says what the submission would
+    if plan.script is not None:
+        from hpc_ddp.launch.preflight import read_slurm_config
+        from hpc_ddp.launch.sweep import check_array_size
+
+        check_array_size(len(plan.tasks), read_slurm_config(SubprocessCommands()))
     if not params["as_json"] or not spec.executor:
         warn(which)
         warn(explain(spec))
@@ -108,7 +118,7 @@ def _submit_sweep(params: dict, spec, sweep) -> None:
                               indent=2) if params["as_json"] else plan.dry_run_text(), nl=params["as_json"])
         return
     if executor.queues and not params["no_preflight"]:
-        _preflight(plan.tasks[0].plan, array_size=len(plan.tasks) if plan.script is not None else None)
+        _preflight(plan.tasks[0].plan)
 
     def recorded(task, job_id: str) -> None:
         array = job_id.partition("_")[0] if plan.script is not None else None
@@ -150,14 +160,10 @@ def _chains_need_support(spec, executor) -> None:
                         f"{executor.name}", hint="load Slurm (put sbatch on PATH), or drop it")
 
 
-def _preflight(plan, array_size: int | None = None) -> None:
-    from hpc_ddp.launch.preflight import Host, gate, job_paths, read_slurm_config, run_preflight
+def _preflight(plan) -> None:
+    from hpc_ddp.launch.preflight import Host, gate, job_paths, run_preflight
 
     commands = SubprocessCommands()
-    if array_size is not None:
-        from hpc_ddp.launch.sweep import check_array_size
-
-        check_array_size(array_size, read_slurm_config(commands))
     gate(run_preflight(plan.spec, commands, Host.current(), paths=job_paths(plan.spec, plan.run_dir)), warn)
 
 

@@ -10,10 +10,10 @@ import os
 from pathlib import Path
 
 from hpc_ddp.common.errors import UserError
-from hpc_ddp.common.rundir import RunDir
+from hpc_ddp.common.rundir import RunDir, is_sweep_dir
 from hpc_ddp.spec.jobspec import JobSpec
 
-__all__ = ["new_run_dir", "usable_run_dir", "existing_run_dir", "on_kernel_fs"]
+__all__ = ["new_run_dir", "usable_run_dir", "existing_run_dir", "on_kernel_fs", "check_kind"]
 
 def new_run_dir(spec: JobSpec, now: _dt.datetime) -> str:
     if spec.run_dir:
@@ -62,6 +62,23 @@ def on_kernel_fs(path: Path) -> bool:
     def under(top: str) -> bool:
         return path == Path(top) or Path(top) in path.parents
     return any(under(top) for top in _VIRTUAL_FS) and not under("/dev/shm")
+
+
+def check_kind(path: str, sweep: bool) -> None:
+    """A run goes into a run dir (or a new dir), a sweep into a sweep dir (or a new dir), and neither inside
+    another run's or sweep's dir: a sweep written over a run would replace its job script and hide it, and
+    a run inside a task dir would take that task's place in `status`."""
+    here = Path(path)
+    if is_sweep_dir(here) and not sweep:
+        raise UserError(f"{path} is a sweep's dir: a single run there would replace the sweep's array script",
+                        hint="give another --run-dir, or resubmit the sweep with its --sweep values")
+    if RunDir(here).spec.is_file() and sweep:
+        raise UserError(f"{path} is a run dir: a sweep there would replace the run's job script",
+                        hint="give the sweep a new --run-dir")
+    for parent in here.parents:
+        if RunDir(parent).spec.is_file() or is_sweep_dir(parent):
+            kind = "sweep" if is_sweep_dir(parent) else "run"
+            raise UserError(f"{path} is inside the {kind} dir {parent}", hint="give a --run-dir outside it")
 
 
 def existing_run_dir(run_dir: Path, ref: str) -> Path:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -111,7 +112,6 @@ def check_array_size(size: int, config: Mapping[str, str] | None) -> None:
 def submit_sweep(executor, plan: SweepPlan, on_job_id: Callable[[Task, str], None]) -> list[Submission]:
     """One array (executors with `submit_array`), else every task in turn. sweep.json is written first,
     so a sweep interrupted half-way is still a sweep `status` can show."""
-    _check_resubmission(plan)
     _write_sweep(plan, None)
     submit_array = getattr(executor, "submit_array", None)
     if submit_array is not None and plan.script is not None:
@@ -127,15 +127,32 @@ def submit_sweep(executor, plan: SweepPlan, on_job_id: Callable[[Task, str], Non
     return subs
 
 
-def _check_resubmission(plan: SweepPlan) -> None:
-    """A sweep submitted again to the same --run-dir resumes its tasks; only the same sweep may."""
+def check_resubmission(plan: SweepPlan, executor=None) -> None:
+    """A sweep submitted again to the same --run-dir resumes its tasks: only the same sweep (task i with
+    the same values), and only once none of its jobs is still queued (two jobs in one run dir would write
+    the same checkpoints)."""
     old = read_sweep(Path(plan.sweep_dir))
     if old and [t.get("values") for t in old.get("tasks", [])] != [dict(t.values) for t in plan.tasks]:
-        raise UserError(f"{plan.sweep_dir} holds another sweep (other tasks); its run dirs are not replaced",
-                        hint="give a new --run-dir, or the same --sweep values to resume that sweep")
+        raise UserError(f"{plan.sweep_dir} holds another sweep (its task dirs hold other values, or the same in "
+                        "another order); its run dirs are not replaced",
+                        hint="give a new --run-dir, or the same --sweep values in the same order to resume it")
     taken = [t.run_dir for t in plan.tasks if Path(t.run_dir).exists() and not RunDir(t.run_dir).spec.is_file()]
     if taken:
         raise UserError(f"{taken[0]} exists and is not a run dir hpc-ddp made", hint="give a new --run-dir")
+    queued = _queued_jobs(Path(plan.sweep_dir), executor) if old and executor is not None else []
+    if queued:
+        raise UserError(f"{plan.sweep_dir}: job(s) {', '.join(queued[:4])} of this sweep are still queued or running",
+                        hint=f"wait for them, or `hpc-ddp cancel {plan.sweep_dir}` first")
+
+
+def _queued_jobs(sweep_dir: Path, executor) -> list[str]:
+    """Every Slurm job recorded in the sweep's task dirs (any array it was submitted as, a requeue
+    fallback's jobs) that squeue still lists."""
+    still = getattr(executor, "still_queued", None)
+    if still is None:
+        return []
+    jobs = [job for run in task_runs(sweep_dir) for job in run.paths.job_ids()]
+    return still(list(dict.fromkeys(jobs)))
 
 
 def _write_sweep(plan: SweepPlan, array_job: str | None) -> None:
@@ -147,11 +164,23 @@ def _write_sweep(plan: SweepPlan, array_job: str | None) -> None:
 
 
 def read_sweep(sweep_dir: Path) -> dict[str, Any]:
+    """sweep.json, with what does not have the shape hpc-ddp writes left out: a task's run dir must be one of
+    the sweep's own task-<i> names (never a path out of it), the array id digits, the metric NAME:max|min."""
     try:
         data = json.loads((Path(sweep_dir) / rundir.SWEEP).read_text())
     except (OSError, ValueError):
         return {}
-    return data if isinstance(data, dict) else {}
+    if not isinstance(data, dict):
+        return {}
+    tasks = data.get("tasks") if isinstance(data.get("tasks"), list) else []
+    data["tasks"] = [t for t in tasks if isinstance(t, dict) and isinstance(t.get("values"), dict)
+                     and isinstance(t.get("index"), int) and t.get("run_dir") == rundir.TASK_DIR.format(index=t["index"])]
+    if not re.fullmatch(r"\d+", str(data.get("array_job_id"))):
+        data["array_job_id"] = None
+    metric = data.get("metric")
+    if not (isinstance(metric, str) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.]*:(max|min)", metric)):
+        data["metric"] = None
+    return data
 
 
 def task_runs(sweep_dir: Path) -> list[Run]:
@@ -199,10 +228,12 @@ def first_task_spec(sweep_dir: Path) -> Path:
 def cancel_sweep(sweep_dir: Path, executor, live: Callable[[Run], bool]) -> list[str]:
     """Stop every task still queued or running (`live`): an array in one scancel, else task by task
     (a local sweep runs one task at a time; cancelling it stops the sweep's loop too)."""
+    if hasattr(executor, "cancel_jobs"):  # every job of every task still queued, whichever array it came from
+        queued = _queued_jobs(Path(sweep_dir), executor)
+        if not queued:
+            raise UserError(f"no job of sweep {sweep_dir} is queued or running", hint="`hpc-ddp status` shows it")
+        return [executor.cancel_jobs(queued, task_runs(sweep_dir))]
     runs = [run for run in task_runs(sweep_dir) if live(run)]
-    array = read_sweep(sweep_dir).get("array_job_id")
-    if array and hasattr(executor, "cancel_array"):
-        return [executor.cancel_array(str(array), runs)]
     if not runs:
         raise UserError(f"no task of sweep {sweep_dir} is queued or running", hint="`hpc-ddp status` shows the sweep")
     return [executor.cancel(run) for run in runs]

@@ -94,24 +94,35 @@ def _literal(text: str) -> Any:
 def sweep_from(flags: Sequence[str], table: Mapping[str, Any] | None, max_running: Any, target_kind: str) -> Sweep | None:
     """The sweep a command asks for: --sweep flags, else the job file's [sweep] table (flags replace the
     table's axes of the same key); None when neither gives one. Checked whole: keys, values, size."""
+    given = table is not None
     table = dict(table or {})
     options = {k: table.pop(k) for k in TABLE_OPTIONS if k in table}
     axes: dict[str, Axis] = {}
     for key, values in table.items():
+        if isinstance(values, dict):  # `args.x = [...]` unquoted is TOML's nested table args = {x = [...]}
+            raise SpecError(f"[sweep] {key}.{next(iter(values), '')}: a dotted key must be quoted in TOML",
+                            hint=f'write "{key}.{next(iter(values), "NAME")}" = [value, value, ...]')
         if not isinstance(values, list):
             raise SpecError(f"[sweep] {key} = {str(values)[:40]!r} is not a list of values",
                             hint=f"write {key} = [value, value, ...]")
-        axes[_key(key, target_kind, "[sweep]")] = Axis(key, tuple(values))
+        canonical = _key(key, target_kind, "[sweep]")
+        if canonical in axes:
+            raise SpecError(f"[sweep] sets {canonical} twice ({key!r} and another spelling)", hint="keep one of them")
+        axes[canonical] = Axis(key, tuple(values))
     for item in flags:
         axis = parse_axis(item)
         axes[_key(axis.key, target_kind, "--sweep")] = axis
     if max_running is None:
         max_running = options.get("max_running")
     if not axes:
+        if given and not flags:
+            raise SpecError("the job file's [sweep] table names no setting to vary", hint="add KEY = [V1, V2], or "
+                            "remove the table")
         if max_running is not None:
             raise SpecError("--max-running limits a sweep, but no sweep is given", hint="add --sweep KEY=V1,V2")
         return None
     checked = tuple(_checked(Axis(key, axis.values)) for key, axis in axes.items())
+    _check_env_names([a.key for a in checked])
     sweep = Sweep(checked, _max_running(max_running), _metric(options.get("metric")))
     if sweep.size > MAX_TASKS:
         raise SpecError(f"the sweep has {sweep.size} tasks; at most {MAX_TASKS}",
@@ -156,11 +167,38 @@ def _checked(axis: Axis) -> Axis:
                             "a string)")
         if isinstance(value, str) and any(ord(c) < 32 or ord(c) == 127 for c in value):
             raise SpecError(f"--sweep {axis.key}: {value[:40]!r} contains a control character (a newline, NUL, ...)")
-    seen = [repr(v) for v in axis.values]
-    twice = next((v for v in axis.values if seen.count(repr(v)) > 1), None)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise SpecError(f"--sweep {axis.key}: {value} is not a finite number")
+    seen = [_same(v) for v in axis.values]
+    twice = next((v for v in axis.values if seen.count(_same(v)) > 1), None)
     if twice is not None:
         raise SpecError(f"--sweep {axis.key}: {twice!r} is listed twice (two tasks would train the same)")
     return axis
+
+
+def _same(value: Any) -> Any:
+    """What makes two values one: 1 and 1.0 are the same learning rate; "1" and 1 the same --x=1."""
+    if isinstance(value, bool):
+        return _text(value)
+    try:
+        return float(value)
+    except ValueError:
+        return _text(value)
+
+
+def _env_name(key: str) -> str:
+    return "HPC_DDP_SWEEP_" + key.rpartition(".")[2].upper().replace("-", "_")
+
+
+def _check_env_names(keys: Sequence[str]) -> None:
+    """Each key names its own HPC_DDP_SWEEP_* variable; TASK is the task's index."""
+    names: dict[str, str] = {"HPC_DDP_SWEEP_TASK": "the task's index"}
+    for key in keys:
+        name = _env_name(key)
+        if name in names:
+            raise SpecError(f"--sweep {key}: its value would be {name}, which is already {names[name]}",
+                            hint="rename the option (args.NAME) so that each key names its own variable")
+        names[name] = f"--sweep {key}'s"
 
 
 def _max_running(raw: Any) -> int | None:
@@ -202,7 +240,7 @@ def task_env(values: Mapping[str, Any], index: int) -> dict[str, str]:
     """HPC_DDP_SWEEP_TASK and HPC_DDP_SWEEP_<KEY> (the key's last part, upper case, - as _)."""
     env = {"HPC_DDP_SWEEP_TASK": str(index)}
     for key, value in values.items():
-        env["HPC_DDP_SWEEP_" + key.rpartition(".")[2].upper().replace("-", "_")] = _text(value)
+        env[_env_name(key)] = _text(value)
     return env
 
 

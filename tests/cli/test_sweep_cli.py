@@ -85,3 +85,26 @@ def test_commands_that_need_one_run_name_a_task_of_a_sweep(project):
         result = invoke(command, "sw")
         assert result.exit_code == 2 and "is a sweep: give one of its tasks" in result.output, result.output
         assert "900_0" in result.output
+
+
+def test_a_sweep_and_a_run_never_share_a_dir_or_nest(project):
+    assert invoke("submit", "--run-dir", "single", "train.py").exit_code == 0
+    assert invoke("submit", "--sweep", "lr=1,2", "--run-dir", "sw", "train.py").exit_code == 0
+    calls = (project / "sbatch-calls").read_text()
+    for args, message in ((["--sweep", "lr=1,2", "--run-dir", "single"], "is a run dir"),
+                          (["--run-dir", "sw"], "is a sweep's dir"),
+                          (["--run-dir", "sw/task-0"], "inside the sweep dir"),
+                          (["--sweep", "lr=1,2", "--run-dir", "sw/task-0/nested"], "inside the run dir"),
+                          (["--dry-run", "--sweep", "lr=1,2", "--run-dir", "single"], "is a run dir")):
+        result = invoke("submit", *args, "train.py")
+        assert result.exit_code == 2 and message in result.output, (args, result.output)
+    assert (project / "sbatch-calls").read_text() == calls
+    assert "job.sbatch" in (project / "single" / "job.sbatch").name and not (project / "single" / "sweep.json").exists()
+
+
+def test_a_dry_run_refuses_what_the_submission_would(project):
+    assert invoke("submit", "--sweep", "lr=1,2", "--run-dir", "sw", "train.py").exit_code == 0
+    for args, message in ((["--sweep", "lr=3,4", "--run-dir", "sw"], "holds another sweep"),
+                          (["--sweep", "lr=1,2,3,4,5", "--no-preflight"], "MaxArraySize of 4")):
+        result = invoke("submit", "--dry-run", *args, "train.py")
+        assert result.exit_code == 2 and message in result.output, result.output

@@ -15,6 +15,7 @@ from hpc_ddp.launch.sweep import (
     best_metric,
     cancel_sweep,
     check_array_size,
+    check_resubmission,
     format_sweep,
     in_state,
     plan_sweep,
@@ -110,9 +111,9 @@ def test_a_bad_dependency_writes_nothing(tmp_path):
 def test_the_same_sweep_may_be_submitted_again_to_resume_another_may_not(tmp_path):
     executor, _ = _sbatch()
     submit_sweep(executor, _plan(executor, str(tmp_path / "s")), lambda t, j: None)
-    submit_sweep(executor, _plan(executor, str(tmp_path / "s")), lambda t, j: None)  # resumes each task
+    check_resubmission(_plan(executor, str(tmp_path / "s")))  # the same sweep: resumes each task
     with pytest.raises(UserError, match="holds another sweep"):
-        submit_sweep(executor, _plan(executor, str(tmp_path / "s"), flags=("lr=0.5,0.6",)), lambda t, j: None)
+        check_resubmission(_plan(executor, str(tmp_path / "s"), flags=("lr=0.5,0.6",)))
 
 
 def test_a_task_dir_that_is_not_ours_is_not_written_into(tmp_path):
@@ -120,7 +121,7 @@ def test_a_task_dir_that_is_not_ours_is_not_written_into(tmp_path):
     (tmp_path / "s" / "task-1").mkdir(parents=True)
     (tmp_path / "s" / "task-1" / "thesis.tex").write_text("mine")
     with pytest.raises(UserError, match="not a run dir hpc-ddp made"):
-        submit_sweep(executor, _plan(executor, str(tmp_path / "s")), lambda t, j: None)
+        check_resubmission(_plan(executor, str(tmp_path / "s")))
     assert (tmp_path / "s" / "task-1" / "thesis.tex").read_text() == "mine"
 
 
@@ -181,15 +182,33 @@ def test_status_table(tmp_path):
     assert lines[-1] == "best so far: task 2 (lr=0.01 args.dropout=0.1): eval_acc 0.75 at step 9"
 
 
-def test_cancelling_a_sweep_cancels_its_array_once_and_records_it_in_each_live_task(tmp_path):
+def test_cancelling_a_sweep_cancels_every_queued_job_of_its_tasks_in_one_scancel(tmp_path):
+    """Whichever array queued them: a sweep resubmitted to resume has jobs of two arrays, and a task may have
+    a job the requeue fallback queued."""
     executor, fake = _sbatch()
     submit_sweep(executor, _plan(executor, str(tmp_path / "s")), lambda t, j: None)
-    lines = cancel_sweep(tmp_path / "s", executor, live=lambda run: run.job_id != "4711_0")  # task 0 has ended
-    assert lines == ["Cancelled array job 4711 (3 task(s) queued or running)"]
-    assert fake.calls[-1][0] == ("scancel", "4711")
-    for i in range(4):
-        events = RunDir(tmp_path / "s" / f"task-{i}").events
-        assert (events.exists() and f'"job_id": "4711_{i}"' in events.read_text()) == (i != 0)
+    with open(RunDir(tmp_path / "s" / "task-2").submissions, "a") as fh:  # the fallback queued job 4800
+        fh.write(json.dumps({"executor": "sbatch", "job_id": "4800", "run_dir": str(tmp_path / "s" / "task-2")}) + "\n")
+    fake.handlers["squeue"] = lambda argv: Completed(tuple(argv), 0, "4711_1\n4711_3\n4800\n")
+    lines = cancel_sweep(tmp_path / "s", executor, live=lambda run: True)
+    assert lines == ["Cancelled job(s) 4711_1, 4800, 4711_3"]  # in task order
+    assert fake.calls[-2][0] == ("squeue", "-h", "-o", "%i", "-j", "4711_0,4711_1,4711_2,4800,4711_3")
+    assert fake.calls[-1][0] == ("scancel", "4711_1", "4800", "4711_3")
+    events = {i: RunDir(tmp_path / "s" / f"task-{i}").events for i in range(4)}
+    assert not events[0].exists() and '"4711_1"' in events[1].read_text() and '"4800"' in events[2].read_text()
+    fake.handlers["squeue"] = lambda argv: Completed(tuple(argv), 0, "")
+    with pytest.raises(UserError, match="no job of sweep"):
+        cancel_sweep(tmp_path / "s", executor, live=lambda run: True)
+
+
+def test_a_sweep_with_jobs_still_queued_is_not_submitted_again(tmp_path):
+    executor, fake = _sbatch()
+    submit_sweep(executor, _plan(executor, str(tmp_path / "s")), lambda t, j: None)
+    fake.handlers["squeue"] = lambda argv: Completed(tuple(argv), 0, "4711_2\n")
+    with pytest.raises(UserError, match="4711_2 of this sweep are still queued"):
+        check_resubmission(_plan(executor, str(tmp_path / "s")), executor)
+    fake.handlers["squeue"] = lambda argv: Completed(tuple(argv), 0, "")
+    check_resubmission(_plan(executor, str(tmp_path / "s")), executor)
 
 
 def test_cancelling_a_sweep_without_an_array_cancels_each_live_task(tmp_path):
@@ -238,3 +257,17 @@ def test_task_states_come_from_one_question_for_the_whole_array(tmp_path):
     assert [run.job_id for run in task_runs(tmp_path / "s") if running(run)] == ["4711_0"]
     asked = [c[0][0] for c in fake.calls if c[0][0] in ("squeue", "sacct")]
     assert asked == ["sacct", "squeue"]  # once each, not once per task
+
+
+def test_a_hand_edited_sweep_json_cannot_point_outside_the_sweep_or_crash_status(tmp_path):
+    sweep = tmp_path / "s"
+    sweep.mkdir()
+    (sweep / "sweep.json").write_text(json.dumps({
+        "array_job_id": "7; rm -rf ~", "metric": "acc", "executor": "sbatch",
+        "tasks": [{"index": 0, "values": {"lr": 1}, "run_dir": "../../victim"}, "abc",
+                  {"index": 1, "values": {"lr": 2}, "run_dir": "task-1"}]}))
+    data = read_sweep(sweep)
+    assert data["array_job_id"] is None and data["metric"] is None
+    assert [t["run_dir"] for t in data["tasks"]] == ["task-1"]
+    info = sweep_status(sweep, lambda *a: pytest.fail("task-1 was never submitted"))
+    assert [r["state"] for r in info["tasks"]] == ["NOT SUBMITTED"]

@@ -44,7 +44,32 @@ def test_a_table_gives_axes_and_options_and_flags_replace_its_axes():
 
 def test_no_sweep_is_none():
     assert sweep_from([], None, None, "script") is None
-    assert sweep_from([], {}, None, "trainer") is None
+    with pytest.raises(SpecError, match="names no setting to vary"):
+        sweep_from([], {}, None, "trainer")  # an empty [sweep] table is a mistake, not a single job
+
+
+def test_keys_that_would_name_one_variable_are_refused():
+    for flags in (["args.task=1,2"], ["lr=1,2", "args.lr=3,4"], ["args.a-b=1", "args.a_b=2"]):
+        with pytest.raises(SpecError, match="would be HPC_DDP_SWEEP_"):
+            sweep_from(flags, None, None, "script")
+
+
+def test_a_table_with_an_unquoted_dotted_key_or_one_key_twice():
+    with pytest.raises(SpecError, match="dotted key must be quoted"):
+        sweep_from([], {"args": {"x": [1, 2]}}, None, "script")
+    with pytest.raises(SpecError, match="sets train.weight_decay twice"):
+        sweep_from([], {"weight_decay": [0.1], "train.weight_decay": [0.2]}, None, "trainer")
+
+
+@pytest.mark.parametrize("values", ["1,1.0", "1,'1'"])
+def test_values_that_train_the_same_are_one(values):
+    with pytest.raises(SpecError, match="listed twice"):
+        sweep_from([f"args.x={values}"], None, None, "script")
+
+
+def test_non_finite_values_are_refused():
+    with pytest.raises(SpecError, match="not a finite number"):
+        sweep_from(["args.x=nan"], None, None, "script")
 
 
 @pytest.mark.parametrize("flags, table, kind, message", [

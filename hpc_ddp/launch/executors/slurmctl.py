@@ -31,7 +31,7 @@ class SlurmControl:
         """The run's job, and every later job of the run still queued (the rest of a --chain, a job the
         requeue fallback queued): cancelling a run must not leave its next job to start tomorrow."""
         job = _job(run)
-        later = self._still_queued([j for j in run.paths.job_ids() if j != job])
+        later = self.still_queued([j for j in run.paths.job_ids() if j != job])
         self._scancel([job, *later])
         events = JsonLines(run.paths.events)
         for cancelled in (job, *later):
@@ -39,7 +39,7 @@ class SlurmControl:
         also = f" and its queued job(s) {', '.join(later)}" if later else ""
         return f"Cancelled job {job}{also} ({run.run_dir})"
 
-    def _still_queued(self, jobs: list[str]) -> list[str]:
+    def still_queued(self, jobs: list[str]) -> list[str]:
         """Those of `jobs` squeue still lists (pending or running); ended ones are left alone."""
         if not jobs:
             return []
@@ -47,13 +47,15 @@ class SlurmControl:
         listed = set(done.stdout.split()) if done.returncode == 0 else set()
         return [j for j in jobs if j in listed]
 
-    def cancel_array(self, array_id: str, tasks: list[Run]) -> str:
-        """A sweep's array, every task at once (one scancel of the array's id); `tasks`, those still queued
-        or running, each get the cancel recorded in its own run dir."""
-        self._scancel([array_id])
-        for task in tasks:
-            JsonLines(task.paths.events).write({"event": "cancelled", "job_id": task.job_id, "by": "hpc-ddp cancel"})
-        return f"Cancelled array job {array_id} ({len(tasks)} task(s) queued or running)"
+    def cancel_jobs(self, job_ids: list[str], runs: list[Run]) -> str:
+        """Several jobs in one scancel (a sweep's queued tasks, whichever array or fallback queued them);
+        each cancel is recorded in the run dir of `runs` that holds the job."""
+        self._scancel(job_ids)
+        for run in runs:
+            mine = [job for job in run.paths.job_ids() if job in job_ids]
+            for job in mine:
+                JsonLines(run.paths.events).write({"event": "cancelled", "job_id": job, "by": "hpc-ddp cancel"})
+        return f"Cancelled job(s) {', '.join(job_ids)}"
 
     def signal(self, run: Run, name: str) -> None:
         self._scancel(["--signal", name, _job(run)])
