@@ -146,3 +146,35 @@ def test_attach_to_rank_3_of_a_2x2_job_on_the_test_slurm(slurm_conf, tmp_path):
     logs = [p.read_text() for p in sorted(run_dir.glob(f"logs/job-{job_id}/attempt-0/rank-*.log"))]
     assert all("total=46" in log for log in logs), logs
     assert "hpc-ddp: from your laptop: ssh -N -L" in logs[3]
+
+
+def test_the_warning_signal_still_checkpoints_a_job_with_a_rank_in_the_debugger(tmp_path):
+    """Rank 1 stopped at a breakpoint when the warning signal comes (hpc-ddp preempt): once the debugger lets it
+    go, every rank checkpoints and the attempt ends resumable (exit 75); the local executor then starts the next
+    attempt, whose rank 1 waits for the debugger again."""
+    script = tmp_path / "job.py"
+    script.write_text((Path(__file__).parents[2] / "examples" / "linear_regression.py").read_text())
+    line = next(i for i, x in enumerate(script.read_text().splitlines(), 1) if "run.step(loss)" in x)
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "hpc_ddp", "submit", "--executor", "local", "--nodes", "1",
+                             "--tasks-per-node", "2", "--epochs", "100000", "--debug-rank", "1", "--run-dir",
+                             str(run_dir), str(script)], cwd=tmp_path, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        event = wait_until(lambda: _debugger_event(run_dir), 60, "the debugger event")
+        client = wait_until(lambda: _connect(event["port"]), 30, "debugpy listening")
+        try:
+            stopped = client.attach_and_break(str(script), line)
+            preempt = hpc_ddp("preempt", str(run_dir), cwd=tmp_path)
+            assert preempt.returncode == 0, preempt.stderr
+            client.request("setBreakpoints", source={"path": str(script)}, breakpoints=[])
+            client.request("continue", threadId=stopped["body"]["threadId"])
+            ended = wait_until(lambda: next((e for e in read_jsonl(run_dir / "events.jsonl")
+                                             if e["event"] == "attempt_end"), None), 90, "the attempt's end")
+        finally:
+            client.close()
+    finally:
+        proc.kill()  # the next attempt's rank 1 waits for a debugger; the ranks die with the executor
+        proc.wait(timeout=30)
+    assert ended["exit_code"] == 75, ended
+    assert (run_dir / "checkpoints" / "latest").exists()
