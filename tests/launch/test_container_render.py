@@ -3,7 +3,6 @@ scripts, `bash -n`), the checks that look at this machine, and the run dir's cop
 import inside."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,10 +12,11 @@ import pytest
 from hpc_ddp.common.errors import SpecError, UserError
 from hpc_ddp.job.containersrc import ENTRY, SOURCE_DIR, ensure_source
 from hpc_ddp.launch import container
-from hpc_ddp.launch.render import check_custom_script, directives, render_sbatch, runner_command, srun_options
+from hpc_ddp.launch.render import check_custom_script, directives, runner_command, srun_options
 from hpc_ddp.spec.config import spec_from_command
 from hpc_ddp.spec.container import Container, parse_container
 from hpc_ddp.spec.jobspec import JobSpec, Layer, Target, build_spec
+from tests.launch.test_site_render import check_golden, render
 
 GOLDEN = Path(__file__).parent / "golden"
 RUN_DIR = "/scratch/ada/runs/train-1"
@@ -27,20 +27,6 @@ def spec_of(values: dict, target: Target | None = None, workdir: str = "/home/ad
     return build_spec([Layer("command line", values, is_cli=True)],
                       target=target or Target("script", "/home/ada/proj/train.py", ("--lr", "0.1")),
                       workdir=workdir, python="/opt/venv/bin/python")
-
-
-def render(spec: JobSpec, run_dir: str = RUN_DIR) -> str:
-    text = render_sbatch(spec, run_dir, generated_at="2026-01-02T03:04:05", command_line="hpc-ddp submit ...")
-    done = subprocess.run(["bash", "-n"], input=text, text=True, capture_output=True)
-    assert done.returncode == 0, done.stderr
-    return text
-
-
-def check_golden(name: str, text: str) -> None:
-    path = GOLDEN / name
-    if os.environ.get("UPDATE_GOLDEN"):
-        path.write_text(text)
-    assert text == path.read_text(), f"{name} changed; rerun with UPDATE_GOLDEN=1 if intended"
 
 
 # ---- the setting ----

@@ -1,7 +1,6 @@
 """Site settings in the rendered job: extra srun options (golden scripts, `bash -n`, quoting), and the same
 settings through the other executors (srun inside an allocation, submitit)."""
 
-import os
 import shlex
 import subprocess
 from pathlib import Path
@@ -13,6 +12,7 @@ from hpc_ddp.launch.executors.srun import allocation_from_env, srun_argv
 from hpc_ddp.launch.executors.submitit_exec import submitit_parameters
 from hpc_ddp.launch.render import check_custom_script, render_sbatch
 from hpc_ddp.spec.jobspec import PROFILE_KEYS, JobSpec, Layer, Target, build_spec
+from tests.launch.test_render import bash_n, check_golden
 
 GOLDEN = Path(__file__).parent / "golden"
 RUN_DIR = "/scratch/ada/runs/train-1"
@@ -26,17 +26,10 @@ def spec_of(values: dict, profile: dict | None = None, target: Target | None = N
 
 
 def render(spec: JobSpec, run_dir: str = RUN_DIR) -> str:
+    """The rendered job script, checked by `bash -n`."""
     text = render_sbatch(spec, run_dir, generated_at="2026-01-02T03:04:05", command_line="hpc-ddp submit ...")
-    done = subprocess.run(["bash", "-n"], input=text, text=True, capture_output=True)
-    assert done.returncode == 0, done.stderr
+    bash_n(text)
     return text
-
-
-def check_golden(name: str, text: str) -> None:
-    path = GOLDEN / name
-    if os.environ.get("UPDATE_GOLDEN"):
-        path.write_text(text)
-    assert text == path.read_text(), f"{name} changed; rerun with UPDATE_GOLDEN=1 if intended"
 
 
 def srun_line(text: str) -> list[str]:
