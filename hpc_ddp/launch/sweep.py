@@ -110,14 +110,15 @@ def check_array_size(size: int, config: Mapping[str, str] | None) -> None:
 # ---- submit ----
 
 def submit_sweep(executor, plan: SweepPlan, on_job_id: Callable[[Task, str], None]) -> list[Submission]:
-    """One array (executors with `submit_array`), else every task in turn. sweep.json is written first,
-    so a sweep interrupted half-way is still a sweep `status` can show."""
-    _write_sweep(plan, None)
+    """One array (executors with `submit_array`), else every task in turn. An array's sweep.json is written
+    once it is queued (a refused dependency or sbatch leaves no sweep behind); a sweep run task by task
+    writes it first, so one interrupted half-way is still a sweep `status` can show."""
     submit_array = getattr(executor, "submit_array", None)
     if submit_array is not None and plan.script is not None:
         subs = submit_array(plan, on_job_id)
         _write_sweep(plan, subs[0].job_id.partition("_")[0])
         return subs
+    _write_sweep(plan, None)
     subs = []
     for task in plan.tasks:
         sub = _for_task(executor, task.index).submit(task.plan, on_job_id=lambda job, t=task: on_job_id(t, job))

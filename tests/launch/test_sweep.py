@@ -105,7 +105,7 @@ def test_a_bad_dependency_writes_nothing(tmp_path):
     with pytest.raises(UserError, match="knows no job 99"):
         submit_sweep(executor, plan, lambda task, job: None)
     assert not any(c[0][0] == "sbatch" for c in fake.calls)
-    assert not any((tmp_path / "sweep").glob("task-*"))
+    assert not any((tmp_path / "sweep").glob("task-*")) and not (tmp_path / "sweep" / "sweep.json").exists()
 
 
 def test_the_same_sweep_may_be_submitted_again_to_resume_another_may_not(tmp_path):
