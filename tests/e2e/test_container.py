@@ -6,14 +6,13 @@ run dir's copy, and the runner's environment, checkpoint and exit 75 work as wit
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from hpc_ddp.common.events import read_jsonl
 
-from .helpers import hpc_ddp, job_field, last_step, submit_json, wait_until
+from .helpers import hpc_ddp, job_field, last_step, preempt, submit_json, wait_until
 
 pytestmark = [pytest.mark.e2e]
 
@@ -79,19 +78,6 @@ def assert_in_the_container(seen: list[dict], run_dir: Path) -> None:
         assert rank["in_image"], rank  # the image's root: its marker file is there
         assert rank["hpc_ddp"] == str(run_dir / "hpc-ddp-src" / "hpc_ddp" / "__init__.py"), rank  # the run dir's copy
         assert rank["python"] == sys.executable
-
-
-def preempt(job_id: str) -> None:
-    """Real preemption: a job of the `urgent` partition takes both nodes; then the requeued job is released
-    at once instead of Slurm's ~120 s hold (as tests/e2e/test_user_scripts.py does)."""
-    restarts = int(job_field(job_id, "Restarts") or 0)
-    urgent = subprocess.run(["sbatch", "--parsable", "-p", "urgent", "-N2", "--exclusive", "-o", "/dev/null",
-                             "--wrap", "sleep 1"], capture_output=True, text=True, check=True).stdout.strip()
-    wait_until(lambda: int(job_field(job_id, "Restarts") or 0) > restarts, 90, f"job {job_id} to be requeued")
-    wait_until(lambda: job_field(urgent, "JobState") in ("COMPLETED", "FAILED", "CANCELLED", None), 60,
-               f"urgent job {urgent} to end")
-    time.sleep(5)  # Slurm still cleans up the preempted run for a moment ("Job credential revoked")
-    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], capture_output=True)
 
 
 @pytest.mark.slurm

@@ -21,7 +21,7 @@ import pytest
 from hpc_ddp.common.events import read_jsonl
 from hpc_ddp.data.datagen import write_mnist
 
-from .helpers import hpc_ddp, job_field, last_step, submit_json, wait_until
+from .helpers import hpc_ddp, job_field, last_step, preempt, submit_json, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -119,19 +119,6 @@ def test_the_examples_differ_little_from_the_seeds():
 
 
 # ---- on the real test Slurm: partition-priority preemption ----
-
-def preempt(job_id: str) -> None:
-    """Preempt `job_id` for real: a job in the `urgent` partition (PriorityTier 100) that needs both nodes
-    whole; once it ran, release the requeued job at once instead of Slurm's ~120 s hold."""
-    restarts = int(job_field(job_id, "Restarts") or 0)
-    urgent = subprocess.run(["sbatch", "--parsable", "-p", "urgent", "-N2", "--exclusive", "-o", "/dev/null",
-                             "--wrap", "sleep 1"], capture_output=True, text=True, check=True).stdout.strip()
-    wait_until(lambda: int(job_field(job_id, "Restarts") or 0) > restarts, 90, f"job {job_id} to be requeued")
-    wait_until(lambda: job_field(urgent, "JobState") in ("COMPLETED", "FAILED", "CANCELLED", None), 60,
-               f"urgent job {urgent} to end")
-    time.sleep(5)  # Slurm still cleans up the preempted run for a moment ("Job credential revoked")
-    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], capture_output=True)
-
 
 def wait_until_done(job_id: str, timeout: float = 400) -> str:
     ended = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
