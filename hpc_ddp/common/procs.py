@@ -7,21 +7,23 @@ instead of patching subprocess (in the spirit of httpx's MockTransport).
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import os
 import shlex
 import shutil
 import signal
 import subprocess
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import NoReturn, Protocol
 
 from hpc_ddp.common import verbosity
 from hpc_ddp.common.errors import SubmitError
 
 __all__ = ["Completed", "CommandRunner", "SubprocessCommands", "FakeCommands", "slurm_unreachable", "ProcessIdentity",
-           "write_pid_file", "read_pid_file", "signal_process", "die_with_parent_preexec"]
+           "write_pid_file", "read_pid_file", "signal_process", "die_with_parent_preexec", "exit_after_handlers"]
 
 # What Slurm's commands print when the controller is down: not the user's mistake, try again later.
 _UNREACHABLE = ("Unable to contact slurm controller", "Socket timed out", "Connection refused")
@@ -208,6 +210,17 @@ def die_with_parent_preexec() -> Callable[[], None] | None:
         if os.getppid() != parent:  # the parent died before prctl took effect: no signal will come
             os.kill(os.getpid(), signal.SIGKILL)
     return preexec
+
+
+def exit_after_handlers(code: int) -> NoReturn:
+    """Leave with `code` after the Python exit handlers (a session's close, a logger's finish) and with
+    stdout/stderr flushed, but before C++ static destructors run. Those are what sometimes abort a rank that
+    has already finished, with "terminate called without an active exception" (a torch.distributed
+    thread still joinable at exit); `os._exit` is also the only way to set the code from an excepthook."""
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 _PR_SET_PDEATHSIG = 1

@@ -180,8 +180,11 @@ def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1 or "RANK" not in os.environ:
         sys.exit("usage: RANK=N ... python -m hpc_ddp.job.calls CALL_DIR (started by hpc_ddp.notebook.launch)")
-    # A normal exit, atexit included (the Session API leaves its process group there, bounded in time).
-    sys.exit(run_rank(Path(args[0]), int(os.environ["RANK"])))
+    # The exit handlers run (the Session API leaves its process group there, bounded in time), but not the
+    # C++ static destructors, which sometimes abort a rank whose function returned (torch's gloo threads).
+    from hpc_ddp.common.procs import exit_after_handlers
+
+    exit_after_handlers(run_rank(Path(args[0]), int(os.environ["RANK"])))
 
 
 if __name__ == "__main__":

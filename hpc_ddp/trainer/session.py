@@ -59,6 +59,7 @@ from torch.utils.data import DataLoader
 from hpc_ddp.common.errors import HpcDdpError, UserError, report
 from hpc_ddp.common.events import JsonLines
 from hpc_ddp.common.exitcodes import REQUEUE_EXIT_CODE
+from hpc_ddp.common.procs import exit_after_handlers
 from hpc_ddp.common.rundir import RunDir
 from hpc_ddp.data.loaders import ResumableSampler, SeededSamples, ignore_stop_signals, shield_loader_workers
 from hpc_ddp.job.deadline import job_deadline, stop_lead
@@ -704,13 +705,7 @@ def _one_line_errors() -> None:
 
     def hook(kind, exc, tb):
         if isinstance(exc, HpcDdpError):
-            code = report(exc)
-            # The exit code must be the error's (2 for misuse), which only _exit can set from here; run
-            # the exit handlers first (the session's close, a logger's finish), as a normal exit would.
-            atexit._run_exitfuncs()
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
+            exit_after_handlers(report(exc))  # the error's code (2 for misuse), which only _exit sets here
         previous(kind, exc, tb)
     hook._hpc_ddp = True  # type: ignore[attr-defined]
     sys.excepthook = hook
