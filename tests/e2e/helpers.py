@@ -27,9 +27,11 @@ def copy_probe(directory: Path) -> Path:
     return target
 
 
-def wait_for_job(job_id: str, timeout: float = 180) -> str:
-    """Poll until the job leaves the queue; return its final state from scontrol (MinJobAge keeps it)."""
+def wait_for_job(job_id: str, timeout: float = 180, run_dir: Path | None = None) -> str:
+    """Poll until the job leaves the queue; return its final state from scontrol (MinJobAge keeps it).
+    On a timeout the error carries what Slurm and (given run_dir) the run recorded, for a CI log to say why."""
     deadline = time.monotonic() + timeout
+    info = ""
     while time.monotonic() < deadline:
         info = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True).stdout
         state = re.search(r"JobState=(\S+)", info)
@@ -37,7 +39,17 @@ def wait_for_job(job_id: str, timeout: float = 180) -> str:
             return state.group(1)
         time.sleep(0.5)
     subprocess.run(["scancel", job_id])
-    raise AssertionError(f"job {job_id} did not finish within {timeout} s")
+    raise AssertionError(f"job {job_id} did not finish within {timeout} s\n{info}{_run_record(run_dir)}")
+
+
+def _run_record(run_dir: Path | None) -> str:
+    if run_dir is None:
+        return ""
+    parts = []
+    for path in [run_dir / "events.jsonl", *sorted((run_dir / "logs").glob("**/*"))[-6:]]:
+        if path.is_file():
+            parts.append(f"--- {path.relative_to(run_dir)} (tail) ---\n" + path.read_text(errors="replace")[-3000:])
+    return "\n".join(parts)
 
 
 def read_probe(run_dir: Path) -> list[dict]:

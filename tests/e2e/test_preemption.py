@@ -174,7 +174,7 @@ def test_submitit_preempted_and_warned_ends_bitwise_identical(slurm_conf, worksp
         else:
             subprocess.run(["scancel", "--signal=USR2", job], check=True)
         release_when_requeued(job)
-    assert wait_for_job(job, timeout=300) == "COMPLETED", (run_dir / "events.jsonl").read_text()
+    assert wait_for_job(job, timeout=300, run_dir=run_dir) == "COMPLETED", (run_dir / "events.jsonl").read_text()
     assert _sha(run_dir) == baseline
     events = read_jsonl(run_dir / "events.jsonl")
     assert [e["event"] for e in events].count("resume") == 2
