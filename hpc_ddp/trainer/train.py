@@ -138,6 +138,7 @@ class Trainer:
     def fit(self) -> int:
         self.session.resume(total_steps=self.total_steps)
         self.session.warn_if_handlers_replaced()
+        self._start_eval_workers()
         for _epoch in self.session.epochs(self.cfg.epochs):
             if self._epoch():
                 return REQUEUE_EXIT_CODE
@@ -147,6 +148,15 @@ class Trainer:
             self._end_epoch()
         self.session.finish()
         return 0
+
+    def _start_eval_workers(self) -> None:
+        """Fork the evaluation loader's (persistent) workers now, as the training loader's are, before the
+        first step, not at the first epoch's end. From the first step on, gloo's threads run the comm hook's
+        Python callbacks, and CPython before 3.11.8 and 3.12 can hang a child forked while such a thread
+        takes the interpreter's thread-state lock (CPython gh-112275): its rank then waited for the first
+        evaluation batch forever. Before the first step those threads are idle."""
+        if self.data.eval is not None and self.data.eval.persistent_workers:
+            iter(self.data.eval)  # kept by the loader; the first evaluation resets it, as every later one does
 
     def _epoch(self) -> bool:
         """One epoch from the resumed batch on; True when the ranks stopped (checkpointed) in it."""
