@@ -38,3 +38,27 @@ def test_make_install_installs_what_make_demo_and_make_test_need():
     makefile = (REPO / "Makefile").read_text()
     assert "-e '.[plot,test]'" in makefile
     assert "import torch, torchvision, submitit, click, jinja2, matplotlib" in makefile
+
+
+def test_the_wheel_ships_the_templates_and_the_exit_guard(tmp_path):
+    """The sbatch templates and the runner's exitsite/sitecustomize.py are files, not modules anyone imports:
+    a packages list that forgets them builds a wheel whose jobs cannot render (or lose the exit guard)."""
+    import shutil
+    import subprocess
+    import zipfile
+
+    # From a copy: setuptools leaves build/ where it builds, and a stale build/ in the checkout ships stale files.
+    source = tmp_path / "src"
+    for name in ("hpc_ddp", "templates"):
+        shutil.copytree(REPO / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, source / name)
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                            "-w", str(tmp_path), str(source)], capture_output=True, text=True, timeout=300,
+                           cwd=tmp_path)
+    assert built.returncode == 0, built.stderr
+    (wheel,) = tmp_path.glob("hpc_ddp-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for name in ("hpc_ddp/templates/sbatch.sh.j2", "hpc_ddp/templates/sweep.sh.j2",
+                 "hpc_ddp/job/exitsite/sitecustomize.py"):
+        assert name in names, name

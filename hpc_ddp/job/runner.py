@@ -25,7 +25,8 @@ from hpc_ddp.job.ports import PORT_HINT, port_in_use, taken_port_message
 from hpc_ddp.spec.jobspec import JobSpec, load_spec
 from hpc_ddp.spec.siteenv import expand
 
-__all__ = ["select_gpus", "rank_environment", "site_environment", "run_id_for", "program_argv", "main"]
+__all__ = ["select_gpus", "rank_environment", "site_environment", "run_id_for", "program_argv", "with_exit_guard",
+           "main"]
 
 _NO_GPU = ("", "-1", "NoDevFiles", "none")
 
@@ -113,6 +114,16 @@ def site_environment(spec: JobSpec, env: Mapping[str, str]) -> dict[str, str]:
     return {name: expand(value, env) for name, value in spec.env}
 
 
+EXIT_GUARD_DIR = str(Path(__file__).resolve().parent / "exitsite")
+
+
+def with_exit_guard(pythonpath: str | None, guard_dir: str = EXIT_GUARD_DIR) -> str:
+    """PYTHONPATH with exitsite/ first: its sitecustomize destroys a process group the program left open,
+    before the interpreter's shutdown can abort the rank (see that file). The rest stays as it was."""
+    rest = [p for p in pythonpath.split(os.pathsep) if p != guard_dir] if pythonpath else []
+    return os.pathsep.join([guard_dir, *rest])
+
+
 def program_argv(spec: JobSpec, dist: DistEnv, python: str, spec_path: str = rundir.SPEC) -> list[str]:
     target = spec.target
     if target.kind == "script":
@@ -152,6 +163,7 @@ def prepare(spec_path: str) -> tuple[list[str], dict[str, str]]:
     env = dict(base)
     env.update(rank_environment(spec, dist, base, run_dir, nvidia_driver=physical_gpus() > 0))
     env.update(site_environment(spec, env))
+    env["PYTHONPATH"] = with_exit_guard(env.get("PYTHONPATH"))
     _check_master_port(dist, int(env["MASTER_PORT"]))
     if spec.datasets:
         from hpc_ddp.job.stagejob import dataset_env, scratch_dir, stage_for_job

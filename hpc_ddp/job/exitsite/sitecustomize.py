@@ -1,0 +1,53 @@
+"""Put on a rank's PYTHONPATH by hpc-ddp's runner: destroys a process group left open at exit.
+
+A script that never calls `destroy_process_group` (Lightning's DDP strategy is one) leaves gloo's
+threads joinable while the interpreter shuts down; about 1 rank in 20 then aborts in a C++ destructor
+("terminate called without an active exception", SIGABRT) after its work is done, and Slurm marks the
+whole job FAILED. Destroying the group in an exit handler joins those threads first.
+
+Python imports one `sitecustomize` module; this one then runs the one it shadows (Debian's, a conda
+env's, a site's), so nothing the interpreter did before changes. It stays small and imports nothing
+from hpc-ddp: every Python process the rank starts imports it. HPC_DDP_EXIT_GUARD=0 turns it off.
+"""
+
+import atexit
+import os
+import sys
+import threading
+
+_LEAVE_TIMEOUT_S = 10.0
+
+
+def _destroy_open_process_group():
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is None or not dist.is_available() or not dist.is_initialized():
+            return
+    except Exception:  # a torch half torn down, or too old to ask: leave it as it is
+        return
+    # In a thread and bounded: with the peers gone, destroying can block, and a rank stuck at exit
+    # keeps the whole allocation alive.
+    worker = threading.Thread(target=dist.destroy_process_group, daemon=True)
+    worker.start()
+    worker.join(_LEAVE_TIMEOUT_S)
+
+
+def _run_shadowed_sitecustomize():
+    import importlib.machinery
+    import importlib.util
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", path)
+    if spec is None or spec.loader is None:
+        return
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["sitecustomize"] = module  # `import sitecustomize` finds the one it always found
+    spec.loader.exec_module(module)
+
+
+if os.environ.get("HPC_DDP_EXIT_GUARD") != "0":
+    # Registered before the user's program runs, so it runs after the program's own exit handlers
+    # (a logger's finish may still need the group).
+    atexit.register(_destroy_open_process_group)
+_run_shadowed_sitecustomize()
