@@ -42,8 +42,8 @@ spec_path, out, mode = sys.argv[1], sys.argv[2], sys.argv[3]
 argv, env = prepare(spec_path)
 os.environ.update(env)
 marks.append(("runner's prepare()", time.time()))
-from hpc_ddp import session as sess
-from hpc_ddp import train
+from hpc_ddp.trainer import session as sess
+from hpc_ddp.trainer import train
 marks.append(("import hpc_ddp.trainer.train (torch)", time.time()))
 rank = int(os.environ["RANK"])
 if mode == "startup":  # when each start-up phase ends, on rank 0
