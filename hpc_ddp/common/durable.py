@@ -11,9 +11,11 @@ import errno
 import os
 import stat
 import uuid
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-__all__ = ["fsync_dir", "write_durable", "replace_durable", "read_regular", "NotRegularFile", "TooLarge",
+__all__ = ["fsync_dir", "write_durable", "stream_durable", "replace_durable", "read_regular", "NotRegularFile", "TooLarge",
            "file_kind"]
 
 
@@ -28,11 +30,24 @@ def fsync_dir(path: Path) -> None:
 def write_durable(path: Path, data: bytes) -> None:
     """Write `data` to `path` and fsync it. One OSError on failure (ENOSPC included): the file is closed
     without a second, buffered flush that would fail again and chain a second traceback."""
+    stream_durable(path, lambda write: write(data))
+
+
+def stream_durable(path: Path, produce: Callable[[Callable[[Any], int]], object]) -> None:
+    """`write_durable` for data made while it is written: `produce(write)` calls `write(chunk)` (any
+    buffer; returns its length) for each chunk, and the file is fsynced once `produce` returns. Unbuffered
+    `os.write`, which releases the GIL: a writer thread leaves the other threads' Python running."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
-    try:
-        view = memoryview(data)
+
+    def write(chunk: Any) -> int:
+        view = memoryview(chunk).cast("B")
+        size = len(view)
         while view:
             view = view[os.write(fd, view):]
+        return size
+
+    try:
+        produce(write)
         os.fsync(fd)
     finally:
         os.close(fd)

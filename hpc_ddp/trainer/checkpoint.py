@@ -64,7 +64,6 @@ import pickle
 import re
 import shutil
 import stat
-import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -75,6 +74,7 @@ import torch
 
 from hpc_ddp.common.durable import NotRegularFile, TooLarge, file_kind, read_regular, replace_durable
 from hpc_ddp.common.durable import fsync_dir as _fsync_dir
+from hpc_ddp.common.durable import stream_durable as _stream_durable
 from hpc_ddp.common.durable import write_durable as _write_durable
 from hpc_ddp.common.errors import HpcDdpError
 from hpc_ddp.common.rundir import CHECKPOINT_NAME as _NAME
@@ -121,25 +121,45 @@ def state_sha256(state_dict: Mapping[str, torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
-def _serialize(obj: Any) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return buffer.getvalue()
+class _Sink:
+    """What torch.save writes a checkpoint file into: each chunk is hashed for the manifest and written to
+    the file as it comes (`stream_durable`). No serialized copy of the state is built in memory, and
+    hashing and writing both release the GIL, so a save in the background writer leaves the training
+    loop's Python running (torch.save into a BytesIO copied every byte under the GIL)."""
+
+    def __init__(self) -> None:
+        self.digest, self.size = hashlib.sha256(), 0
+        self.failed: OSError | None = None
+        self._write: Callable[[Any], int] | None = None
+
+    def into(self, write: Callable[[Any], int]) -> "_Sink":
+        self._write = write
+        return self
+
+    def write(self, chunk: Any) -> int:
+        view = memoryview(chunk).cast("B")
+        self.digest.update(view)
+        self.size += len(view)
+        try:
+            return self._write(view)  # type: ignore[misc]  # set by into(), before torch.save writes
+        except OSError as exc:
+            self.failed = self.failed or exc
+            raise
+
+    def flush(self) -> None:
+        """Nothing buffered here (torch.save calls it at the end)."""
 
 
-def _hash_while(data: bytes, write: Callable[[], None]) -> str:
-    """sha256 of `data`, computed in a thread while `write()` runs: hashing and writing (fsync included)
-    both release the GIL, so the manifest costs little more than the write itself."""
-    digest: list[str] = []
-    worker = threading.Thread(target=lambda: digest.append(hashlib.sha256(data).hexdigest()))
-    worker.start()
+def _write_payload(path: Path, obj: Any, sink: _Sink) -> dict[str, Any]:
+    """torch.save `obj` into `path`, fsynced; its manifest entry (size, sha256). A write that fails (a full
+    disk) raises its OSError, not the RuntimeError torch.save raises when it then cannot finish the file."""
     try:
-        write()
-    finally:
-        worker.join()
-    if not digest:  # sha256 of bytes cannot fail short of memory; say so rather than IndexError
-        raise CheckpointError("hashing a checkpoint file failed (out of memory?)")
-    return digest[0]
+        _stream_durable(path, lambda write: torch.save(obj, sink.into(write)))
+    except Exception as exc:
+        if sink.failed is not None and exc is not sink.failed:
+            raise sink.failed from None
+        raise
+    return {"size": sink.size, "sha256": sink.digest.hexdigest()}
 
 
 def _plain_name(fname: object) -> bool:
@@ -193,16 +213,15 @@ class CheckpointManager:
         name = self._free_name(step)
         tmp = self.root / f".tmp-{name}-{uuid.uuid4().hex[:8]}"
         final = self.root / name
-        writing = "its temporary directory"
+        writing, sink = "its temporary directory", None
         try:
             tmp.mkdir(mode=0o700)
             files = {}
             for fname, obj in payloads.items():
-                data = _serialize(obj)
-                writing = f"{fname}, {_size(len(data))}"
-                files[fname] = {"size": len(data),
-                                "sha256": _hash_while(data, lambda: _write_durable(tmp / fname, data))}
-                del data
+                sink = _Sink()
+                writing = fname
+                files[fname] = _write_payload(tmp / fname, obj, sink)
+            sink = None
             manifest = {**meta, "format": FORMAT, "step": step, "created": time.time(), "files": files}
             writing = MANIFEST
             _write_durable(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
@@ -212,6 +231,8 @@ class CheckpointManager:
         except BaseException as exc:  # a failed save leaves nothing; a kill (no cleanup) leaves .tmp-*
             shutil.rmtree(tmp, ignore_errors=True)
             if isinstance(exc, OSError):
+                if sink is not None:  # how far the payload got: "model.pt after 1.2 GB"
+                    writing += f" after {_size(sink.size)}"
                 raise self._save_failed(name, writing, exc) from None
             raise
         try:

@@ -226,13 +226,13 @@ def test_a_failed_background_write_stops_the_next_step_and_keeps_the_previous_ch
     run.step()
     run.step()
     assert run.wait_for_checkpoint().name == "step-000000002"
-    real = ckpt._write_durable
+    real = ckpt._stream_durable
 
-    def full_disk(path, data):
+    def full_disk(path, produce):
         if Path(path).name == "model.pt":
             raise OSError(errno.ENOSPC, "No space left on device")
-        real(path, data)
-    monkeypatch.setattr(ckpt, "_write_durable", full_disk)
+        real(path, produce)
+    monkeypatch.setattr(ckpt, "_stream_durable", full_disk)
     run.step()
     run.step()  # the periodic save of step 4 fails in the background
     run._writer._thread.join()

@@ -28,6 +28,12 @@ from hpc_ddp.trainer.checkpoint import CheckpointError, CheckpointManager, inspe
 REPO = Path(__file__).resolve().parents[2]
 
 
+def serialized(obj) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
 def step_name(step: int) -> str:
     return f"step-{step:09d}"
 
@@ -458,7 +464,7 @@ def test_pickled_code_is_refused_without_running(tmp_path: Path, kind: str) -> N
     else:
         data = pickle.dumps(Gadget(marker), protocol=2)
     evil = root / step_name(2)
-    hand_made_checkpoint(evil, 2, {"model.pt": data, "train_state.pt": ckpt._serialize({"step": 2})})
+    hand_made_checkpoint(evil, 2, {"model.pt": data, "train_state.pt": serialized({"step": 2})})
     (root / "latest").write_text(step_name(2) + "\n")
     assert verify(evil)["step"] == 2  # sizes and hashes match: only the weights-only loader stands in the way
 

@@ -12,6 +12,7 @@ import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 import socket
 import stat
@@ -361,19 +362,35 @@ def test_disk_full_replacing_latest_leaves_no_temp(tiny_fs: Path) -> None:
 
 @pytest.mark.parametrize("fail_on", ["model.pt", "train_state.pt", "manifest.json"])
 def test_disk_full_injected_while_writing(root: Path, monkeypatch, fail_on: str) -> None:
-    real = ckpt._write_durable
+    real = ckpt._write_durable, ckpt._stream_durable
 
-    def writer(path: Path, data: bytes) -> None:
+    def writer(path: Path, data: bytes) -> None:  # the manifest
         if Path(path).name == fail_on:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
-        real(path, data)
+        real[0](path, data)
+
+    def streamer(path: Path, produce) -> None:  # the payloads: the disk fills after the first 100 bytes
+        written: list[int] = []
+
+        def filling(real_write):
+            def write(chunk) -> int:
+                if Path(path).name == fail_on and sum(written) > 100:
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+                written.append(real_write(chunk))
+                return written[-1]
+            return produce(write)
+        real[1](path, filling)
 
     monkeypatch.setattr(ckpt, "_write_durable", writer)
+    monkeypatch.setattr(ckpt, "_stream_durable", streamer)
     with pytest.raises(CheckpointError) as info:
         CheckpointManager(root, keep=3, log=pytest.fail).save(4, payloads(4), {})
     assert_one_line(str(info.value))
     assert "no space" in str(info.value) and "free" in str(info.value) and step_name(3) in str(info.value)
-    monkeypatch.setattr(ckpt, "_write_durable", real)
+    assert f"writing {fail_on}" in str(info.value)
+    if fail_on != "manifest.json":
+        assert re.search(rf"writing {fail_on} after [\d.]+ (bytes|KiB)", str(info.value)), str(info.value)
+    monkeypatch.undo()
     assert_previous_kept(root, 3)
     assert not (root / step_name(4)).exists()
 
@@ -396,6 +413,7 @@ def test_quota_exceeded_reads_like_disk_full(root: Path, monkeypatch) -> None:
         raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT), str(path))
 
     monkeypatch.setattr(ckpt, "_write_durable", writer)
+    monkeypatch.setattr(ckpt, "_stream_durable", writer)
     with pytest.raises(CheckpointError, match="quota|space") as info:
         CheckpointManager(root, keep=3, log=pytest.fail).save(4, payloads(4), {})
     assert_one_line(str(info.value))
