@@ -15,8 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["fsync_dir", "write_durable", "stream_durable", "replace_durable", "read_regular", "NotRegularFile", "TooLarge",
-           "file_kind"]
+__all__ = ["fsync_dir", "write_durable", "stream_durable", "replace_durable", "read_regular", "NotRegularFile",
+           "TooLarge", "file_kind"]
 
 
 def fsync_dir(path: Path) -> None:

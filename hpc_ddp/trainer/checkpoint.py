@@ -128,9 +128,9 @@ class _Sink:
     loop's Python running (torch.save into a BytesIO copied every byte under the GIL)."""
 
     def __init__(self) -> None:
-        self.digest, self.size = hashlib.sha256(), 0
+        self.digest, self.size = hashlib.sha256(), 0  # of what reached the file
         self.failed: OSError | None = None
-        self._write: Callable[[Any], int] | None = None
+        self._write: Callable[[Any], int] = _not_opened
 
     def into(self, write: Callable[[Any], int]) -> "_Sink":
         self._write = write
@@ -138,16 +138,21 @@ class _Sink:
 
     def write(self, chunk: Any) -> int:
         view = memoryview(chunk).cast("B")
-        self.digest.update(view)
-        self.size += len(view)
         try:
-            return self._write(view)  # type: ignore[misc]  # set by into(), before torch.save writes
+            self._write(view)
         except OSError as exc:
             self.failed = self.failed or exc
             raise
+        self.digest.update(view)
+        self.size += len(view)
+        return len(view)
 
     def flush(self) -> None:
         """Nothing buffered here (torch.save calls it at the end)."""
+
+
+def _not_opened(_chunk: Any) -> int:
+    raise RuntimeError("_Sink.write before into(): no file to write to")
 
 
 def _write_payload(path: Path, obj: Any, sink: _Sink) -> dict[str, Any]:
