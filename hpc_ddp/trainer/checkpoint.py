@@ -112,12 +112,14 @@ class Loaded:
 
 
 def state_sha256(state_dict: Mapping[str, torch.Tensor]) -> str:
-    """sha256 over the tensors' raw bytes, in key order (dtype-agnostic: bf16 works too)."""
+    """sha256 over the tensors' raw bytes, in key order (dtype-agnostic: bf16 works too). The bytes are
+    hashed in place, not copied (`tobytes()` copied each tensor under the GIL: in the background writer
+    that stalled the training loop's Python, and it allocated a second copy of the model)."""
     digest = hashlib.sha256()
     for key in state_dict:
         value = state_dict[key]
         if isinstance(value, torch.Tensor):
-            digest.update(value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            digest.update(value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
     return digest.hexdigest()
 
 

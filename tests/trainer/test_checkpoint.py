@@ -172,6 +172,21 @@ def test_state_sha256_matches_after_load_and_sees_one_ulp(tmp_path: Path) -> Non
     assert state_sha256(counted) != saved_hash
 
 
+def test_state_sha256_is_the_hash_of_the_raw_bytes_in_key_order() -> None:
+    """The definition the manifests of existing checkpoints were written with (`inspect` compares against
+    them): sha256 over each tensor's bytes, contiguous, in key order; non-tensors skipped. Hashing in
+    place (no copy) must not change it, for any dtype, layout or shape."""
+    state = {"w": torch.randn(6, 4).t(), "half": torch.randn(5).to(torch.bfloat16), "count": torch.tensor(7),
+             "empty": torch.empty(0, 3), "note": "skipped", "ints": torch.arange(10, dtype=torch.int32)[::3]}
+    expected = hashlib.sha256()
+    for value in state.values():
+        if isinstance(value, torch.Tensor):
+            expected.update(value.contiguous().numpy(force=True).tobytes() if value.dtype != torch.bfloat16
+                            else value.view(torch.int16).contiguous().numpy().tobytes())
+    assert state_sha256(state) == expected.hexdigest()
+    assert state_sha256(dict(reversed(list(state.items())))) != expected.hexdigest()  # the order counts
+
+
 def test_bf16_round_trip_and_hash(tmp_path: Path) -> None:
     model = small_model().to(torch.bfloat16)
     state = model.state_dict()
