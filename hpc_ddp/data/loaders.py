@@ -12,6 +12,8 @@ Exactness rests on two pieces:
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
 import random
 import signal
 from collections.abc import Iterator
@@ -24,7 +26,8 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, g
 from hpc_ddp.common.errors import SpecError
 from hpc_ddp.spec.trainconfig import TrainConfig
 
-__all__ = ["DataBundle", "build_data", "shutdown_workers", "ResumableSampler", "SeededSamples", "EvalSampler"]
+__all__ = ["DataBundle", "build_data", "shutdown_workers", "ResumableSampler", "SeededSamples", "EvalSampler",
+           "worker_init", "worker_niceness"]
 
 _MEAN_STD = {1: ((0.5,), (0.5,)), 3: ((0.5, 0.5, 0.5), (0.25, 0.25, 0.25))}
 
@@ -202,6 +205,37 @@ def ignore_stop_signals(_worker_id: int) -> None:
         signal.signal(signum, signal.SIG_IGN)
 
 
+# How much lower the loader workers of a CPU run are scheduled than their rank. On CPUs the ranks and their
+# workers share the cores; the step is the path every rank waits on (each all-reduce waits for the slowest
+# rank), while workers only need to stay a batch ahead. At equal priority the kernel gives a worker as much
+# CPU as its rank, so prefetching delays the step; at nice 5 the rank gets about 3x a worker's share when
+# both want the core, and a worker still gets every cycle the rank leaves (a rank waiting for data leaves
+# them all). bench/README.md has the measurements (equal priority, nice 5, nice 10).
+CPU_WORKER_NICENESS = 5
+
+
+def worker_niceness(device_type: str) -> int:
+    """The niceness increment for a loader's workers: `CPU_WORKER_NICENESS` on CPUs, 0 elsewhere. Not on
+    GPUs: there the main process mostly waits for the device (CUDA's wait may spin on a core), and the
+    workers' decoding is what keeps the GPU fed."""
+    return CPU_WORKER_NICENESS if device_type == "cpu" else 0
+
+
+def worker_init(niceness: int = 0):
+    """A DataLoader `worker_init_fn`: ignore the stop signals and, with `niceness`, run the worker that much
+    lower than its rank (Linux applies it to the worker's thread, and the threads it starts inherit it).
+    A partial, not a closure, so `spawn` workers can unpickle it."""
+    return functools.partial(_init_worker, niceness=niceness) if niceness else ignore_stop_signals
+
+
+def _init_worker(worker_id: int, niceness: int) -> None:
+    ignore_stop_signals(worker_id)
+    try:
+        os.nice(niceness)
+    except OSError:  # a sandbox refusing setpriority: the worker runs at its rank's priority, as before
+        pass
+
+
 def _worker_signal_handlers_ignoring_stops(*args, **kwargs):
     """torch's own worker signal set-up (it puts a C handler on SIGTERM), then the stop signals ignored."""
     _TORCH_WORKER_HANDLERS(*args, **kwargs)
@@ -230,11 +264,12 @@ def shutdown_workers(loader: DataLoader | None) -> None:
         loader._iterator = None
 
 
-def build_data(cfg: TrainConfig, *, rank: int, world_size: int, pin_memory: bool) -> DataBundle:
+def build_data(cfg: TrainConfig, *, rank: int, world_size: int, pin_memory: bool,
+               worker_niceness: int = 0) -> DataBundle:
     (train_set, eval_set), classes, channels, size = _datasets(cfg)
     sampler = ResumableSampler(len(train_set), rank=rank, world_size=world_size, seed=cfg.seed)
     workers = dict(num_workers=cfg.num_workers, persistent_workers=cfg.num_workers > 0, pin_memory=pin_memory,
-                   worker_init_fn=ignore_stop_signals if cfg.num_workers else None)
+                   worker_init_fn=worker_init(worker_niceness) if cfg.num_workers else None)
     # A fixed generator: creating the iterator must not draw from the training RNG streams.
     train = DataLoader(SeededSamples(train_set, cfg.seed), batch_size=cfg.batch_size, sampler=sampler,
                        drop_last=True, generator=torch.Generator().manual_seed(cfg.seed), **workers)

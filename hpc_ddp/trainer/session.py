@@ -61,7 +61,8 @@ from hpc_ddp.common.events import JsonLines
 from hpc_ddp.common.exitcodes import REQUEUE_EXIT_CODE
 from hpc_ddp.common.procs import exit_after_handlers
 from hpc_ddp.common.rundir import RunDir
-from hpc_ddp.data.loaders import ResumableSampler, SeededSamples, ignore_stop_signals, shield_loader_workers
+from hpc_ddp.data.loaders import (ResumableSampler, SeededSamples, shield_loader_workers, worker_init,
+                                  worker_niceness)
 from hpc_ddp.job.deadline import job_deadline, stop_lead
 from hpc_ddp.job.distenv import DistEnv, from_environ
 from hpc_ddp.trainer import rendezvous
@@ -432,12 +433,13 @@ class Session:
         """A DataLoader over this rank's share that resumes exactly, random augmentation included: each
         sample draws from a seed of its own (seed, epoch, index), whichever worker loads it, and making an
         epoch's iterator draws from a generator of the loader's, not the training RNG. `options` go to
-        DataLoader (num_workers, pin_memory, ...); loader workers ignore the stop signals."""
+        DataLoader (num_workers, pin_memory, ...); loader workers ignore the stop signals and, when the
+        session trains on the CPU, run at a lower priority than the rank (`loaders.worker_niceness`)."""
         sampler = ResumableSampler(len(dataset), rank=self.rank, world_size=self.world_size, seed=seed,
                                    shuffle=shuffle, keys=True)
         generator = torch.Generator().manual_seed(seed)
         if options.get("num_workers"):
-            options.setdefault("worker_init_fn", ignore_stop_signals)
+            options.setdefault("worker_init_fn", worker_init(worker_niceness(self.device.type)))
         self.follow(sampler, batch_size=batch_size, generator=(generator, seed))
         return DataLoader(SeededSamples(dataset, seed), batch_size=batch_size, sampler=sampler, drop_last=True,
                           generator=generator, **options)

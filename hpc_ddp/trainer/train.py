@@ -31,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hpc_ddp.common.errors import HpcDdpError, report
 from hpc_ddp.common.exitcodes import REQUEUE_EXIT_CODE
-from hpc_ddp.data.loaders import build_data, shutdown_workers
+from hpc_ddp.data.loaders import build_data, shutdown_workers, worker_niceness
 from hpc_ddp.spec.jobspec import JobSpec
 from hpc_ddp.spec.trainconfig import FINGERPRINT_FIELDS, TrainConfig
 from hpc_ddp.trainer.models import build_model
@@ -80,7 +80,8 @@ class Trainer:
         torch.manual_seed(cfg.seed + rank)
         random.seed(cfg.seed + rank)
         np.random.seed(cfg.seed + rank)
-        self.data = build_data(cfg, rank=rank, world_size=world, pin_memory=session.device.type == "cuda")
+        self.data = build_data(cfg, rank=rank, world_size=world, pin_memory=session.device.type == "cuda",
+                               worker_niceness=worker_niceness(session.device.type))
         if self.data.root and cfg.data_dir and str(self.data.root) != cfg.data_dir:
             session.log(f"hpc-ddp: reading the staged copy {self.data.root} of {cfg.data_dir}")
         self.steps_per_epoch = self.data.micro_batches_per_epoch // cfg.grad_accum

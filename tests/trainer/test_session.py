@@ -2,6 +2,7 @@
 checkpoint -> exit 75 -> exact resume, and misuse that must end in one clear error with nothing lost.
 Multi-rank behaviour runs end to end in tests/e2e/test_user_scripts.py."""
 
+import os
 import subprocess
 import sys
 
@@ -204,6 +205,26 @@ def test_loader_workers_the_user_built_survive_slurms_sigterm(tmp_path):
                           env={"HPC_DDP_RUN_DIR": str(tmp_path / "run"), "PATH": "/usr/bin:/bin"})
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "31"
+
+
+def test_loader_workers_of_a_cpu_session_run_below_the_rank(tmp_path):
+    """On CPUs the rank's step is what every rank waits on: `run.loader()` workers yield the cores to it
+    (hpc_ddp.data.loaders.worker_niceness); a worker_init_fn the user passes is kept as given."""
+    from hpc_ddp.data.loaders import CPU_WORKER_NICENESS
+
+    run = session(tmp_path)
+    try:
+        ours = os.getpriority(os.PRIO_PROCESS, 0)
+        loader = run.loader(Data(), batch_size=8, num_workers=1)
+        batches = iter(loader)
+        next(batches)
+        (worker,) = batches._workers
+        assert os.getpriority(os.PRIO_PROCESS, worker.pid) == min(ours + CPU_WORKER_NICENESS, 19)
+        del batches
+        own = run.loader(Data(), batch_size=8, num_workers=1, worker_init_fn=print)
+        assert own.worker_init_fn is print
+    finally:
+        run.close()
 
 
 def test_a_loss_on_a_device_is_not_read_by_the_host_before_the_step(tmp_path):

@@ -2,6 +2,7 @@
 models, the stop flag, and the single-process `hpc-ddp train` path."""
 
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -151,16 +152,46 @@ def test_training_variants_run_in_process(tmp_path, train):
         assert steps[0]["lr"] == pytest.approx(0.1 * 2 / 2) and steps[1]["lr"] == pytest.approx(0.1)
 
 
-def test_loader_workers_survive_stop_signals(tmp_path):
-    """Slurm sends SIGTERM/SIGUSR2 to every process of a step; the workers must not die of it."""
+@pytest.mark.parametrize("niceness", [0, 3])
+def test_loader_workers_survive_stop_signals(tmp_path, niceness):
+    """Slurm sends SIGTERM/SIGUSR2 to every process of a step; the workers must not die of it. With a
+    niceness they also run that much below this process (the trainer's CPU runs), and only they do."""
     from hpc_ddp.data.loaders import build_data
 
     cfg = TrainConfig(dataset="fake", fake_size=64, image_size=8, batch_size=8, num_workers=2)
-    bundle = build_data(cfg, rank=0, world_size=1, pin_memory=False)
+    bundle = build_data(cfg, rank=0, world_size=1, pin_memory=False, worker_niceness=niceness)
     bundle.sampler.set_position(0, 0)
     batches = iter(bundle.train)
     next(batches)
+    ours = os.getpriority(os.PRIO_PROCESS, 0)
     for worker in batches._workers:
+        assert os.getpriority(os.PRIO_PROCESS, worker.pid) == min(ours + niceness, 19)
         os.kill(worker.pid, signal.SIGTERM)
         os.kill(worker.pid, signal.SIGUSR2)
     assert sum(1 for _ in batches) == 7  # the rest of the epoch still arrives
+    assert os.getpriority(os.PRIO_PROCESS, 0) == ours
+
+
+def test_loader_workers_yield_to_their_rank_on_cpus_only():
+    from hpc_ddp.data.loaders import CPU_WORKER_NICENESS, ignore_stop_signals, worker_init, worker_niceness
+
+    assert worker_niceness("cpu") == CPU_WORKER_NICENESS > 0
+    assert worker_niceness("cuda") == 0
+    assert worker_init(0) is ignore_stop_signals
+    assert pickle.loads(pickle.dumps(worker_init(5))).keywords == {"niceness": 5}  # spawn workers unpickle it
+
+
+def test_the_trainer_on_a_cpu_lowers_its_loader_workers(tmp_path):
+    from hpc_ddp.data.loaders import CPU_WORKER_NICENESS
+    from hpc_ddp.job.distenv import from_environ
+    from hpc_ddp.trainer.session import Session
+    from hpc_ddp.trainer.train import Trainer
+
+    cfg = TrainConfig(dataset="fake", fake_size=64, image_size=8, batch_size=8, num_workers=1)
+    with Session(tmp_path, env=from_environ({}, pid=1)).setup() as session:
+        trainer = Trainer(cfg, session)
+        try:
+            assert session.device.type == "cpu"
+            assert trainer.data.train.worker_init_fn.keywords == {"niceness": CPU_WORKER_NICENESS}
+        finally:
+            trainer.close()
