@@ -28,6 +28,7 @@ def say(message: str) -> None:
 class Settings:
     quick: bool
     repeats: int           # A/B repeats of the timed comparisons (medians are reported)
+    train_repeats: int     # the training rows': a single run moves +-20% on a shared 2-core VM
     train_steps: int       # per throughput run; the first `warm` steps are excluded
     warm: int
     batch: int             # per rank
@@ -48,12 +49,12 @@ class Settings:
 
 def settings(quick: bool) -> Settings:
     if quick:  # every code path, a few steps, one repeat: for developing the harness, not for numbers
-        return Settings(True, repeats=1, train_steps=40, warm=10, batch=32, workers=2, startup_steps=3,
-                        resume_signal_after=8, resume_steps=20, ckpt_model="resnet18", stage_files=100,
+        return Settings(True, repeats=1, train_repeats=1, train_steps=40, warm=10, batch=32, workers=2,
+                        startup_steps=3, resume_signal_after=8, resume_steps=20, ckpt_model="resnet18", stage_files=100,
                         stage_file_kb=400, stage_ranks=4, gpu_steps=30, gpu_warm=10, gpu_batch=64,
                         gpu_workers=8, gpu_repeats=1)
-    return Settings(False, repeats=5, train_steps=200, warm=10, batch=32, workers=2, startup_steps=3,
-                    resume_signal_after=20, resume_steps=40, ckpt_model="resnet50", stage_files=1000,
+    return Settings(False, repeats=5, train_repeats=9, train_steps=200, warm=10, batch=32, workers=2,
+                    startup_steps=3, resume_signal_after=20, resume_steps=40, ckpt_model="resnet50", stage_files=1000,
                     stage_file_kb=400, stage_ranks=4, gpu_steps=120, gpu_warm=40, gpu_batch=128,
                     gpu_workers=10, gpu_repeats=3)
 
