@@ -11,6 +11,7 @@ Exactness rests on two pieces:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -230,10 +231,8 @@ def worker_init(niceness: int = 0):
 
 def _init_worker(worker_id: int, niceness: int) -> None:
     ignore_stop_signals(worker_id)
-    try:
+    with contextlib.suppress(OSError):  # a sandbox refusing setpriority: the worker keeps its rank's priority
         os.nice(niceness)
-    except OSError:  # a sandbox refusing setpriority: the worker runs at its rank's priority, as before
-        pass
 
 
 def _worker_signal_handlers_ignoring_stops(*args, **kwargs):
