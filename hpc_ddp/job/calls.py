@@ -2,13 +2,15 @@
 ranks, run on one rank, and what comes back. Both sides of the files live here, so their format is in one place.
 
     CALL_DIR/                   private to the user (0700): a pickle is code, so only we may write here
-      call.pkl                  {"sys_path", "call": cloudpickle of {"fn", "args", "kwargs"}}, by the launcher
+      call.pkl                  {"sys_path", "files", "call": cloudpickle of {"fn", "args", "kwargs"}}, by the launcher
       result.pkl                rank 0's return value (cloudpickle), written by rank 0 when fn returns
       error-<rank>.json         {"rank", "type", "message", "traceback", "time"}: fn raised on that rank
 
 The function travels by value (cloudpickle), so a function defined in a notebook cell, with the classes and
 globals it uses, reaches ranks that are fresh interpreters: plain pickle would send only its name, which a
 fresh process cannot import. Modules are still sent by name, so the ranks get the launcher's sys.path.
+The source files of the code sent by value go along ("files", `codefiles`), so a rank's traceback names
+them, whatever name cloudpickle gives them.
 
 `python -m hpc_ddp.job.calls CALL_DIR` runs the call as one rank, with the rank's environment already set by
 whoever started it; exit 0 when fn returned, 1 when it raised (the record says what, and where). Under Slurm,
@@ -27,6 +29,8 @@ import traceback
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from hpc_ddp.job import codefiles
 
 __all__ = ["CALL", "RESULT", "write_call", "load_call", "invoke", "failure_record", "write_failure", "read_failures",
            "write_result", "read_result", "SlurmRank", "CALL_DIR", "main"]
@@ -49,8 +53,9 @@ def write_call(call_dir: Path, fn: Callable, args: Sequence[Any], kwargs: Mappin
     import cloudpickle
 
     call = cloudpickle.dumps({"fn": fn, "args": tuple(args), "kwargs": dict(kwargs)})
+    files = codefiles.files_of(fn, *args, *kwargs.values())
     # sys.path apart from the call: the rank needs it to import the modules the call names, before loading it.
-    _write_private(call_dir / CALL, pickle.dumps({"sys_path": list(sys.path), "call": call}))
+    _write_private(call_dir / CALL, pickle.dumps({"sys_path": list(sys.path), "files": files, "call": call}))
 
 
 def load_call(call_dir: Path) -> tuple[Callable, tuple, dict]:
@@ -61,6 +66,7 @@ def load_call(call_dir: Path) -> tuple[Callable, tuple, dict]:
     outer = pickle.loads((call_dir / CALL).read_bytes())
     sys.path.extend(p for p in outer["sys_path"] if p not in sys.path)
     call = cloudpickle.loads(outer["call"])
+    codefiles.restore_files((call["fn"], *call["args"], *call["kwargs"].values()), outer.get("files") or {})
     return call["fn"], call["args"], call["kwargs"]
 
 
