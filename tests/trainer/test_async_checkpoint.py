@@ -327,7 +327,12 @@ def test_sigkill_during_the_background_write_leaves_a_checkpoint_that_loads(tmp_
         if loaded is None:
             assert not durable, "a durable save was lost"
             continue
-        assert logs == [], "a kill left `latest` naming a bad checkpoint"
+        # A kill between a checkpoint's rename into place and the `latest` update leaves the previous
+        # `latest` (fine: it names a good checkpoint), or none at all on the first save: then the newest
+        # complete checkpoint is used, and said. Any other message means `latest` named a bad checkpoint.
+        missing = f"hpc-ddp: {root / 'latest'} is missing; using the newest checkpoint found"
+        assert logs == ([missing] if not (root / "latest").exists() else []), \
+            "a kill left `latest` naming a bad checkpoint"
         assert loaded.step >= max(durable, default=0), "a durable save was lost"
         # the snapshot is of one step: every weight and the train state agree, though training went on
         assert all(torch.all(t == float(loaded.step)) for t in loaded.payloads["model.pt"].values())
