@@ -68,6 +68,7 @@ from hpc_ddp.job.distenv import DistEnv, from_environ
 from hpc_ddp.trainer import rendezvous
 from hpc_ddp.trainer.asyncsave import BackgroundWriter, Snapshot, Snapshotter
 from hpc_ddp.trainer.checkpoint import CheckpointManager, Loaded, state_sha256
+from hpc_ddp.trainer.lagged import LaggedFlags
 from hpc_ddp.trainer.loggers import Loggers
 from hpc_ddp.trainer.rngstate import capture_rng, restore_rng
 from hpc_ddp.trainer.stopping import StopFlag
@@ -96,6 +97,16 @@ class Progress:
     batch_in_epoch: int = 0     # batches of this epoch already consumed, per rank
     restarts: int = 0           # resumes from a checkpoint so far
     samples: int = 0            # samples consumed, all ranks together (where step() is told)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Done:
+    """A completed step, as its record will say (written when its flags are read: one step late on GPUs)."""
+    step: int
+    epoch: int
+    when: float       # time.monotonic() at its step()
+    samples: int
+    has_loss: bool
 
 
 def start(run_dir: str | os.PathLike | None = None, **settings: Any) -> "Session":
@@ -148,6 +159,8 @@ class Session:
         self._tracked: dict[str, Any] = {}
         self._samplers: list[tuple[ResumableSampler, int, tuple | None]] = []
         self._sent: torch.Tensor | None = None
+        self._lag = LaggedFlags()
+        self._lag_on_cpu = False   # tests: the GPU's one-step-late reading, on CPU tensors
         self._window = (time.monotonic(), 0, 0)   # (when, step, samples) of the last record
         self._step_started = time.monotonic()
         self._saves = 0
@@ -229,6 +242,7 @@ class Session:
             return
         self._closed = True
         self._drain_writer()
+        self._drain_records()
         self.loggers.close()
         rendezvous.mark_left(self.store, self.env, why)  # before the heartbeat stops: see mark_left
         if self.heartbeat is not None:
@@ -244,6 +258,14 @@ class Session:
             self.wait_for_checkpoint()
         except HpcDdpError as exc:
             self.log(f"hpc-ddp: error: {exc}")
+
+    def _drain_records(self) -> None:
+        """A loop that ends without finish(): its last step's record still gets written (GPU runs read it
+        late). Leaving after an error, a record that cannot be read is said, not raised over that error."""
+        try:
+            self._drain()
+        except (HpcDdpError, RuntimeError) as exc:
+            self.log(f"hpc-ddp: the last step's record was not written: {_summary(exc)}")
 
     def __enter__(self) -> "Session":
         return self
@@ -382,7 +404,7 @@ class Session:
         loaded = self.checkpoints.load_latest(max_step=self.total_steps)  # one beyond the schedule: refused
         if loaded is None:
             self.events.write({"event": "start", "step": 0, "total_steps": self.total_steps,
-                               "world_size": self.world_size, "job_id": self.env.job_id})
+                               "world_size": self.world_size, "job_id": self.env.job_id, "device": str(self.device)})
             return False
         self._check_compatible(loaded)
         missing = [name for name in self._tracked if f"{name}.pt" not in loaded.payloads]
@@ -400,7 +422,7 @@ class Session:
                  f"batch {self.progress.batch_in_epoch} of the epoch)")
         self.events.write({"event": "resume", "step": self.progress.step, "epoch": self.progress.epoch,
                            "batch_in_epoch": self.progress.batch_in_epoch, "path": str(loaded.path),
-                           "restarts": self.progress.restarts})
+                           "restarts": self.progress.restarts, "device": str(self.device)})
         self._window = (time.monotonic(), self.progress.step, self.progress.samples)
         return True
 
@@ -474,17 +496,22 @@ class Session:
         self._check_deadline()
         if str(step) in os.environ.get("HPC_DDP_FAULT_STOP_AT", "").split(","):
             self.stop.request("HPC_DDP_FAULT_STOP_AT")  # a rehearsal: as if the signal came during this step
-        due = (self.checkpoint_every_steps and step % self.checkpoint_every_steps == 0) or (
-            self.checkpoint_every_minutes and self.is_main
-            and time.monotonic() - self.last_save >= 60 * self.checkpoint_every_minutes)
-        if isinstance(loss, torch.Tensor) and loss.device.type != "cpu":
-            # The loss stays on the GPU: no host sync here; step() reads the summed flags once per step.
-            rest = torch.tensor([float(self.stop.requested), float(bool(due))], dtype=torch.float64)
-            self._sent = torch.cat([loss.detach().reshape(1).to(torch.float64), rest.to(loss.device)])
+        # Saves every N steps need no agreement (every rank counts steps); rank 0's clock does.
+        due = bool(self.checkpoint_every_minutes and self.is_main
+                   and time.monotonic() - self.last_save >= 60 * self.checkpoint_every_minutes)
+        device = loss.device if isinstance(loss, torch.Tensor) else self.device
+        if device.type != "cpu":
+            # Built on the device: a host->device copy of a list would wait for the queue. step() reads it late.
+            self._sent = torch.zeros(3, dtype=torch.float64, device=device)
+            if loss is not None:
+                self._sent[0] = loss.detach().reshape(()) if isinstance(loss, torch.Tensor) else float(loss)
+            if self.stop.requested:
+                self._sent[1] = 1.0
+            if due:
+                self._sent[2] = 1.0
             return self._sent
         value = 0.0 if loss is None else float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
-        self._sent = torch.tensor([value, float(self.stop.requested), float(bool(due))], dtype=torch.float64,
-                                  device=self.device)
+        self._sent = torch.tensor([value, float(self.stop.requested), float(due)], dtype=torch.float64)
         return self._sent
 
     def step(self, loss: float | torch.Tensor | None = None, *, batches: int = 1, samples: int | None = None,
@@ -510,38 +537,53 @@ class Session:
         p.batch_in_epoch += batches
         p.samples += samples or 0
         self._fault_injection()
-        total_loss, stop, due = summed.tolist()
-        mean_loss = total_loss / self.world_size if loss is not None else None
-        if mean_loss is not None and self.stop_on_nonfinite and not math.isfinite(mean_loss):
-            raise Diverged(f"the loss is {mean_loss} at step {p.step} (mean over {self.world_size} ranks); stopping "
-                           "without a checkpoint or a requeue", hint="lower the learning rate, clip gradients, or "
-                           "check the data; the last checkpoint is kept")
-        self._record(mean_loss, metrics)
-        if stop > 0:
+        done = _Done(p.step, p.epoch, now, p.samples, loss is not None)
+        if summed.device.type == "cpu" and not self._lag_on_cpu:
+            stop, due = self._agreed(done, summed.tolist(), metrics)
+        else:  # GPU: this step's flags are read by the next step() (lagged.py), so the host never waits here
+            ready = self._lag.push(summed, (done, metrics))
+            stop, due = self._agreed(ready[0][0], ready[1], ready[0][1]) if ready else (False, False)
+        if stop:
             return self._stop_here()
-        if due > 0:
+        if due or (self.checkpoint_every_steps and p.step % self.checkpoint_every_steps == 0):
             self.save("periodic", wait=False)  # in the background when async checkpoints are on
         return False
 
-    def _record(self, loss: float | None, metrics: Mapping[str, float]) -> None:
-        p = self.progress
-        if p.step % self.log_every and p.step != self.total_steps:
+    def _agreed(self, done: "_Done", values: list[float], metrics: Mapping[str, float]) -> tuple[bool, bool]:
+        """Act on one step's summed flags: check and record its loss; return (stop, checkpoint due)."""
+        total_loss, stop, due = values
+        mean_loss = total_loss / self.world_size if done.has_loss else None
+        if mean_loss is not None and self.stop_on_nonfinite and not math.isfinite(mean_loss):
+            raise Diverged(f"the loss is {mean_loss} at step {done.step} (mean over {self.world_size} ranks); "
+                           "stopping without a checkpoint or a requeue", hint="lower the learning rate, clip "
+                           "gradients, or check the data; the last checkpoint is kept")
+        self._record(done, mean_loss, metrics)
+        return stop > 0, due > 0
+
+    def _drain(self) -> None:
+        """Record the step whose flags are still in flight (GPU), before a save that ends the attempt."""
+        ready = self._lag.drain()
+        if ready is not None:
+            (done, metrics), values = ready
+            self._agreed(done, values, metrics)
+
+    def _record(self, done: "_Done", loss: float | None, metrics: Mapping[str, float]) -> None:
+        if done.step % self.log_every and done.step != self.total_steps:
             return
-        started, first_step, first_samples = self._window
-        now = time.monotonic()
-        rate = (p.samples - first_samples) / max(now - started, 1e-9)
-        record = {"step": p.step, "epoch": p.epoch, **({"loss": loss} if loss is not None else {}),
-                  **metrics, "samples_per_s": round(rate, 2), "restarts": p.restarts}
+        started, _first_step, first_samples = self._window
+        rate = (done.samples - first_samples) / max(done.when - started, 1e-9)
+        record = {"step": done.step, "epoch": done.epoch, **({"loss": loss} if loss is not None else {}),
+                  **metrics, "samples_per_s": round(rate, 2), "restarts": self.progress.restarts}
         self.metrics.write(record)
         self.loggers.write(record)
-        self._window = (now, p.step, p.samples)
+        self._window = (done.when, done.step, done.samples)
         if self.is_main:
             of = f"/{self.total_steps}" if self.total_steps else ""
             epochs = f"/{self.epochs_total}" if self.epochs_total else ""
-            parts = [f"step {p.step}{of}", f"epoch {p.epoch + 1}{epochs}"]
+            parts = [f"step {done.step}{of}", f"epoch {done.epoch + 1}{epochs}"]
             parts += [f"loss {loss:.4f}"] if loss is not None else []
             parts += [f"{k} {v:.4g}" for k, v in metrics.items()]
-            parts += [f"{rate:,.0f} samples/s"] if p.samples else []
+            parts += [f"{rate:,.0f} samples/s"] if done.samples else []
             tty = sys.stdout.isatty()
             print(("\r" if tty else "") + "  ".join(parts), end="" if tty else "\n", flush=True)
             self._bar_open = tty
@@ -573,6 +615,7 @@ class Session:
         return "time_limit" if self.deadline - time.time() <= near else "preempted"
 
     def _stop_here(self) -> bool:
+        self._drain()
         why = self.stop.received or "a stop request on another rank"
         cause = self._stop_cause()
         self.events.write({"event": "signal", "signal": why, "cause": cause, "step": self.progress.step,
@@ -584,6 +627,7 @@ class Session:
 
     def requeue(self) -> None:
         """Checkpoint now and exit 75, so the job is requeued and resumes here. Collective, like save()."""
+        self._drain()
         self.save("stop")
         self.events.write({"event": "requeue_requested", "step": self.progress.step, "exit_code": REQUEUE_EXIT_CODE})
         if self.exit_on_stop:
@@ -591,6 +635,7 @@ class Session:
 
     def finish(self) -> Path | None:
         """The final checkpoint and the "finish" record: the run is complete."""
+        self._drain()
         path = self.save("final")
         self.events.write({"event": "finish", "step": self.progress.step, "epoch": self.progress.epoch})
         self.log(f"hpc-ddp: training finished at step {self.progress.step}; checkpoints in {self.checkpoints.root}")

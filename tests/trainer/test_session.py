@@ -5,6 +5,7 @@ Multi-rank behaviour runs end to end in tests/e2e/test_user_scripts.py."""
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -48,9 +49,11 @@ def session(run_dir, **settings) -> Session:
     return Session(run_dir, env=from_environ({}, pid=1), **settings).setup()
 
 
-def train(run_dir, *, stop_at=None, epochs=3, **settings):
-    """The README's loop at world size 1; returns the final weights (or raises SystemExit at stop_at)."""
+def train(run_dir, *, stop_at=None, epochs=3, lagged=False, **settings):
+    """The README's loop at world size 1; returns the final weights (or raises SystemExit at stop_at).
+    lagged: read the step's flags one step late, as a GPU run does (hpc_ddp.trainer.lagged)."""
     run = session(run_dir, **settings)
+    run._lag_on_cpu = lagged
     try:
         torch.manual_seed(0)
         model = nn.Linear(4, 1)
@@ -165,6 +168,7 @@ def test_a_nan_loss_stops_without_a_checkpoint(tmp_path):
     try:
         with pytest.raises(Diverged, match="the loss is nan at step 1"):
             run.step(float("nan"))
+            run.step(1.0)  # where a GPU is visible, step 1's flags are read here (hpc_ddp.trainer.lagged)
         assert not (tmp_path / "checkpoints").exists() or not list((tmp_path / "checkpoints").glob("step-*"))
     finally:
         run.close()
@@ -230,11 +234,85 @@ def test_loader_workers_of_a_cpu_session_run_below_the_rank(tmp_path):
 def test_a_loss_on_a_device_is_not_read_by_the_host_before_the_step(tmp_path):
     """On GPUs the flags are built where the loss is (no host sync); a meta tensor stands in for a CUDA one:
     reading its value on the host would raise."""
-    run = session(tmp_path, checkpoint_every_steps=1)
+    run = session(tmp_path, checkpoint_every_steps=1, checkpoint_every_minutes=0)
     try:
         sent = run.flags(torch.tensor(0.5, device="meta"))
         assert sent.device.type == "meta" and sent.shape == (3,) and sent.dtype == torch.float64
         cpu = run.flags(torch.tensor(0.5))
-        assert cpu.tolist() == [0.5, 0.0, 1.0]
+        assert cpu.tolist() == [0.5, 0.0, 0.0]  # saves every N steps need no agreement: not a flag
+        run.checkpoint_every_minutes, run.last_save = 1.0, time.monotonic() - 61
+        assert run.flags(0.25).tolist() == [0.25, 0.0, 1.0]  # rank 0's clock: the ranks must agree on it
     finally:
+        run._sent = None
         run.close()
+
+
+# ---- GPU runs read each step's flags one step late (hpc_ddp.trainer.lagged), here on CPU tensors ----
+
+def losses(run_dir) -> dict[int, float]:
+    records = hpc_ddp.common.events.read_jsonl(run_dir / "metrics.jsonl")
+    steps = [r["step"] for r in records if "loss" in r]
+    assert len(steps) == len(set(steps)), steps  # each step recorded once
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+def test_late_reading_records_every_step_and_trains_the_same(tmp_path):
+    now = train(tmp_path / "now", log_every=1, checkpoint_every_steps=5)
+    late = train(tmp_path / "late", log_every=1, checkpoint_every_steps=5, lagged=True)
+    assert all(torch.equal(now[k], late[k]) for k in now)
+    assert losses(tmp_path / "late") == losses(tmp_path / "now") and sorted(losses(tmp_path / "now")) == list(
+        range(1, 25))
+    saved = sorted(p.name for p in (tmp_path / "late" / "checkpoints").iterdir() if p.name.startswith("step-"))
+    assert saved == ["step-000000015", "step-000000020", "step-000000024"]  # every 5 steps is not late: all ranks count steps
+
+
+@pytest.mark.parametrize("stop_at", [3, 8, 23])
+def test_a_stop_read_late_lands_one_step_later_and_resumes_bitwise(tmp_path, stop_at):
+    whole = train(tmp_path / "whole", log_every=1)
+    with pytest.raises(SystemExit) as stopped:
+        train(tmp_path / "cut", stop_at=stop_at, lagged=True, log_every=1)
+    assert stopped.value.code == hpc_ddp.REQUEUE_EXIT_CODE
+    events = hpc_ddp.common.events.read_jsonl(tmp_path / "cut" / "events.jsonl")
+    (requeue,) = [e for e in events if e["event"] == "requeue_requested"]
+    assert requeue["step"] == min(stop_at + 1, 24)
+    if stop_at + 1 <= 24:  # the stop step's own loss was recorded before the attempt ended
+        assert max(losses(tmp_path / "cut")) == stop_at + 1
+    resumed = train(tmp_path / "cut", lagged=True, log_every=1)
+    assert all(torch.equal(whole[k], resumed[k]) for k in whole)
+    assert losses(tmp_path / "cut") == losses(tmp_path / "whole")
+
+
+def test_a_nan_read_late_names_its_own_step_and_saves_nothing(tmp_path):
+    run = session(tmp_path)
+    run._lag_on_cpu = True
+    try:
+        run.step(1.0)
+        run.step(float("nan"))
+        with pytest.raises(Diverged, match="the loss is nan at step 2"):
+            run.step(1.0)
+        assert not list((tmp_path / "checkpoints").glob("step-*"))
+    finally:
+        run._lag = type(run._lag)()  # the NaN step was acted on; nothing left to record
+        run.close()
+
+
+def test_a_loop_that_ends_without_finish_still_records_its_last_step(tmp_path):
+    run = session(tmp_path, log_every=1)
+    run._lag_on_cpu = True
+    run.step(0.5)
+    run.step(0.25)
+    assert max(losses(tmp_path)) == 1
+    run.close()
+    assert losses(tmp_path) == {1: 0.5, 2: 0.25}
+
+
+def test_lagged_flags_hand_back_the_push_before():
+    from hpc_ddp.trainer.lagged import LaggedFlags
+
+    lag = LaggedFlags()
+    assert lag.push(torch.tensor([1.0, 0.0, 0.0], dtype=torch.float64), "a") is None
+    assert lag.push(torch.tensor([2.0, 1.0, 0.0], dtype=torch.float64), "b") == ("a", [1.0, 0.0, 0.0])
+    flags = torch.tensor([3.0, 0.0, 1.0], dtype=torch.float64)
+    assert lag.push(flags, "c") == ("b", [2.0, 1.0, 0.0])
+    flags.fill_(9.0)  # the copy was taken at push time
+    assert lag.drain() == ("c", [3.0, 0.0, 1.0]) and lag.drain() is None and not lag.pending
