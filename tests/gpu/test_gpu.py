@@ -1,0 +1,131 @@
+"""What only a GPU shows: the loop never waits for the step it just queued, background checkpoints copy
+the GPU state exactly while training goes on, the trainer stops and resumes on a GPU, and each rank gets a
+GPU of its own. Skipped where torch sees no GPU (CI has none); `make test-gpu` runs them on a GPU machine."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from hpc_ddp.common.events import read_jsonl
+from hpc_ddp.job.distenv import from_environ
+from hpc_ddp.trainer.session import Session
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU visible")]
+
+def hpc_ddp(*args: str, cwd: Path, env: dict | None = None, timeout: float = 600):
+    return subprocess.run([sys.executable, "-m", "hpc_ddp", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def net() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.AdaptiveAvgPool2d(4),
+                         nn.Flatten(), nn.Linear(512, 10))
+
+
+def test_the_loop_never_waits_for_its_own_step_and_background_saves_copy_the_gpu_state(tmp_path):
+    """torch.cuda.set_sync_debug_mode("error") raises on every host synchronisation (a .item(), a
+    .tolist(), a copy to pageable memory): steps, log records and periodic background saves pass under it.
+    The checkpoint written in the background holds exactly the weights of its step, though the loop
+    went on changing them while the pinned copies were in flight."""
+    run = Session(tmp_path, env=from_environ({}, pid=1), log_every=3, checkpoint_every_steps=4).setup()
+    kept: dict[int, dict[str, torch.Tensor]] = {}
+    try:
+        assert run.device.type == "cuda"
+        torch.manual_seed(0)
+        model = net().to(run.device)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        run.track(model=model, optimizer=opt)
+        run.resume(total_steps=10)
+        x = torch.randn(64, 3, 32, 32, device=run.device)
+        y = torch.randint(0, 10, (64,), device=run.device)
+        for step in range(1, 11):
+            if step == 3:  # steps 1-2 allocate (cuDNN plans, the optimizer's buffers, the first pinned buffers)
+                torch.cuda.set_sync_debug_mode("error")
+            loss = nn.functional.cross_entropy(model(x + 0.01 * step), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            run.step(loss)
+            if step in (4, 8):
+                kept[step] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        torch.cuda.set_sync_debug_mode("default")
+        run.finish()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        run.close()
+    for step, want in kept.items():
+        saved = torch.load(tmp_path / "checkpoints" / f"step-{step:09d}" / "model.pt", weights_only=True)
+        assert all(torch.equal(saved[k], want[k].cpu()) for k in want), f"checkpoint of step {step} differs"
+    records = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in records] == [3, 6, 9, 10]
+    assert all(0 < r["loss"] < 10 for r in records)
+    background = [e for e in read_jsonl(tmp_path / "events.jsonl") if e.get("background")]
+    assert [e["step"] for e in background] == [4, 8]
+
+
+JOB = """
+nodes = 1
+tasks_per_node = 1
+gpus = 1
+[train]
+dataset = "fake"
+model = "resnet18"
+image_size = 64
+num_classes = 10
+fake_size = 512
+epochs = 1
+batch_size = 32
+num_workers = 2
+log_every = 1
+checkpoint_every_steps = 5
+precision = "bf16"
+"""
+
+
+def test_the_trainer_on_a_gpu_stops_late_by_one_step_and_resumes(tmp_path):
+    """A stop during step 7 is read with step 8's flags (one step late on GPUs): the checkpoint is at step
+    8, the next attempt resumes there, and every step's loss is recorded once."""
+    (tmp_path / "job.toml").write_text(JOB)
+    done = hpc_ddp("submit", "--executor", "local", "--run-dir", "run", "job.toml", cwd=tmp_path,
+                   env={"HPC_DDP_FAULT_STOP_AT": "7"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    events = read_jsonl(tmp_path / "run" / "events.jsonl")
+    start = next(e for e in events if e["event"] == "start")
+    assert start["device"] == "cuda:0", start
+    assert [e["step"] for e in events if e["event"] == "requeue_requested"] == [8]
+    assert [(e["step"], e["device"]) for e in events if e["event"] == "resume"] == [(8, "cuda:0")]
+    assert [e["step"] for e in events if e["event"] == "finish"] == [16]
+    steps = [r["step"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "loss" in r]
+    assert steps == list(range(1, 17))
+
+
+PROBE = """
+import json, os, torch, torch.distributed as dist
+import hpc_ddp
+with hpc_ddp.start() as run:
+    total = torch.ones(1, device=run.device)
+    dist.all_reduce(total)
+    props = torch.cuda.get_device_properties(run.device)
+    seen = {"rank": run.rank, "device": str(run.device), "uuid": str(props.uuid), "sum": total.item(),
+            "visible": os.environ.get("CUDA_VISIBLE_DEVICES")}
+    (run.run_dir / f"rank-{run.rank}.json").write_text(json.dumps(seen))
+"""
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_each_rank_gets_a_gpu_of_its_own(tmp_path):
+    (tmp_path / "probe.py").write_text(PROBE)
+    done = hpc_ddp("submit", "--executor", "local", "--gpus", "2", "--tasks-per-node", "2", "--run-dir", "run",
+                   "probe.py", cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    seen = [json.loads((tmp_path / "run" / f"rank-{r}.json").read_text()) for r in range(2)]
+    assert [s["sum"] for s in seen] == [2.0, 2.0]  # NCCL, one GPU each (NCCL refuses two ranks on one GPU)
+    assert len({s["uuid"] for s in seen}) == 2 and len({s["visible"] for s in seen}) == 2, seen
