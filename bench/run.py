@@ -6,6 +6,7 @@ bench/results.png and prints the table.
                                         # writes bench/results-quick.*, not the published results
     python bench/run.py --only training,checkpoint
     python bench/run.py --only gpu --update   # re-take sections, keep the other rows of results.json
+    python bench/run.py --only gpu --set gpu_repeats=2 --set gpu_steps=80   # other settings (recorded)
 
 Sections: training, startup, resume, checkpoint, async_checkpoint, staging, gpu (skipped without a GPU). A section that
 fails becomes an error row; the others still run, and the exit code is 1.
@@ -14,6 +15,7 @@ fails becomes an error row; the others still run, and the exit code is 1.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shutil
 import sys
@@ -35,7 +37,7 @@ from bench import (
     startup_bench,
     train_bench,
 )
-from bench.common import REPO, Row, Workspace, say, settings
+from bench.common import REPO, Row, Settings, Workspace, say, settings
 
 SECTIONS = {"training": train_bench.run, "startup": startup_bench.run, "resume": resume_bench.run,
             "checkpoint": ckpt_bench.run, "async_checkpoint": async_ckpt_bench.run, "staging": stage_bench.run, "gpu": gpu_bench.run}
@@ -50,12 +52,29 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--keep", action="store_true", help="keep the scratch directory (logs of every run)")
     p.add_argument("--update", action="store_true",
                    help="replace only the rows of the sections run in the existing results file; keep the others")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
+                   help="change one setting of bench/common.py's Settings (repeatable); results.json records them")
     args = p.parse_args(argv)
     args.sections = args.only.split(",") if args.only else list(SECTIONS)
     unknown = [s for s in args.sections if s not in SECTIONS]
     if unknown:
         p.error(f"unknown section(s) {', '.join(unknown)}; choose from {', '.join(SECTIONS)}")
     return args
+
+
+def overridden(s: Settings, pairs: list[str]) -> Settings:
+    """`s` with KEY=VALUE changes, each value read as the type the setting has."""
+    changes = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or key == "quick" or key not in {f.name for f in dataclasses.fields(s)}:
+            raise ValueError(f"--set {pair!r}: not KEY=VALUE with KEY a setting of bench/common.py's Settings")
+        kind = type(getattr(s, key))
+        try:
+            changes[key] = kind(value)
+        except ValueError:
+            raise ValueError(f"--set {pair!r}: {key} takes a {kind.__name__}") from None
+    return dataclasses.replace(s, **changes)
 
 
 def run_sections(ws: Workspace, names: list[str]) -> list[Row]:
@@ -94,7 +113,11 @@ def merged(path: Path, rows: list[Row], sections: list[str]) -> tuple[list[Row],
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    s = settings(args.quick)
+    try:
+        s = overridden(settings(args.quick), args.overrides)
+    except ValueError as exc:
+        print(f"bench/run.py: error: {exc}", file=sys.stderr)
+        return 2
     out = Path(args.out) if args.out else REPO / "bench" / ("results-quick" if s.quick else "results")
     started = time.monotonic()
     root = Path(tempfile.mkdtemp(prefix="hpc-ddp-bench-"))
