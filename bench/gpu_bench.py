@@ -104,4 +104,5 @@ def run(ws: Workspace) -> list[Row]:
                                    "batch": g.batch, "image_size": g.size, "loader_workers": g.workers},
                             note=("SMOKE TEST ON CPU, not a GPU number; " if g.smoke else "")
                             + f"1 GPU, batch {g.batch}, {g.size} px FakeData, {g.workers} loader workers"))
+        say(f"  row: {json.dumps(rows[-1].to_json())}")  # a run cut short still leaves its finished rows in the log
     return rows

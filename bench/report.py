@@ -83,6 +83,15 @@ def read_json(path: Path) -> tuple[list[Row], dict[str, Any]]:
     return [Row.from_json(r) for r in doc["rows"]], doc
 
 
+def _title(rows: list[Row], mach: dict[str, Any]) -> str:
+    """The machine of the run; rows kept from earlier runs (--update) say where each was taken instead."""
+    runs = {r.extra.get("taken") for r in rows if r.skipped is None}
+    if len(runs) > 1:
+        return f"hpc-ddp benchmark: rows from {len(runs)} runs (each row's machine: results.json, extra.taken)"
+    return (f"hpc-ddp benchmark: {mach['cpu']}, {mach['cores']} cores" + (f", {mach['gpu']}" if mach.get("gpu") else "")
+            + f", {mach['date'][:10]}")
+
+
 def chart(path: Path, rows: list[Row], mach: dict[str, Any]) -> None:
     """One horizontal bar per row: the ratio (or, for absolute rows, the value) and its target line."""
     import matplotlib
@@ -100,8 +109,7 @@ def chart(path: Path, rows: list[Row], mach: dict[str, Any]) -> None:
                              gridspec_kw={"height_ratios": heights})
     for ax, (rs, label, fn, ref) in zip(axes[:, 0], panels):
         _panel(ax, rs, label, fn, ref)
-    fig.suptitle(f"hpc-ddp benchmark: {mach['cpu']}, {mach['cores']} cores"
-                 + (f", {mach['gpu']}" if mach.get("gpu") else "") + f", {mach['date'][:10]}", fontsize=10)
+    fig.suptitle(_title(rows, mach), fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
