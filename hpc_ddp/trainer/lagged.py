@@ -36,22 +36,30 @@ class LaggedFlags:
         event = None
         if on_gpu:
             event = torch.cuda.Event()
-            event.record()
+            event.record(torch.cuda.current_stream(flags.device))  # the stream the copy was queued on
         previous, self._pending = self._pending, (info, host, event)
         return _read(previous)
 
-    def drain(self) -> tuple[Any, list[float]] | None:
-        """The last push's (info, values), waiting for its copy; None when nothing is pending."""
+    def drain(self, wait: bool = True) -> tuple[Any, list[float]] | None:
+        """The last push's (info, values); None when nothing is pending, or (wait=False) when its copy
+        has not landed yet, which is then dropped."""
         previous, self._pending = self._pending, None
+        if previous is not None and not wait and previous[2] is not None and not previous[2].query():
+            return None
         return _read(previous)
+
+    def discard(self) -> None:
+        """Forget the pending push."""
+        self._pending = None
 
     @property
     def pending(self) -> bool:
         return self._pending is not None
 
     def _buffer(self, flags: torch.Tensor) -> torch.Tensor:
-        if not self._buffers or self._buffers[0].shape != flags.shape:
-            pinned = flags.device.type == "cuda"
+        pinned = flags.device.type == "cuda"
+        if not self._buffers or (self._buffers[0].shape, self._buffers[0].dtype, self._buffers[0].is_pinned()) != (
+                flags.shape, flags.dtype, pinned):
             self._buffers = [torch.empty(flags.shape, dtype=flags.dtype, pin_memory=pinned) for _ in range(2)]
         self._turn ^= 1
         return self._buffers[self._turn]

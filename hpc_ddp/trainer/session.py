@@ -28,6 +28,8 @@ What it promises, on every rank of every attempt:
   state to host memory and a background thread writes it, as crash-safely (`asyncsave`). One write at a
   time; a stop and `finish()` wait until it is durable before they save, exit 75 or return; a failed
   write raises on the next `step()`. Explicit `save()` calls still return only once durable;
+- on GPUs the loop never waits for the step it just queued: each step's flags are read one step late
+  (`lagged`); a checkpoint due, `settle()` (before an evaluation), `finish()` and a stop read them at once;
 - a resumed run continues from the same sample with the same random streams on every rank
   (`rngstate`, `data.ResumableSampler`), so it ends as an uninterrupted one would;
 - records in the run dir (`events.jsonl`, `metrics.jsonl`), so `hpc-ddp status`, `plot` and `inspect`
@@ -156,6 +158,7 @@ class Session:
         self.step_seconds: float | None = None
         self.save_seconds: float | None = None
         self.last_save = time.monotonic()
+        self._due_sent = False   # rank 0 sent "checkpoint due" (by its clock) and no save has happened since
         self._tracked: dict[str, Any] = {}
         self._samplers: list[tuple[ResumableSampler, int, tuple | None]] = []
         self._sent: torch.Tensor | None = None
@@ -242,7 +245,7 @@ class Session:
             return
         self._closed = True
         self._drain_writer()
-        self._drain_records()
+        self._drain_records(why)
         self.loggers.close()
         rendezvous.mark_left(self.store, self.env, why)  # before the heartbeat stops: see mark_left
         if self.heartbeat is not None:
@@ -259,11 +262,15 @@ class Session:
         except HpcDdpError as exc:
             self.log(f"hpc-ddp: error: {exc}")
 
-    def _drain_records(self) -> None:
+    def _drain_records(self, why: str) -> None:
         """A loop that ends without finish(): its last step's record still gets written (GPU runs read it
-        late). Leaving after an error, a record that cannot be read is said, not raised over that error."""
+        late), if its copy has landed. Not after an error: a stream stuck behind a failed collective
+        would hold the exit, and the steps after the error are not results."""
+        if why != "finished":
+            self._lag.discard()
+            return
         try:
-            self._drain()
+            self._drain(wait=False)
         except (HpcDdpError, RuntimeError) as exc:
             self.log(f"hpc-ddp: the last step's record was not written: {_summary(exc)}")
 
@@ -325,7 +332,7 @@ class Session:
                 path = self._save_now(payloads, reason, started)
         if self.distributed and not background:
             dist.barrier()  # nobody exits or goes on before the checkpoint is durable
-        self.last_save = time.monotonic()
+        self.last_save, self._due_sent = time.monotonic(), False
         return path
 
     def _save_now(self, payloads: dict[str, Any], reason: str, started: float) -> Path:
@@ -496,10 +503,13 @@ class Session:
         self._check_deadline()
         if str(step) in os.environ.get("HPC_DDP_FAULT_STOP_AT", "").split(","):
             self.stop.request("HPC_DDP_FAULT_STOP_AT")  # a rehearsal: as if the signal came during this step
-        # Saves every N steps need no agreement (every rank counts steps); rank 0's clock does.
-        due = bool(self.checkpoint_every_minutes and self.is_main
+        # Saves every N steps need no agreement (every rank counts steps); rank 0's clock does. Sent once:
+        # on GPUs the next step's flags leave before this one's are read and the save resets the clock.
+        due = bool(self.checkpoint_every_minutes and self.is_main and not self._due_sent
                    and time.monotonic() - self.last_save >= 60 * self.checkpoint_every_minutes)
-        device = loss.device if isinstance(loss, torch.Tensor) else self.device
+        self._due_sent |= due
+        on_device = isinstance(loss, torch.Tensor) and loss.device.type != "cpu"
+        device = loss.device if on_device else self.device  # the process group's device (NCCL: the GPU)
         if device.type != "cpu":
             # Built on the device: a host->device copy of a list would wait for the queue. step() reads it late.
             self._sent = torch.zeros(3, dtype=torch.float64, device=device)
@@ -519,7 +529,9 @@ class Session:
         """Count one optimizer step (on every rank, after `optimizer.step()`): record metrics every
         `log_every` steps, save when a checkpoint is due, and when any rank was asked to stop, save and
         exit 75 (or return True with exit_on_stop=False). `batches`: loader batches it consumed (gradient
-        accumulation); `samples`: samples it consumed on all ranks together, for samples/s."""
+        accumulation); `samples`: samples it consumed on all ranks together, for samples/s. With the loss
+        on a GPU, the step's flags are read by the next call (lagged.py): its record is written then, and a
+        stop or a NaN in them is acted on there, or by a checkpoint due now, settle(), finish() or close()."""
         self._check_writer()  # a failed background checkpoint write stops the run here, not silently
         sent = self._sent if self._sent is not None else self.flags(loss)
         self._sent = None
@@ -539,33 +551,48 @@ class Session:
         self._fault_injection()
         done = _Done(p.step, p.epoch, now, p.samples, loss is not None)
         if summed.device.type == "cpu" and not self._lag_on_cpu:
-            stop, due = self._agreed(done, summed.tolist(), metrics)
+            stop, due = self._agreed((done, metrics), summed.tolist())
         else:  # GPU: this step's flags are read by the next step() (lagged.py), so the host never waits here
             ready = self._lag.push(summed, (done, metrics))
-            stop, due = self._agreed(ready[0][0], ready[1], ready[0][1]) if ready else (False, False)
+            stop, due = self._agreed(*ready) if ready else (False, False)
+        due = due or bool(self.checkpoint_every_steps and p.step % self.checkpoint_every_steps == 0)
+        if due and not stop:
+            stop = self._drain()[0]  # GPU: this step's own flags first, so a NaN or a stop in them wins
         if stop:
             return self._stop_here()
-        if due or (self.checkpoint_every_steps and p.step % self.checkpoint_every_steps == 0):
+        if due:
             self.save("periodic", wait=False)  # in the background when async checkpoints are on
         return False
 
-    def _agreed(self, done: "_Done", values: list[float], metrics: Mapping[str, float]) -> tuple[bool, bool]:
+    def settle(self) -> bool:
+        """Act now on the last step's flags, which GPU runs read one step late: call it before work that is
+        not a step (an evaluation at an epoch's end), so a stop requested in the last step is not held up
+        by that work. Returns what step() would have (True: stopped, with exit_on_stop=False). One host
+        sync on GPUs; nothing to do on CPU."""
+        stop, due = self._drain()
+        if stop:
+            return self._stop_here()
+        if due:
+            self.save("periodic", wait=False)
+        return False
+
+    def _agreed(self, tagged: tuple["_Done", Mapping[str, float]], values: list[float]) -> tuple[bool, bool]:
         """Act on one step's summed flags: check and record its loss; return (stop, checkpoint due)."""
-        total_loss, stop, due = values
+        (done, metrics), (total_loss, stop, due) = tagged, values
         mean_loss = total_loss / self.world_size if done.has_loss else None
         if mean_loss is not None and self.stop_on_nonfinite and not math.isfinite(mean_loss):
+            self._lag.discard()  # steps after a NaN: not recorded
             raise Diverged(f"the loss is {mean_loss} at step {done.step} (mean over {self.world_size} ranks); "
                            "stopping without a checkpoint or a requeue", hint="lower the learning rate, clip "
                            "gradients, or check the data; the last checkpoint is kept")
         self._record(done, mean_loss, metrics)
         return stop > 0, due > 0
 
-    def _drain(self) -> None:
-        """Record the step whose flags are still in flight (GPU), before a save that ends the attempt."""
-        ready = self._lag.drain()
-        if ready is not None:
-            (done, metrics), values = ready
-            self._agreed(done, values, metrics)
+    def _drain(self, wait: bool = True) -> tuple[bool, bool]:
+        """Act on the step whose flags are still in flight (GPU): record it; return its (stop, due).
+        Before any save, so a NaN in it is never checkpointed and its record is never lost."""
+        ready = self._lag.drain(wait)
+        return self._agreed(*ready) if ready is not None else (False, False)
 
     def _record(self, done: "_Done", loss: float | None, metrics: Mapping[str, float]) -> None:
         if done.step % self.log_every and done.step != self.total_steps:

@@ -2,9 +2,10 @@
 runner starts it for job files with a [train] table), or `hpc-ddp train JOB.toml` directly.
 
 One loop over small parts: data (`data`), model (`models`), checkpoints (`checkpoint`), stop flag
-(`stopping`), records (`events`). Every rank's loss, stop flag and "checkpoint due" flag for a step
-ride on DDP's last gradient bucket (`reduce`), so all ranks log the same loss and stop or save at the
-same step without a second synchronisation per step. A stop (warning signal, SIGTERM) saves a
+(`stopping`), records (`events`). Every rank's loss, stop flag and "checkpoint due" flag (rank 0's
+clock; saves every N steps need no agreement) ride on DDP's last gradient bucket on CPU (`reduce`), so
+all ranks log the same loss and stop or save at the same step without a second synchronisation per step;
+on GPUs one small all-reduce carries them and `Session.step()` reads them a step late (`lagged`). A stop (warning signal, SIGTERM) saves a
 checkpoint at that step and exits with REQUEUE_EXIT_CODE; the next attempt resumes from the same sample
 with the same RNG streams, so on CPU the resumed run ends bitwise identical to an uninterrupted one.
 
@@ -141,7 +142,7 @@ class Trainer:
         self.session.warn_if_handlers_replaced()
         self._start_eval_workers()
         for _epoch in self.session.epochs(self.cfg.epochs):
-            if self._epoch():
+            if self._epoch() or self.session.settle():  # settle: a GPU's last-step stop, before evaluating
                 return REQUEUE_EXIT_CODE
             if self.progress.step >= self.total_steps and \
                     self.progress.batch_in_epoch // self.cfg.grad_accum < self.steps_per_epoch:
@@ -179,7 +180,7 @@ class Trainer:
     def _step(self, batches) -> None:
         cfg, total = self.cfg, 0.0
         # On GPUs the loss stays on the device (float64, as the CPU's Python floats): reading it per
-        # micro-step would make the host wait for each forward. The flags carry it; step() reads them once.
+        # micro-step would make the host wait for each forward. The flags carry it; step() reads them a step late.
         on_device = self.session.device.type != "cpu"
         for micro in range(cfg.grad_accum):
             x, y = next(batches)

@@ -129,3 +129,17 @@ def test_each_rank_gets_a_gpu_of_its_own(tmp_path):
     seen = [json.loads((tmp_path / "run" / f"rank-{r}.json").read_text()) for r in range(2)]
     assert [s["sum"] for s in seen] == [2.0, 2.0]  # NCCL, one GPU each (NCCL refuses two ranks on one GPU)
     assert len({s["uuid"] for s in seen}) == 2 and len({s["visible"] for s in seen}) == 2, seen
+
+
+def test_flags_live_where_the_process_group_does_whatever_device_the_loss_is_on(tmp_path):
+    """NCCL all-reduces GPU tensors only: a loss handed over on the CPU (loss.item(), loss.cpu()) still
+    gives flags on the rank's GPU."""
+    run = Session(tmp_path, env=from_environ({}, pid=1)).setup()
+    try:
+        for loss in (0.5, torch.tensor(0.5), torch.tensor(0.5, device=run.device), None):
+            sent = run.flags(loss)
+            assert sent.device == run.device and sent.dtype == torch.float64, loss
+            assert sent.tolist()[0] == (0.0 if loss is None else 0.5)
+    finally:
+        run._sent = None
+        run.close()

@@ -282,18 +282,61 @@ def test_a_stop_read_late_lands_one_step_later_and_resumes_bitwise(tmp_path, sto
     assert losses(tmp_path / "cut") == losses(tmp_path / "whole")
 
 
-def test_a_nan_read_late_names_its_own_step_and_saves_nothing(tmp_path):
-    run = session(tmp_path)
+@pytest.mark.parametrize("every", [0, 2])  # a NaN in a step that is due a checkpoint too
+def test_a_nan_read_late_names_its_own_step_and_saves_nothing(tmp_path, every):
+    run = session(tmp_path, log_every=1, checkpoint_every_steps=every)
     run._lag_on_cpu = True
     try:
         run.step(1.0)
-        run.step(float("nan"))
         with pytest.raises(Diverged, match="the loss is nan at step 2"):
+            run.step(float("nan"))
             run.step(1.0)
         assert not list((tmp_path / "checkpoints").glob("step-*"))
     finally:
-        run._lag = type(run._lag)()  # the NaN step was acted on; nothing left to record
         run.close()
+    assert losses(tmp_path) == {1: 1.0}  # nothing recorded after the NaN, by close() either
+
+
+def test_a_checkpoint_due_by_the_clock_is_saved_once_though_read_late(tmp_path):
+    run = session(tmp_path, checkpoint_every_minutes=1.0)
+    run._lag_on_cpu = True
+    try:
+        run.step(1.0)
+        run.last_save -= 61  # a minute has passed: rank 0 says so in step 2's flags
+        for _ in range(4):
+            run.step(1.0)
+        run.wait_for_checkpoint()
+    finally:
+        run.close()
+    saved = [e["step"] for e in hpc_ddp.common.events.read_jsonl(tmp_path / "events.jsonl")
+             if e["event"] == "checkpoint"]
+    assert saved == [3]  # read with step 3 (a step late), and not sent again by step 3's own flags
+
+
+def test_settle_acts_on_a_stop_from_the_last_step_before_other_work(tmp_path):
+    run = session(tmp_path, log_every=1, exit_on_stop=False)
+    run._lag_on_cpu = True
+    try:
+        run.step(1.0)
+        run.stop.request("test")
+        assert run.step(0.5) is False  # step 2's flags (the stop) are not read yet
+        assert max(losses(tmp_path)) == 1
+        assert run.settle() is True  # e.g. before an evaluation: read, recorded, checkpointed at step 2
+        assert run.settle() is False
+    finally:
+        run.close()
+    events = hpc_ddp.common.events.read_jsonl(tmp_path / "events.jsonl")
+    assert [e["step"] for e in events if e["event"] == "requeue_requested"] == [2]
+    assert losses(tmp_path) == {1: 1.0, 2: 0.5}
+
+
+def test_close_after_an_error_records_no_late_step(tmp_path):
+    run = session(tmp_path, log_every=1)
+    run._lag_on_cpu = True
+    run.step(1.0)
+    run.step(0.5)
+    run.close("RuntimeError: a collective failed")
+    assert losses(tmp_path) == {1: 1.0}
 
 
 def test_a_loop_that_ends_without_finish_still_records_its_last_step(tmp_path):
@@ -316,3 +359,6 @@ def test_lagged_flags_hand_back_the_push_before():
     assert lag.push(flags, "c") == ("b", [2.0, 1.0, 0.0])
     flags.fill_(9.0)  # the copy was taken at push time
     assert lag.drain() == ("c", [3.0, 0.0, 1.0]) and lag.drain() is None and not lag.pending
+    lag.push(flags, "d")
+    lag.discard()
+    assert lag.drain(wait=False) is None
