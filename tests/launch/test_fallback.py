@@ -18,6 +18,7 @@ from click.testing import CliRunner
 
 import hpc_ddp.launch.executors as executors
 from hpc_ddp.cli import cli
+from hpc_ddp.common.machine import count_nvidia_gpus, physical_gpus
 from hpc_ddp.common.secrets import Scrubber
 from hpc_ddp.job.distenv import port_for_job
 from hpc_ddp.launch.executors import (
@@ -25,7 +26,6 @@ from hpc_ddp.launch.executors import (
     Machine,
     NoSlurm,
     choose_executor,
-    count_nvidia_gpus,
     fallback_problem,
     probe_machine,
     refuse_fallback,
@@ -133,6 +133,16 @@ def test_gpu_count_from_proc_else_nvidia_smi():
     smi = ["GPU 0: NVIDIA H100 (UUID: GPU-1)", "  MIG 1g.10gb Device 0: (UUID: MIG-2)", "GPU 1: NVIDIA H100"]
     assert count_nvidia_gpus(None, smi) == 2
     assert count_nvidia_gpus(None, None) == 0
+
+
+def test_without_the_drivers_proc_entries_the_gpus_are_counted_by_nvidia_smi(tmp_path):
+    """WSL and some containers hide /proc/driver/nvidia: a rank's runner (which picks its backend from
+    this count) must still see the GPUs, or a GPU job would train on the CPU over gloo."""
+    smi = ["GPU 0: NVIDIA A100 (UUID: GPU-1)", "GPU 1: NVIDIA A100 (UUID: GPU-2)"]
+    assert physical_gpus(str(tmp_path / "absent"), smi=lambda: smi) == 2
+    assert physical_gpus(str(tmp_path / "absent"), smi=lambda: None) == 0
+    (tmp_path / "gpus" / "0000:17:00.0").mkdir(parents=True)
+    assert physical_gpus(str(tmp_path / "gpus"), smi=lambda: smi) == 1  # the driver's own list comes first
 
 
 def test_probe_machine_with_a_fake_driver(tmp_path):

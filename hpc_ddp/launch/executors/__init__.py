@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
-import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from hpc_ddp.common.errors import UserError
-from hpc_ddp.common.machine import NVIDIA_GPUS_DIR, nvidia_gpu_entries, usable_cpus
+from hpc_ddp.common.machine import NVIDIA_GPUS_DIR, physical_gpus, usable_cpus
 from hpc_ddp.launch.executors.base import Executor, Plan, Run, Submission
 
 if TYPE_CHECKING:
@@ -136,35 +134,13 @@ def visible_gpus(physical: int, cuda_visible: str | None) -> int:
     return min(count, physical)
 
 
-def count_nvidia_gpus(entries: Sequence[str] | None, smi_lines: Sequence[str] | None) -> int:
-    """GPUs the NVIDIA driver lists: /proc/driver/nvidia/gpus entries, else `nvidia-smi -L` lines (where
-    /proc has no such directory: WSL, containers that hide it)."""
-    if entries is not None:
-        return len(entries)
-    return sum(1 for line in smi_lines or () if line.startswith("GPU "))
-
-
 # ---- the edge: look at this machine (no torch: the CLI must stay light) ----
 
 def probe_machine(environ: Mapping[str, str] | None = None, exists: Callable[[str], bool] = os.path.exists,
                   gpu_dir: str = NVIDIA_GPUS_DIR) -> Machine:
     environ = os.environ if environ is None else environ
-    entries = nvidia_gpu_entries(gpu_dir)  # None: no driver's directory; ask nvidia-smi where there is one
-    smi = _nvidia_smi_lines() if entries is None else None
-    gpus = visible_gpus(count_nvidia_gpus(entries, smi), environ.get("CUDA_VISIBLE_DEVICES"))
+    gpus = visible_gpus(physical_gpus(gpu_dir), environ.get("CUDA_VISIBLE_DEVICES"))
     return Machine(gpus, usable_cpus(), slurm_site_signs(environ, exists))
-
-
-def _nvidia_smi_lines() -> list[str] | None:
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return None
-    try:
-        done = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):  # a hung or broken driver: count no GPU, refuse big jobs
-        return None
-    return done.stdout.splitlines() if done.returncode == 0 else None
-
 
 
 def executor_for_run(name: str | None, commands=None) -> Executor:
