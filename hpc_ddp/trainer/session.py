@@ -132,6 +132,7 @@ class Session:
         self.collective_timeout = _setting(spec, "collective_timeout", "HPC_DDP_COLLECTIVE_TIMEOUT", 600.0)
         self.signal_lead = float(getattr(spec, "signal_lead", 120))
         self.gpu_bind = getattr(spec, "gpu_bind", "rank")
+        self.gpus_asked = int(getattr(spec, "gpus", 0) or 0)
         self.stop = StopFlag((getattr(spec, "signal", "USR2"), "TERM"))
         self.checkpoint_every_steps, self.checkpoint_every_minutes = checkpoint_every_steps, checkpoint_every_minutes
         self.log_every, self.stop_lead_seconds = max(1, log_every), stop_lead_seconds
@@ -236,6 +237,10 @@ class Session:
             torch.cuda.set_device(self.device)
             return "nccl"
         self.device = torch.device("cpu")
+        if self.gpus_asked and torch.cuda.is_available():
+            self.log(f"hpc-ddp: warning: the job asked for {self.gpus_asked} GPU(s) per node and this rank sees "
+                     f"{torch.cuda.device_count()}, but BACKEND is {backend!r}: training on the CPU "
+                     "(HINT: unset BACKEND and HPC_DDP_BACKEND, or set HPC_DDP_BACKEND=nccl)")
         return "gloo"
 
     def close(self, why: str = "finished") -> None:

@@ -362,3 +362,19 @@ def test_lagged_flags_hand_back_the_push_before():
     lag.push(flags, "d")
     lag.discard()
     assert lag.drain(wait=False) is None
+
+
+def test_a_gpu_job_on_gloo_says_it_trains_on_the_cpu(tmp_path, monkeypatch, capsys):
+    """A job that asked for GPUs, on a rank that sees one, but told gloo (a hidden driver, a stray
+    BACKEND): the rank trains on the CPU, and says so rather than being 50x slower without a word."""
+    monkeypatch.setenv("BACKEND", "gloo")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    run = Session(tmp_path, env=from_environ({}, pid=1))
+    run.gpus_asked = 4
+    try:
+        run.setup()
+        assert run.device.type == "cpu"
+    finally:
+        run.close()
+    assert "asked for 4 GPU(s) per node and this rank sees 1, but BACKEND is 'gloo'" in capsys.readouterr().err
