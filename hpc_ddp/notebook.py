@@ -98,7 +98,8 @@ def launch(fn: Callable, *args: Any, nprocs: int = 2, gpus: int = 0, timeout: fl
         port = first_free_port(PORT_BASE + random.randrange(PORT_SPAN - 100))
         job_id = f"notebook-{os.getpid()}-{int(_time.time())}"
         base = {**os.environ, **(env or {})}
-        envs = [spawn.rank_env(spec, rank, port, ranks_dir, job_id, base, nvidia_driver=physical_gpus() > 0)
+        driver = physical_gpus() > 0  # once: without /proc's entries it asks nvidia-smi
+        envs = [spawn.rank_env(spec, rank, port, ranks_dir, job_id, base, nvidia_driver=driver)
                 for rank in range(nprocs)]
         procs = spawn.start_ranks([sys.executable, "-m", "hpc_ddp.job.calls", str(call_dir)], envs, os.getcwd())
         ended = spawn.watch(procs, timeout=timeout, grace=spawn.FAILURE_GRACE_S, echo=echo)

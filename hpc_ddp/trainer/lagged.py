@@ -12,6 +12,7 @@ step later, under its own step number). On the CPU the flags are read at once (n
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -40,12 +41,17 @@ class LaggedFlags:
         previous, self._pending = self._pending, (info, host, event)
         return _read(previous)
 
-    def drain(self, wait: bool = True) -> tuple[Any, list[float]] | None:
-        """The last push's (info, values); None when nothing is pending, or (wait=False) when its copy
-        has not landed yet, which is then dropped."""
+    def drain(self, timeout: float | None = None) -> tuple[Any, list[float]] | None:
+        """The last push's (info, values), None when nothing is pending. With a timeout, a copy that has
+        not landed by then is dropped and TimeoutError raised (a stream stuck behind a failed collective
+        must not hold the process)."""
         previous, self._pending = self._pending, None
-        if previous is not None and not wait and previous[2] is not None and not previous[2].query():
-            return None
+        if previous is not None and timeout is not None and previous[2] is not None:
+            deadline = time.monotonic() + timeout
+            while not previous[2].query():
+                if time.monotonic() >= deadline:
+                    raise TimeoutError("the step's flags did not arrive")
+                time.sleep(0.001)
         return _read(previous)
 
     def discard(self) -> None:

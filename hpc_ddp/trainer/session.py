@@ -159,6 +159,7 @@ class Session:
         self.step_seconds: float | None = None
         self.save_seconds: float | None = None
         self.last_save = time.monotonic()
+        self._stop_read = False  # a stop agreed in flags read by a save(), for the next step() to act on
         self._due_sent = False   # rank 0 sent "checkpoint due" (by its clock) and no save has happened since
         self._tracked: dict[str, Any] = {}
         self._samplers: list[tuple[ResumableSampler, int, tuple | None]] = []
@@ -275,7 +276,9 @@ class Session:
             self._lag.discard()
             return
         try:
-            self._drain(wait=False)
+            self._drain(timeout=max(5.0, 3 * (self.step_seconds or 0.0)))
+        except TimeoutError:
+            self.log("hpc-ddp: the last step's record was not written: its GPU work did not finish in time")
         except (HpcDdpError, RuntimeError) as exc:
             self.log(f"hpc-ddp: the last step's record was not written: {_summary(exc)}")
 
@@ -319,6 +322,7 @@ class Session:
         and `finish()` wait for it, and a failed write raises on the next `step()` or `save()`."""
         started = time.monotonic()
         self._check_writer()
+        self._drain()  # GPU: the last step's flags first: a NaN in them is never checkpointed
         self._all_arrive("save")
         rng = [capture_rng()]
         if self.distributed:
@@ -563,6 +567,7 @@ class Session:
         due = due or bool(self.checkpoint_every_steps and p.step % self.checkpoint_every_steps == 0)
         if due and not stop:
             stop = self._drain()[0]  # GPU: this step's own flags first, so a NaN or a stop in them wins
+        stop, self._stop_read = stop or self._stop_read, False
         if stop:
             return self._stop_here()
         if due:
@@ -572,9 +577,10 @@ class Session:
     def settle(self) -> bool:
         """Act now on the last step's flags, which GPU runs read one step late: call it before work that is
         not a step (an evaluation at an epoch's end), so a stop requested in the last step is not held up
-        by that work. Returns what step() would have (True: stopped, with exit_on_stop=False). One host
-        sync on GPUs; nothing to do on CPU."""
+        by that work. Collective, like step(): every rank calls it at the same point. Returns what step()
+        would have (True: stopped, with exit_on_stop=False). One host sync on GPUs; nothing to do on CPU."""
         stop, due = self._drain()
+        stop, self._stop_read = stop or self._stop_read, False
         if stop:
             return self._stop_here()
         if due:
@@ -593,11 +599,16 @@ class Session:
         self._record(done, mean_loss, metrics)
         return stop > 0, due > 0
 
-    def _drain(self, wait: bool = True) -> tuple[bool, bool]:
-        """Act on the step whose flags are still in flight (GPU): record it; return its (stop, due).
-        Before any save, so a NaN in it is never checkpointed and its record is never lost."""
-        ready = self._lag.drain(wait)
-        return self._agreed(*ready) if ready is not None else (False, False)
+    def _drain(self, timeout: float | None = None) -> tuple[bool, bool]:
+        """Act on the step whose flags are still in flight (GPU): record it; return its (stop, due). A
+        stop read here and not acted on by the caller (an explicit save()) is acted on by the next step()
+        or settle(). `timeout`: raise TimeoutError (and drop the record) after that long."""
+        ready = self._lag.drain(timeout)
+        if ready is None:
+            return False, False
+        stop, due = self._agreed(*ready)
+        self._stop_read |= stop
+        return stop, due
 
     def _record(self, done: "_Done", loss: float | None, metrics: Mapping[str, float]) -> None:
         if done.step % self.log_every and done.step != self.total_steps:
@@ -648,6 +659,7 @@ class Session:
 
     def _stop_here(self) -> bool:
         self._drain()
+        self._stop_read = False
         why = self.stop.received or "a stop request on another rank"
         cause = self._stop_cause()
         self.events.write({"event": "signal", "signal": why, "cause": cause, "step": self.progress.step,

@@ -297,6 +297,30 @@ def test_a_nan_read_late_names_its_own_step_and_saves_nothing(tmp_path, every):
     assert losses(tmp_path) == {1: 1.0}  # nothing recorded after the NaN, by close() either
 
 
+def test_an_explicit_save_reads_the_last_steps_flags_first(tmp_path):
+    run = session(tmp_path, log_every=1, exit_on_stop=False)
+    run._lag_on_cpu = True
+    try:
+        run.step(1.0)
+        run.step(float("nan"))
+        with pytest.raises(Diverged, match="at step 2"):
+            run.save()
+        assert not list((tmp_path / "checkpoints").glob("step-*"))
+    finally:
+        run.close("Diverged")
+    run = session(tmp_path / "stop", log_every=1, exit_on_stop=False)
+    run._lag_on_cpu = True
+    try:
+        run.stop.request("test")
+        run.step(1.0)
+        run.save()  # reads step 1's flags (the stop) and saves; the stop is not forgotten
+        assert run.step(0.5) is True
+    finally:
+        run.close()
+    events = hpc_ddp.common.events.read_jsonl(tmp_path / "stop" / "events.jsonl")
+    assert [e["step"] for e in events if e["event"] == "requeue_requested"] == [2]
+
+
 def test_a_checkpoint_due_by_the_clock_is_saved_once_though_read_late(tmp_path):
     run = session(tmp_path, checkpoint_every_minutes=1.0)
     run._lag_on_cpu = True
@@ -361,7 +385,21 @@ def test_lagged_flags_hand_back_the_push_before():
     assert lag.drain() == ("c", [3.0, 0.0, 1.0]) and lag.drain() is None and not lag.pending
     lag.push(flags, "d")
     lag.discard()
-    assert lag.drain(wait=False) is None
+    assert lag.drain(timeout=0) is None
+
+
+def test_a_late_flags_copy_that_never_lands_is_dropped_after_the_timeout():
+    from hpc_ddp.trainer.lagged import LaggedFlags
+
+    class Stuck:  # an event behind a failed collective
+        def query(self):
+            return False
+
+    lag = LaggedFlags()
+    lag._pending = ("a", torch.zeros(3, dtype=torch.float64), Stuck())
+    with pytest.raises(TimeoutError):
+        lag.drain(timeout=0.05)
+    assert not lag.pending
 
 
 def test_a_gpu_job_on_gloo_says_it_trains_on_the_cpu(tmp_path, monkeypatch, capsys):
