@@ -658,8 +658,7 @@ class Session:
         return "time_limit" if self.deadline - time.time() <= near else "preempted"
 
     def _stop_here(self) -> bool:
-        self._drain()
-        self._stop_read = False
+        self._drain()  # records the last step before the stop's own lines
         why = self.stop.received or "a stop request on another rank"
         cause = self._stop_cause()
         self.events.write({"event": "signal", "signal": why, "cause": cause, "step": self.progress.step,
@@ -672,6 +671,7 @@ class Session:
     def requeue(self) -> None:
         """Checkpoint now and exit 75, so the job is requeued and resumes here. Collective, like save()."""
         self._drain()
+        self._stop_read = False  # this is the stop: one found in the last flags is not acted on again
         self.save("stop")
         self.events.write({"event": "requeue_requested", "step": self.progress.step, "exit_code": REQUEUE_EXIT_CODE})
         if self.exit_on_stop:

@@ -321,6 +321,20 @@ def test_an_explicit_save_reads_the_last_steps_flags_first(tmp_path):
     assert [e["step"] for e in events if e["event"] == "requeue_requested"] == [2]
 
 
+def test_a_requeue_on_demand_is_the_stop_a_pending_flag_asked_for(tmp_path):
+    run = session(tmp_path, log_every=1, exit_on_stop=False)
+    run._lag_on_cpu = True
+    try:
+        run.stop.request("test")
+        run.step(1.0)
+        run.requeue()  # reads step 1's flags (the stop): this requeue is that stop, not one more after it
+        assert run.step(0.5) is False
+    finally:
+        run.close()
+    events = hpc_ddp.common.events.read_jsonl(tmp_path / "events.jsonl")
+    assert [e["step"] for e in events if e["event"] == "requeue_requested"] == [1]
+
+
 def test_a_checkpoint_due_by_the_clock_is_saved_once_though_read_late(tmp_path):
     run = session(tmp_path, checkpoint_every_minutes=1.0)
     run._lag_on_cpu = True
