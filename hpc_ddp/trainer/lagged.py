@@ -4,10 +4,12 @@ Reading a GPU tensor on the host waits for every kernel queued before it. `Sessi
 flags all ranks agreed on, so reading them at once would make each step wait for its own backward and
 optimizer step before the next one could be queued: the GPU idles while Python fetches the next batch
 and launches its first kernels. Instead each step queues a copy of its flags into pinned host memory
-and records an event, then reads the previous step's copy, whose event has long completed by the time
-this step's kernels are queued. The host stays at most one step ahead, and nothing is lost: the step
-that reads a stop request is the one the ranks stop at, and every step's loss is still recorded (one
-step later, under its own step number). On the CPU the flags are read at once (no queue to overlap).
+and records an event, then reads the previous step's copy: waiting for that event waits only until the
+GPU finishes the previous step, while this step's kernels are already queued behind it. The host stays
+at most one step ahead, and nothing is lost: the step that reads a stop request is the one the ranks stop
+at, and every step's loss is still recorded (one step later, under its own step number). Session reads
+the pending flags at once before any save, in settle() and when the run ends. On the CPU the flags are
+read at once (no queue to overlap).
 """
 
 from __future__ import annotations
