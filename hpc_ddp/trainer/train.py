@@ -5,9 +5,10 @@ One loop over small parts: data (`data`), model (`models`), checkpoints (`checkp
 (`stopping`), records (`events`). Every rank's loss, stop flag and "checkpoint due" flag (rank 0's
 clock; saves every N steps need no agreement) ride on DDP's last gradient bucket on CPU (`reduce`), so
 all ranks log the same loss and stop or save at the same step without a second synchronisation per step;
-on GPUs one small all-reduce carries them and `Session.step()` reads them a step late (`lagged`). A stop (warning signal, SIGTERM) saves a
-checkpoint at that step and exits with REQUEUE_EXIT_CODE; the next attempt resumes from the same sample
-with the same RNG streams, so on CPU the resumed run ends bitwise identical to an uninterrupted one.
+on GPUs one small all-reduce carries them and `Session.step()` reads them a step late (`lagged`). A stop
+(warning signal, SIGTERM) saves a checkpoint at that step and exits with REQUEUE_EXIT_CODE; the next
+attempt resumes from the same sample with the same RNG streams, so on CPU the resumed run ends bitwise
+identical to an uninterrupted one.
 
 Rehearsal knobs (environment): HPC_DDP_FAULT_STOP_AT=N[,M...] acts as if a stop signal arrived after step N;
 HPC_DDP_FAULT_KILL_AT=N[:R] SIGKILLs rank R (default 0) after step N (no checkpoint, like a node failure);

@@ -263,7 +263,8 @@ def test_late_reading_records_every_step_and_trains_the_same(tmp_path):
     assert losses(tmp_path / "late") == losses(tmp_path / "now") and sorted(losses(tmp_path / "now")) == list(
         range(1, 25))
     saved = sorted(p.name for p in (tmp_path / "late" / "checkpoints").iterdir() if p.name.startswith("step-"))
-    assert saved == ["step-000000015", "step-000000020", "step-000000024"]  # every 5 steps is not late: all ranks count steps
+    # saves every 5 steps are not late: every rank counts steps
+    assert saved == ["step-000000015", "step-000000020", "step-000000024"]
 
 
 @pytest.mark.parametrize("stop_at", [3, 8, 23])
