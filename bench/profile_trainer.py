@@ -10,8 +10,8 @@ part of every step by wrapping the trainer's own methods: waiting for the next b
 optimizer (the step's flags travel with its gradients), reading the agreed flags, the metrics record. The same split is measured for the
 plain loop's steps (bench/plain_ddp.py's body, timed inline). With --cprofile, rank 0 runs under
 cProfile instead and the top functions by total time are printed (cProfile slows Python-heavy parts).
-Also times, in this process, the per-sample work of the loader workers: the trainer's reseeding
-(`hpc_ddp.data.loaders._seed_all`) against loading the sample itself.
+Also times, in this process, the per-sample work of the loader workers: torchvision's PIL pipeline (the
+plain loop's) against the trainer's array pipeline, and the reseeding each needs for exact resume.
 """
 
 from __future__ import annotations
@@ -140,22 +140,31 @@ def _summary(name: str, phases: dict[str, list[float]], skip: int) -> None:
 
 
 def seeding_cost(data_dir: Path) -> None:
+    """Per sample, in this process: what the plain loop's loader workers do (torchvision's MNIST with the
+    PIL transforms) against the trainer's (the same samples made from the arrays, `hpc_ddp.data.arrays`),
+    each with the reseeding the trainer adds for exact resume."""
     import torchvision.datasets as D
 
-    from hpc_ddp.data.loaders import _seed_all, _transforms
+    from hpc_ddp.data.loaders import SeededSamples, _datasets, _seed_all, _transforms
+    from hpc_ddp.spec.trainconfig import TrainConfig
 
-    base = D.MNIST(str(data_dir), train=True, download=False, transform=_transforms(1, 28, True, True))
+    pil = D.MNIST(str(data_dir), train=True, download=False, transform=_transforms(1, 28, True, True))
+    (arrays, _), *_ = _datasets(TrainConfig(dataset="mnist", data_dir=str(data_dir)))
+    seeded = SeededSamples(arrays, seed=0)
     n = 2000
-    started = time.perf_counter()
-    for i in range(n):
-        base[i % len(base)]
-    load = (time.perf_counter() - started) / n
-    started = time.perf_counter()
-    for i in range(n):
-        _seed_all(i)
-    seed = (time.perf_counter() - started) / n
-    print(f"loader worker, per sample: load+augment {load * 1e6:.1f} us, the trainer's reseeding {seed * 1e6:.1f} us "
-          f"(+{seed / load:.0%})")
+
+    def per_sample(fn) -> float:
+        started = time.perf_counter()
+        for i in range(n):
+            fn(i)
+        return (time.perf_counter() - started) / n * 1e6
+
+    load_pil = per_sample(lambda i: pil[i % len(pil)])
+    load_arrays = per_sample(lambda i: arrays[i % len(arrays)])
+    seed_all = per_sample(_seed_all)
+    seed_ours = per_sample(seeded._seed)
+    print(f"loader worker, per sample: torchvision's PIL pipeline {load_pil:.1f} us (+ {seed_all:.1f} us to reseed "
+          f"python, numpy and torch); the trainer's arrays {load_arrays:.1f} us (+ {seed_ours:.1f} us to reseed torch)")
 
 
 def main() -> None:
