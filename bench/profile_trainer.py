@@ -7,8 +7,8 @@
 Builds the same CPU job as the throughput benchmark, starts its ranks the way the local executor does
 (the per-rank runner's environment, then `hpc_ddp.trainer.train.run` in the process), and on rank 0 times each
 part of every step by wrapping the trainer's own methods: waiting for the next batch, forward+backward+
-optimizer (the step's flags travel with its gradients), reading the agreed flags, the metrics record. The same split is measured for the
-plain loop's steps (bench/plain_ddp.py's body, timed inline). With --cprofile, rank 0 runs under
+optimizer (the step's flags travel with its gradients), reading the agreed flags, the metrics record.
+The same split is measured for the plain loop's steps (bench/plain_ddp.py's body, timed inline). With --cprofile, rank 0 runs under
 cProfile instead and the top functions by total time are printed (cProfile slows Python-heavy parts).
 Also times, in this process, the per-sample work of the loader workers: torchvision's PIL pipeline (the
 plain loop's) against the trainer's array pipeline, and the reseeding each needs for exact resume.
