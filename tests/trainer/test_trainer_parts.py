@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -81,6 +82,33 @@ def test_seeded_samples_depend_only_on_seed_epoch_index():
     assert torch.equal(ds[(2, 5)], a)
     assert not torch.equal(ds[(3, 5)], a) and not torch.equal(ds[(2, 6)], a)
     assert not torch.equal(SeededSamples(_Noisy(), seed=8)[(2, 5)], a)
+
+
+class _NoisyEverywhere(_Noisy):
+    def __getitem__(self, i):
+        import random
+
+        return torch.tensor([torch.rand(1).item(), random.random(), float(np.random.rand())])
+
+
+def test_a_batch_is_the_same_in_the_main_process_and_in_workers_and_keeps_the_callers_streams():
+    """__getitems__ saves the caller's streams once per batch (not per sample): same samples either way."""
+    import random
+
+    keys = [(1, i) for i in (3, 1, 4, 1, 5, 9)]
+    batch = lambda workers: next(iter(torch.utils.data.DataLoader(  # noqa: E731
+        SeededSamples(_NoisyEverywhere(), seed=2), batch_size=6, sampler=keys, num_workers=workers,
+        generator=torch.Generator())))  # as the trainer's: starting the loader draws from no caller stream
+    torch.manual_seed(5)
+    random.seed(5)
+    np.random.seed(5)
+    states = torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy()
+    main = batch(0)
+    assert torch.equal(torch.get_rng_state(), states[0]) and random.getstate() == states[1]
+    assert (np.random.get_state()[1] == states[2]).all()
+    assert torch.equal(main, batch(2))
+    assert torch.equal(main[1], main[3])  # the same key, the same draws
+    assert torch.equal(main[0], SeededSamples(_NoisyEverywhere(), seed=2)[(1, 3)])
 
 
 @pytest.mark.parametrize("name,channels,size", [("cnn", 1, 28), ("mlp", 3, 16), ("resnet18", 1, 28),
