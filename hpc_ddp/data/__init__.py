@@ -1,1 +1,2 @@
-"""Datasets: torchvision loaders with resumable sampling, synthetic datasets in real formats, and node-local staging."""
+"""Datasets: torchvision loaders with resumable sampling, MNIST/CIFAR-10 samples made from their arrays,
+synthetic datasets in real formats, and node-local staging."""
