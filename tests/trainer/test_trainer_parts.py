@@ -180,6 +180,24 @@ def test_training_variants_run_in_process(tmp_path, train):
         assert steps[0]["lr"] == pytest.approx(0.1 * 2 / 2) and steps[1]["lr"] == pytest.approx(0.1)
 
 
+def test_the_trainer_trains_on_generated_cifar10(tmp_path):
+    """Generated CIFAR-10 reads through SyntheticCIFAR10 (a TypeError there went unnoticed for a while)."""
+    from hpc_ddp.common.events import read_jsonl
+    from hpc_ddp.data.datagen import write_cifar10
+    from hpc_ddp.job.distenv import from_environ
+    from hpc_ddp.trainer.train import run
+
+    data = write_cifar10(tmp_path / "cifar", train=48, test=16)
+    table = {"dataset": "cifar10", "data_dir": str(data), "model": "cnn", "batch_size": 16, "num_workers": 0,
+             "log_every": 1, "epochs": 1}
+    spec = build_spec([Layer("job", {"train": table})], target=Target("trainer", "/j.toml"), workdir=str(tmp_path),
+                      python=sys.executable)
+    assert run(spec, tmp_path, from_environ({})) == 0
+    records = list(read_jsonl(tmp_path / "metrics.jsonl"))
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3]
+    assert any("eval_acc" in r for r in records)
+
+
 @pytest.mark.parametrize("niceness", [0, 3])
 def test_loader_workers_survive_stop_signals(tmp_path, niceness):
     """Slurm sends SIGTERM/SIGUSR2 to every process of a step; the workers must not die of it. With a
