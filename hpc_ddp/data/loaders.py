@@ -55,6 +55,9 @@ class SeededSamples(Dataset):
 
     def __init__(self, base: Dataset, seed: int):
         self.base, self.seed = base, seed
+        # A set that draws only from torch (arrays.py) needs neither python's nor numpy's streams reseeded
+        # or kept: that was 80% of the reseeding's cost.
+        self.torch_only = bool(getattr(base, "torch_rng_only", False))
 
     def __len__(self) -> int:
         return len(self.base)  # type: ignore[arg-type]
@@ -70,7 +73,7 @@ class SeededSamples(Dataset):
         if get_worker_info() is not None:
             return [self._load(key) for key in keys]
         with torch.random.fork_rng(devices=[]):
-            if getattr(self.base, "torch_rng_only", False):
+            if self.torch_only:
                 return [self._load(key) for key in keys]
             py_state, np_state = random.getstate(), np.random.get_state()
             try:
@@ -85,9 +88,8 @@ class SeededSamples(Dataset):
         return self.base[index]
 
     def _seed(self, seed: int) -> None:
-        # default_generator.manual_seed is ~70x cheaper than torch.manual_seed. A set that draws only
-        # from torch (arrays.py) skips python's and numpy's reseeding, 80% of the cost.
-        if getattr(self.base, "torch_rng_only", False):
+        # default_generator.manual_seed is ~70x cheaper than torch.manual_seed.
+        if self.torch_only:
             torch.default_generator.manual_seed(seed)
         else:
             _seed_all(seed)
