@@ -50,8 +50,10 @@ _SPEC_OPTIONS = [
     click.option("--env", "env", multiple=True, metavar="NAME=VALUE",
                  help="Set a variable on every rank, over the profile's and job file's env (repeatable; "
                       "$NAME in VALUE expands there)."),
-    click.option("--gpu-bind", type=click.Choice(["rank", "node"]),
-                 help="rank: each rank sees only its GPU (cuda:0); node: every rank sees the node's GPUs."),
+    click.option("--gpu-bind", type=click.Choice(["auto", "node", "rank"]),
+                 help="auto [default]: one GPU per rank as node (cuda:LOCAL_RANK and plain 'cuda' both work), "
+                      "several as rank; node: every rank sees the node's GPUs and starts on its own; rank: each "
+                      "rank sees only its own GPU(s), from cuda:0."),
     click.option("--signal", help="Warning signal before the time limit [default: USR2]."),
     click.option("--signal-lead", help="Seconds before the time limit to send it [default: 120]."),
     click.option("--max-requeues", help="Requeues after time limits [default: 10]."),

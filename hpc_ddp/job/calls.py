@@ -178,8 +178,17 @@ class SlurmRank:
         base = clean_environ(os.environ)
         dist = from_environ(base, pid=os.getpid())
         os.environ.update(rank_environment(spec, dist, base, str(run_dir), nvidia_driver=physical_gpus() > 0))
+        _guard_gpus()
         if run_rank(run_dir / CALL_DIR, dist.rank):  # the record is written; the task must fail, for Slurm
             raise RuntimeError(f"rank {dist.rank} failed: see {run_dir / CALL_DIR / ERROR.format(rank=dist.rank)}")
+
+
+def _guard_gpus() -> None:
+    """What the runner's sitecustomize does for a script's rank: start on the rank's own GPU, stop ranks
+    that share one (job/exitsite/hpc_ddp_rankguard.py)."""
+    from hpc_ddp.job.exitsite.hpc_ddp_rankguard import install
+
+    install()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -190,6 +199,7 @@ def main(argv: list[str] | None = None) -> None:
     # C++ static destructors, which sometimes abort a rank whose function returned (torch's gloo threads).
     from hpc_ddp.common.procs import exit_after_handlers
 
+    _guard_gpus()
     exit_after_handlers(run_rank(Path(args[0]), int(os.environ["RANK"])))
 
 

@@ -1,7 +1,7 @@
 """The per-rank runner: what each task of the job starts (`python -m hpc_ddp.job.runner RUN_DIR/spec.json`).
 
 It derives the DistEnv, exports the torchrun-compatible variables (and those managed platforms inject),
-narrows CUDA_VISIBLE_DEVICES to this rank's GPU, then replaces itself with the user's program (exec), so
+gives the rank its GPUs (gpubind: which it sees, which torch starts on), then replaces itself with the user's program (exec), so
 signals from Slurm go straight to it. Everything but `main` is pure.
 """
 
@@ -21,6 +21,7 @@ from hpc_ddp.common.errors import EnvError, report
 from hpc_ddp.common.events import JsonLines
 from hpc_ddp.common.machine import physical_gpus
 from hpc_ddp.job.distenv import DistEnv, from_environ
+from hpc_ddp.job.gpubind import BINDING_VARIABLE, DEVICE_VARIABLE, NO_GPU, bind_gpus
 from hpc_ddp.job.ports import PORT_HINT, port_in_use, taken_port_message
 from hpc_ddp.spec.jobspec import JobSpec, load_spec
 from hpc_ddp.spec.siteenv import expand
@@ -28,34 +29,14 @@ from hpc_ddp.spec.siteenv import expand
 __all__ = ["select_gpus", "rank_environment", "site_environment", "run_id_for", "program_argv", "with_exit_guard",
            "main"]
 
-_NO_GPU = ("", "-1", "NoDevFiles", "none")
-
-
 def select_gpus(visible: str | None, local_rank: int, local_world_size: int, per_task: int, bind: str) -> str | None:
-    """This rank's CUDA_VISIBLE_DEVICES.
-
-    Slurm may expose all of the node's GPUs to every task (the default) or bind some to each task
-    (--gpus-per-task, --gpu-bind). With bind="rank" each rank ends up seeing only its own GPU(s), as
-    cuda:0; with bind="node" every rank sees the node's GPUs, as under torchrun.
-    """
-    if visible is None or visible.strip() in _NO_GPU or bind == "node":
-        return visible
-    ids = [x.strip() for x in visible.split(",") if x.strip()]
-    per_task = max(per_task, 1)
-    if len(ids) >= local_world_size * per_task:
-        return ",".join(ids[local_rank * per_task:(local_rank + 1) * per_task])
-    if len(ids) == per_task:
-        return ",".join(ids)  # Slurm already bound this task's GPUs
-    raise EnvError(
-        f"CUDA_VISIBLE_DEVICES={visible!r} lists {len(ids)} GPU(s), too few for {local_world_size} "
-        f"task(s) x {per_task} GPU(s) on this node",
-        hint="request as many GPUs per node as tasks per node (hpc-ddp submit --gpus N)",
-    )
+    """This rank's CUDA_VISIBLE_DEVICES (gpubind.bind_gpus says which, and why)."""
+    return bind_gpus(visible, local_rank, local_world_size, per_task, bind).visible
 
 
 def gpu_visible(cuda_visible: str | None, nvidia_driver: bool) -> bool:
     """A GPU is usable when the NVIDIA driver is loaded and CUDA_VISIBLE_DEVICES does not hide them all."""
-    return nvidia_driver and (cuda_visible is None or cuda_visible.strip() not in _NO_GPU)
+    return nvidia_driver and (cuda_visible is None or cuda_visible.strip() not in NO_GPU)
 
 
 def run_id_for(run_dir: str) -> str:
@@ -70,8 +51,9 @@ def rank_environment(spec: JobSpec, dist: DistEnv, env: Mapping[str, str], run_d
                      nvidia_driver: bool) -> dict[str, str]:
     """Variables to set for the user's program (added to its inherited environment)."""
     per_task = spec.gpus // spec.tasks_per_node if spec.gpus else 0
-    cuda = select_gpus(env.get("CUDA_VISIBLE_DEVICES"), dist.local_rank, dist.local_world_size, per_task,
-                       spec.gpu_bind) if spec.gpus else env.get("CUDA_VISIBLE_DEVICES")
+    binding = bind_gpus(env.get("CUDA_VISIBLE_DEVICES"), dist.local_rank, dist.local_world_size, per_task,
+                        spec.gpu_bind) if spec.gpus else None
+    cuda = binding.visible if binding is not None else env.get("CUDA_VISIBLE_DEVICES")
     out = {
         "MASTER_ADDR": dist.master_addr, "MASTER_PORT": str(spec.master_port or dist.master_port),
         "RANK": str(dist.rank), "LOCAL_RANK": str(dist.local_rank),
@@ -99,6 +81,11 @@ def rank_environment(spec: JobSpec, dist: DistEnv, env: Mapping[str, str], run_d
     out.update({k: v for k, v in defaults.items() if k not in env})
     if cuda is not None:
         out["CUDA_VISIBLE_DEVICES"] = cuda
+    if binding is not None and binding.device is not None:
+        # Where torch's current device starts (exitsite sets it when CUDA starts), so a script that says
+        # plain "cuda" lands on this rank's own GPU, not every rank of the node on cuda:0.
+        out[DEVICE_VARIABLE] = str(binding.device)
+        out[BINDING_VARIABLE] = binding.how
     if "OMP_NUM_THREADS" not in env:
         # torchrun's default; one thread per rank unless the job gave each task more CPUs.
         out["OMP_NUM_THREADS"] = str(spec.cpus_per_task or env.get("SLURM_CPUS_PER_TASK") or 1)

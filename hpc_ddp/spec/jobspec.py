@@ -29,7 +29,7 @@ __all__ = ["JobSpec", "Target", "Layer", "build_spec", "SPEC_KEYS", "PROFILE_KEY
 
 EXECUTORS = ("sbatch", "submitit", "local", "srun")
 GPU_REQUESTS = ("gpus-per-node", "gres")
-GPU_BINDS = ("rank", "node")
+GPU_BINDS = ("auto", "node", "rank")
 SIGNALS = ("USR1", "USR2", "TERM", "INT", "HUP", "URG", "XCPU")
 TARGET_KEYS = ("script", "module", "args")
 
@@ -68,7 +68,7 @@ class JobSpec:
     sbatch_args: tuple[str, ...] = ()
     srun_args: tuple[str, ...] = ()    # extra options of the ranks' srun (--srun-arg)
     gpu_request: str = "gpus-per-node"
-    gpu_bind: str = "rank"
+    gpu_bind: str = "auto"
     setup: tuple[str, ...] = ()
     node_setup: tuple[str, ...] = ()   # run once on every node before the ranks, each attempt (a step of its own)
     env: tuple[tuple[str, str], ...] = ()  # the site's variables, set on every rank (spec.siteenv)

@@ -26,7 +26,8 @@ _RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROU
                    "NODE_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR")
 _MANAGED = {
     **{name: "hpc-ddp sets it on every rank from Slurm's own variables" for name in _RANK_VARIABLES},
-    "MASTER_PORT": "use --master-port", "CUDA_VISIBLE_DEVICES": "use --gpu-bind rank|node",
+    "MASTER_PORT": "use --master-port", "CUDA_VISIBLE_DEVICES": "use --gpu-bind auto|node|rank",
+    "HPC_DDP_CUDA_DEVICE": "use --gpu-bind auto|node|rank", "HPC_DDP_GPU_BINDING": "use --gpu-bind auto|node|rank",
     "BACKEND": "set HPC_DDP_BACKEND=nccl|gloo instead", "WORKSPACE": "hpc-ddp sets it to the run dir",
     "WORKER_PER_NODE": "hpc-ddp sets it to the ranks per node", "EPOCHS": "use --epochs", "LR": "use --lr",
     "BATCH_SIZE": "use --batch-size", "PYTHONUNBUFFERED": "hpc-ddp sets it, so a killed rank's log is complete",

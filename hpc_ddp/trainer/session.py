@@ -67,6 +67,7 @@ from hpc_ddp.data.loaders import (ResumableSampler, SeededSamples, shield_loader
                                   worker_niceness)
 from hpc_ddp.job.deadline import job_deadline, stop_lead
 from hpc_ddp.job.distenv import DistEnv, from_environ
+from hpc_ddp.job.gpubind import own_device
 from hpc_ddp.trainer import rendezvous
 from hpc_ddp.trainer.asyncsave import BackgroundWriter, Snapshot, Snapshotter
 from hpc_ddp.trainer.checkpoint import CheckpointManager, Loaded, state_sha256
@@ -131,7 +132,6 @@ class Session:
         self.rendezvous_timeout = _setting(spec, "rendezvous_timeout", "HPC_DDP_RENDEZVOUS_TIMEOUT", 300.0)
         self.collective_timeout = _setting(spec, "collective_timeout", "HPC_DDP_COLLECTIVE_TIMEOUT", 600.0)
         self.signal_lead = float(getattr(spec, "signal_lead", 120))
-        self.gpu_bind = getattr(spec, "gpu_bind", "rank")
         self.gpus_asked = int(getattr(spec, "gpus", 0) or 0)
         self.stop = StopFlag((getattr(spec, "signal", "USR2"), "TERM"))
         self.checkpoint_every_steps, self.checkpoint_every_minutes = checkpoint_every_steps, checkpoint_every_minutes
@@ -231,10 +231,9 @@ class Session:
     def _pick_device(self) -> str:
         backend = os.environ.get("BACKEND") or ("nccl" if torch.cuda.is_available() else "gloo")
         if backend == "nccl" and torch.cuda.is_available():
-            # gpu_bind="rank": the runner left this rank only its own GPU(s), the first is ours. "node":
-            # every rank sees the node's GPUs, one per local rank.
-            shared = self.gpu_bind == "node" and torch.cuda.device_count() >= self.env.local_world_size
-            self.device = torch.device("cuda", self.env.local_rank if shared else 0)
+            # The runner's binding (job/gpubind.py) says which visible GPU is this rank's own: LOCAL_RANK
+            # where the rank sees the node's GPUs, 0 where it sees only its own.
+            self.device = torch.device("cuda", own_device(os.environ, torch.cuda.device_count()))
             torch.cuda.set_device(self.device)
             return "nccl"
         self.device = torch.device("cpu")

@@ -28,6 +28,9 @@ def spec_of(values=None, target=None):
     (None, 0, 2, 1, "rank", None),
     ("NoDevFiles", 0, 2, 1, "rank", "NoDevFiles"),
     ("GPU-aaa,GPU-bbb", 1, 2, 1, "rank", "GPU-bbb"),  # UUIDs work too
+    ("0,1,2,3", 2, 4, 1, "auto", "0,1,2,3"),     # auto, one GPU per rank: as node
+    ("0,1,2,3", 1, 2, 2, "auto", "2,3"),         # auto, two GPUs per rank: as rank
+    ("3", 1, 4, 1, "auto", "3"),                 # Slurm bound it: as it is
 ])
 def test_select_gpus(visible, local, world, per, bind, expected):
     assert select_gpus(visible, local, world, per, bind) == expected
@@ -50,7 +53,10 @@ def test_rank_environment_is_torchrun_compatible():
     assert env["RANK"] == "3" and env["LOCAL_RANK"] == "1" and env["WORLD_SIZE"] == "4"
     assert env["LOCAL_WORLD_SIZE"] == "2" and env["NODE_RANK"] == env["GROUP_RANK"] == "1"
     assert env["MASTER_ADDR"] == "n1" and env["MASTER_PORT"] == str(dist.master_port)
-    assert env["CUDA_VISIBLE_DEVICES"] == "5"
+    # auto: the node's GPUs stay visible (cuda:LOCAL_RANK exists), and the rank starts on its own one
+    assert (env["CUDA_VISIBLE_DEVICES"], env["HPC_DDP_CUDA_DEVICE"], env["HPC_DDP_GPU_BINDING"]) == ("4,5", "1", "node")
+    ranked = rank_environment(spec_of({"nodes": 2, "gpus": 2, "gpu_bind": "rank"}), dist, STEP, "/r", nvidia_driver=False)
+    assert (ranked["CUDA_VISIBLE_DEVICES"], ranked["HPC_DDP_CUDA_DEVICE"]) == ("5", "0")
     assert env["BACKEND"] == "gloo"  # fake GPUs: no NVIDIA driver
     assert (env["WORKSPACE"], env["WORKER_PER_NODE"]) == ("/runs/r", "2")
     assert (env["EPOCHS"], env["LR"], env["BATCH_SIZE"]) == ("3", "0.5", "64")
@@ -75,7 +81,8 @@ def test_runner_execs_the_program_with_the_environment(tmp_path):
     """The real runner process: loads spec.json, sets the variables, and execs (same pid)."""
     script = tmp_path / "show.py"
     script.write_text("import json, os, sys\nprint(json.dumps({'pid': os.getpid(), 'argv': sys.argv[1:], "
-                      "'rank': os.environ['RANK'], 'cvd': os.environ.get('CUDA_VISIBLE_DEVICES')}))\n")
+                      "'rank': os.environ['RANK'], 'cvd': os.environ.get('CUDA_VISIBLE_DEVICES'), "
+                      "'own': os.environ.get('HPC_DDP_CUDA_DEVICE')}))\n")
     spec = build_spec([Layer("flags", {"nodes": 2, "gpus": 2})], target=Target("script", str(script), ("a b",)),
                       workdir=str(tmp_path), python=sys.executable)
     (tmp_path / "spec.json").write_text(json.dumps(spec.to_dict()))
@@ -85,7 +92,7 @@ def test_runner_execs_the_program_with_the_environment(tmp_path):
     done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "spec.json")], env={**STEP, "PATH": "/usr/bin"},
                           capture_output=True, text=True, timeout=60)
     seen = json.loads(done.stdout)
-    assert seen["argv"] == ["a b"] and seen["rank"] == "3" and seen["cvd"] == "5"
+    assert seen["argv"] == ["a b"] and seen["rank"] == "3" and (seen["cvd"], seen["own"]) == ("4,5", "1")
 
 
 def test_runner_in_batch_shell_says_use_srun(tmp_path):

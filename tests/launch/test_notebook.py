@@ -228,8 +228,9 @@ def spec_of(nprocs: int, gpus: int):
 @pytest.mark.parametrize("gpus, base, driver, rank1", [
     (0, {}, False, {"CUDA_VISIBLE_DEVICES": "", "BACKEND": "gloo"}),
     (0, {"CUDA_VISIBLE_DEVICES": "0,1"}, True, {"CUDA_VISIBLE_DEVICES": "", "BACKEND": "gloo"}),
-    (2, {}, True, {"CUDA_VISIBLE_DEVICES": "1", "BACKEND": "nccl"}),
-    (2, {"CUDA_VISIBLE_DEVICES": "5,7"}, True, {"CUDA_VISIBLE_DEVICES": "7", "BACKEND": "nccl"}),
+    (2, {}, True, {"CUDA_VISIBLE_DEVICES": "0,1", "HPC_DDP_CUDA_DEVICE": "1", "BACKEND": "nccl"}),
+    (2, {"CUDA_VISIBLE_DEVICES": "5,7"}, True, {"CUDA_VISIBLE_DEVICES": "5,7", "HPC_DDP_CUDA_DEVICE": "1",
+                                                 "BACKEND": "nccl"}),
 ])
 def test_rank_env_gpus_and_backend(gpus, base, driver, rank1):
     env = spawn.rank_env(spec_of(2, gpus), 1, 24000, "/runs/x", "nb-1", base, nvidia_driver=driver)

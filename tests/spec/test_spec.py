@@ -25,7 +25,7 @@ def build(*layers: Layer, target: Target = TARGET) -> JobSpec:
 def test_defaults():
     spec = build()
     assert (spec.nodes, spec.gpus, spec.tasks_per_node, spec.job_name) == (1, 0, 1, "train")
-    assert spec.signal == "USR2" and spec.executor is None and spec.gpu_bind == "rank"
+    assert spec.signal == "USR2" and spec.executor is None and spec.gpu_bind == "auto"
 
 
 def test_tasks_per_node_defaults_to_gpus():

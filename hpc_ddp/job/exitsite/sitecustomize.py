@@ -1,4 +1,5 @@
-"""Put on a rank's PYTHONPATH by hpc-ddp's runner: destroys a process group left open at exit.
+"""Put on a rank's PYTHONPATH by hpc-ddp's runner: destroys a process group left open at exit, and
+installs hpc_ddp_rankguard (the rank starts on its own GPU; ranks that share one stop at start-up).
 
 A script that never calls `destroy_process_group` (Lightning's DDP strategy is one) leaves gloo's
 threads joinable while the interpreter shuts down; about 1 rank in 20 then aborts in a C++ destructor
@@ -46,8 +47,18 @@ def _run_shadowed_sitecustomize():
     spec.loader.exec_module(module)
 
 
+def _install_rank_guard():
+    """hpc_ddp_rankguard (beside this file): this rank starts on its own GPU; ranks sharing one stop."""
+    try:
+        import hpc_ddp_rankguard
+    except Exception:  # a broken install must not stop the user's program
+        return
+    hpc_ddp_rankguard.install()
+
+
 if os.environ.get("HPC_DDP_EXIT_GUARD") != "0":
     # Registered before the user's program runs, so it runs after the program's own exit handlers
     # (a logger's finish may still need the group).
     atexit.register(_destroy_open_process_group)
+    _install_rank_guard()
 _run_shadowed_sitecustomize()
