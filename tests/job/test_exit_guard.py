@@ -90,3 +90,32 @@ def test_the_runner_puts_the_guard_on_the_programs_pythonpath(tmp_path):
                           env={**step, "PATH": "/usr/bin", "PYTHONPATH": "/mine"}, capture_output=True, text=True,
                           timeout=60)
     assert json.loads(done.stdout) == os.pathsep.join([EXIT_GUARD_DIR, "/site/lib", "/mine"]), done.stderr
+
+
+
+KEEPS_A_DDP_MODULE = """
+import importlib.util, sys
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+model = DDP(torch.nn.Linear(2, 1))
+model(torch.ones(1, 2)).sum().backward()
+dist.destroy_process_group()  # as seed 001 does, with the module still alive
+spec = importlib.util.spec_from_file_location("guard", sys.argv[2])
+guard = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(guard)  # HPC_DDP_EXIT_GUARD=0: defines its functions, registers nothing
+print("before:", hasattr(model, "reducer"), hasattr(model, "process_group"))
+guard._leave_cleanly()
+print("after:", hasattr(model, "reducer"), hasattr(model, "process_group"))
+"""
+
+
+def test_a_ddp_module_alive_at_exit_lets_its_process_group_go(tmp_path):
+    """Seed 001 destroys its group but keeps its DDP module: the module's reducer and group held gloo's
+    threads to the C++ static destructors, and about 1 rank in 5 aborted there (SIGABRT, the job FAILED).
+    The guard's exit handler drops those two references."""
+    done = run_python(KEEPS_A_DDP_MODULE, tmp_path, "", str(tmp_path / "store"),
+                      os.path.join(EXIT_GUARD_DIR, "sitecustomize.py"), HPC_DDP_EXIT_GUARD="0")
+    assert done.returncode == 0, done.stderr
+    assert "before: True True" in done.stdout and "after: False False" in done.stdout

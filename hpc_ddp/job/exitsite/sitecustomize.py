@@ -19,6 +19,32 @@ import threading
 _LEAVE_TIMEOUT_S = 10.0
 
 
+def _leave_cleanly():
+    _destroy_open_process_group()
+    _release_ddp_modules()
+
+
+def _release_ddp_modules():
+    """A DDP module still alive at exit keeps its reducer and process group, and with them gloo's threads,
+    until the C++ static destructors, which then abort about 1 rank in 5 ("terminate called without an
+    active exception"), even after the script's own destroy_process_group (measured on seed 001 with gloo,
+    2 ranks, 20 runs: 4 aborted; 0 of 20 with this). Dropping those two references lets them go now."""
+    parallel = sys.modules.get("torch.nn.parallel")
+    ddp = getattr(parallel, "DistributedDataParallel", None)
+    if ddp is None:
+        return
+    try:
+        import gc
+
+        for obj in gc.get_objects():
+            if isinstance(obj, ddp):
+                for name in ("reducer", "process_group"):
+                    obj.__dict__.pop(name, None)
+        gc.collect()
+    except Exception:  # leaving must not fail because of this
+        pass
+
+
 def _destroy_open_process_group():
     dist = sys.modules.get("torch.distributed")
     try:
@@ -59,6 +85,6 @@ def _install_rank_guard():
 if os.environ.get("HPC_DDP_EXIT_GUARD") != "0":
     # Registered before the user's program runs, so it runs after the program's own exit handlers
     # (a logger's finish may still need the group).
-    atexit.register(_destroy_open_process_group)
+    atexit.register(_leave_cleanly)
     _install_rank_guard()
 _run_shadowed_sitecustomize()
