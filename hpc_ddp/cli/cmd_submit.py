@@ -51,6 +51,7 @@ def submit(**params) -> None:
     if not params["as_json"] or not spec.executor:
         warn(which)
         warn(explain(spec))
+    _devices(plan.spec)
     if params["dry_run"]:
         if params["as_json"]:
             click.echo(json.dumps({"executor": plan.executor, "job_id": None, "run_dir": plan.run_dir,
@@ -103,6 +104,7 @@ def _submit_sweep(params: dict, spec, sweep) -> None:
     plan = plan_sweep(executor, sweep, sweep_dir,
                       lambda values, index: task_spec(spec, values, index, lambda extra: build(params, extra=extra)))
     check_resubmission(plan, executor)  # --dry-run says what the submission would
+    _devices(plan.tasks[0].plan.spec)
     if plan.script is not None:
         from hpc_ddp.launch.preflight import read_slurm_config
         from hpc_ddp.launch.sweep import check_array_size
@@ -146,6 +148,14 @@ def _submit_sweep(params: dict, spec, sweep) -> None:
             warn(f"stopped after task {len(subs) - 1}; tasks {len(subs)}..{len(plan.tasks) - 1} did not run")
     if any(s.returncode for s in subs):
         sys.exit(1)
+
+
+def _devices(spec) -> None:
+    """The script's way of picking its GPU against the job's binding: a warning, or exit 2 where it
+    cannot work (before the dry run too: it shows what would be submitted)."""
+    from hpc_ddp.launch.preflight import gate_devices
+
+    gate_devices(spec, warn)
 
 
 def _chains_need_support(spec, executor) -> None:

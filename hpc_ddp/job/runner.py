@@ -21,7 +21,8 @@ from hpc_ddp.common.errors import EnvError, report
 from hpc_ddp.common.events import JsonLines
 from hpc_ddp.common.machine import physical_gpus
 from hpc_ddp.job.distenv import DistEnv, from_environ
-from hpc_ddp.job.gpubind import BINDING_VARIABLE, DEVICE_VARIABLE, NO_GPU, bind_gpus
+from hpc_ddp.job import devicescan
+from hpc_ddp.job.gpubind import BINDING_VARIABLE, DEVICE_VARIABLE, NO_GPU, bind_gpus, entries
 from hpc_ddp.job.ports import PORT_HINT, port_in_use, taken_port_message
 from hpc_ddp.spec.jobspec import JobSpec, load_spec
 from hpc_ddp.spec.siteenv import expand
@@ -151,6 +152,7 @@ def prepare(spec_path: str) -> tuple[list[str], dict[str, str]]:
     env.update(rank_environment(spec, dist, base, run_dir, nvidia_driver=physical_gpus() > 0))
     env.update(site_environment(spec, env))
     env["PYTHONPATH"] = with_exit_guard(env.get("PYTHONPATH"))
+    _check_device_pick(spec, dist, env)
     _check_master_port(dist, int(env["MASTER_PORT"]))
     if spec.datasets:
         from hpc_ddp.job.stagejob import dataset_env, scratch_dir, stage_for_job
@@ -170,6 +172,24 @@ def _under_debugger(spec: JobSpec, dist: DistEnv, argv: list[str], env: dict[str
     if record is not None:
         JsonLines(Path(run_dir) / rundir.EVENTS).write({**record, "job_id": dist.job_id})
     return argv
+
+
+def _check_device_pick(spec: JobSpec, dist: DistEnv, env: Mapping[str, str]) -> None:
+    """A script whose way of picking its GPU cannot work under the binding this rank got (a site may bind
+    GPUs per task whatever was asked) stops here, in one line, not in CUDA or NCCL from inside torch."""
+    how = env.get(BINDING_VARIABLE)
+    if how not in ("node", "rank", "slurm"):
+        return
+    found = devicescan.source_of(spec.target.kind, spec.target.value, spec.workdir)
+    if found is None:
+        return
+    path, text = found
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    exposure = devicescan.runtime_exposure(how, len(entries(visible)), spec.gpus // spec.tasks_per_node,
+                                           dist.local_world_size, dist.num_nodes, visible)
+    errors = [p for p in devicescan.judge(devicescan.scan(text), exposure, os.path.basename(path)) if p.level == "error"]
+    if errors:
+        raise EnvError(errors[0].message, hint=errors[0].hint)
 
 
 def _check_master_port(dist: DistEnv, port: int) -> None:

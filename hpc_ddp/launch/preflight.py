@@ -32,6 +32,8 @@ from typing import Any
 from hpc_ddp.common.errors import HpcDdpError, UserError
 from hpc_ddp.common.procs import CommandRunner, slurm_unreachable
 from hpc_ddp.common.rundir import SCRIPT
+from hpc_ddp.job import devicescan
+from hpc_ddp.job.devicescan import exposure_of, judge, scan
 from hpc_ddp.launch.executors import LOAD_SLURM, Machine, fallback_problem, site_note
 from hpc_ddp.slurm.cluster import Cluster, Node, Partition, Unavailable, limit_text, mem_mb, one_line, read_cluster
 from hpc_ddp.slurm.slurmtime import format_time
@@ -39,7 +41,7 @@ from hpc_ddp.spec.jobspec import JobSpec, Target
 
 __all__ = ["Host", "Finding", "Report", "NO_TARGET", "parse_mounts", "check", "check_fallback", "job_paths",
            "run_preflight", "sbatch_test_only", "gate", "doctor_report", "read_slurm_config", "requeue_mode",
-           "dependency_finding"]
+           "dependency_finding", "device_findings", "gate_devices"]
 
 _LOCAL_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
 _MEMORY_FS = {"tmpfs", "ramfs"}
@@ -451,7 +453,8 @@ def run_preflight(spec: JobSpec, commands: CommandRunner, host: Host, *, paths: 
     return Report(cluster, tuple(findings))
 
 
-def gate(report: Report, warn: Callable[[str], None]) -> None:
+def gate(report: Report, warn: Callable[[str], None],
+         skip_hint: str | None = "skip these checks with --no-preflight") -> None:
     """Before a submission: warnings are passed to `warn` and it goes on; errors stop it before anything
     queues. The last error is the exit line, so a single problem reads as one line like any other."""
     for finding in report.findings:
@@ -460,8 +463,8 @@ def gate(report: Report, warn: Callable[[str], None]) -> None:
     if report.errors:
         last = report.errors[-1]
         more = f" (and {len(report.errors) - 1} more above)" if len(report.errors) > 1 else ""
-        raise UserError(f"{last.message}{more}; nothing was submitted",
-                        hint=f"{last.hint + '; or ' if last.hint else ''}skip these checks with --no-preflight")
+        hints = [h for h in (last.hint, skip_hint) if h]
+        raise UserError(f"{last.message}{more}; nothing was submitted", hint="; or ".join(hints) or None)
 
 
 def doctor_report(spec: JobSpec, queues: bool, commands: CommandRunner, host: Host, run_dir: str) -> Report:
@@ -473,7 +476,7 @@ def doctor_report(spec: JobSpec, queues: bool, commands: CommandRunner, host: Ho
         from hpc_ddp.launch.executors import probe_machine
 
         here = [] if spec.executor else check_fallback(spec, probe_machine())
-        return Report(None, tuple(here + check(spec, None, host)))
+        return Report(None, tuple(here + check(spec, None, host) + device_findings(spec)))
     from hpc_ddp.launch.render import render_sbatch
 
     script = render_sbatch(spec, run_dir, generated_at="", command_line="hpc-ddp doctor")
@@ -485,7 +488,25 @@ def doctor_report(spec: JobSpec, queues: bool, commands: CommandRunner, host: Ho
         from hpc_ddp.launch.hostcheck import master_addr_check
 
         extra += [f for f in [master_addr_check(spec, report.cluster)] if f is not None]
-    return Report(report.cluster, report.findings + tuple(extra))
+    return Report(report.cluster, report.findings + tuple(extra + device_findings(spec)))
+
+
+# ---- how the script picks its GPU (submit and doctor) ----
+
+def device_findings(spec: JobSpec) -> list[Finding]:
+    """The script's way of picking its GPU against the binding its ranks will get (job/devicescan.py):
+    errors where it cannot give each rank its own GPU, warnings where it may not."""
+    exposure = exposure_of(spec)
+    found = devicescan.source_of(spec.target.kind, spec.target.value, spec.workdir) if exposure else None
+    if found is None:
+        return []
+    path, text = found
+    return [Finding(p.level, p.message, p.hint) for p in judge(scan(text), exposure, os.path.basename(path))]
+
+
+def gate_devices(spec: JobSpec, warn: Callable[[str], None]) -> None:
+    """Before a submission (and its dry run): warnings go to `warn`; an error stops it, nothing queued."""
+    gate(Report(None, tuple(device_findings(spec))), warn, skip_hint=None)
 
 
 # ---- requeue and dependencies (doctor) ----

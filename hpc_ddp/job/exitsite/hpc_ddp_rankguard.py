@@ -109,7 +109,29 @@ class _Guard:
         if line:
             print(line, file=sys.stderr, flush=True)
             sys.stdout.flush()
+            self._until_all_have_read(dist)
             os._exit(EXIT_SHARED_GPU)
+        self._have_read(dist)
+
+    def _have_read(self, dist):
+        try:
+            return dist.distributed_c10d._get_default_store().add(f"hpc_ddp/gpu/{self.generation}/read", 1)
+        except Exception:  # noqa: BLE001
+            return None
+
+    def _until_all_have_read(self, dist, timeout_s=30.0):
+        """The store lives in global rank 0's process: a rank that stops waits (bounded) until every rank
+        has read its node's entries, so each node's ranks learn of their own clash, not of a lost store."""
+        import time
+
+        world, deadline = dist.get_world_size(), time.monotonic() + timeout_s
+        count = self._have_read(dist)
+        while count is not None and count < world and time.monotonic() < deadline:
+            time.sleep(0.05)
+            try:
+                count = dist.distributed_c10d._get_default_store().add(f"hpc_ddp/gpu/{self.generation}/read", 0)
+            except Exception:  # noqa: BLE001
+                return
 
     def _node_entries(self, torch, dist):
         if dist.get_world_size() < 2 or not torch.cuda.is_available():
