@@ -330,7 +330,7 @@ JOB_FILE_BAD = [
     ('nodes = "two"', "nodes: 'two' is not a whole number"),
     ("nodes = true", "nodes: True is not a whole number"),
     ("time = 5.5", "time: time '5.5' is not a Slurm time"),
-    ("gpu_bind = 3", "gpu_bind: 3 is not one of rank, node"),
+    ("gpu_bind = 3", "gpu_bind: 3 is not one of auto, node, rank"),
     ("master_port = 22", "master_port: 22 is not a port we can listen on"),
     ('[train]\nmodel = 5', "train: model: 5 is not a model name"),
     ('[train]\nepochs = -1', "train: epochs: -1 is below the minimum of 1"),
@@ -565,3 +565,39 @@ def test_after_a_run_dir_waits_for_its_last_job(project):
     result = invoke("submit", "--dry-run", "--after", "first:any", "train.py")
     assert result.exit_code == 0, result.output
     assert f"#SBATCH --dependency=afterany:{first['job_id']}\n" in result.output
+
+
+LOCAL_RANK_SCRIPT = "import os, torch\ntorch.cuda.set_device(int(os.environ['LOCAL_RANK']))\n"
+
+
+@pytest.mark.parametrize("args", [["--gpu-bind", "rank"], ["--sbatch-arg=--gpus-per-task=1"]])
+def test_submit_refuses_a_local_rank_script_where_each_rank_sees_one_gpu(project, args):
+    """Issue 28: refused before it queues (the dry run too), one line naming the fix; nothing written."""
+    (project / "train.py").write_text(LOCAL_RANK_SCRIPT)
+    for dry in (["--dry-run"], []):
+        result = CliRunner().invoke(cli, ["submit", *dry, "--run-dir", "r", "--nodes", "2", "--gpus", "2", *args,
+                                          "train.py"])
+        assert result.exit_code == 2, result.output
+        last = result.output.strip().splitlines()[-1]
+        assert last.startswith("hpc-ddp: error: train.py:2 picks its GPU by local rank") and "HINT:" in last
+        assert "local rank 1 would find no cuda:1; nothing was submitted" in last
+    assert not (project / "r").exists() and not (project / "sbatch-calls").exists()
+
+
+def test_submit_with_the_default_binding_takes_the_local_rank_script_and_warns_on_a_fixed_gpu(project):
+    (project / "train.py").write_text(LOCAL_RANK_SCRIPT)
+    result = invoke("submit", "--dry-run", "--nodes", "2", "--gpus", "2", "train.py")
+    assert result.exit_code == 0 and "warning" not in result.output
+    (project / "train.py").write_text("import torch\nx = torch.zeros(1).to('cuda:0')\n")
+    result = invoke("submit", "--dry-run", "--nodes", "2", "--gpus", "2", "train.py")
+    assert result.exit_code == 0
+    assert "hpc-ddp: warning: train.py:2 uses a fixed GPU (x = torch.zeros(1).to('cuda:0'))" in result.output
+    result = invoke("submit", "--dry-run", "--nodes", "2", "--gpus", "2", "--gpu-bind", "rank", "train.py")
+    assert result.exit_code == 0 and "warning: train.py" not in result.output
+
+
+def test_doctor_names_the_device_problem(project):
+    (project / "train.py").write_text(LOCAL_RANK_SCRIPT)
+    result = CliRunner().invoke(cli, ["doctor", "--nodes", "2", "--gpus", "2", "--gpu-bind", "rank", "train.py"])
+    assert result.exit_code == 2
+    assert "error: train.py:2 picks its GPU by local rank" in result.output

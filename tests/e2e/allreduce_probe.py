@@ -27,7 +27,8 @@ def main() -> None:
         **{k: os.environ.get(k) for k in (
             "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK",
             "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES", "SLURMD_NODENAME", "BACKEND",
-            "WORKER_PER_NODE", "EPOCHS", "LR", "BATCH_SIZE", "HPC_DDP_JOB_ID", "HPC_DDP_HOSTS")},
+            "WORKER_PER_NODE", "EPOCHS", "LR", "BATCH_SIZE", "HPC_DDP_JOB_ID", "HPC_DDP_HOSTS",
+            "HPC_DDP_CUDA_DEVICE", "HPC_DDP_GPU_BINDING")},
     }
     (out / f"rank-{rank}.json").write_text(json.dumps(seen))
     dist.barrier()

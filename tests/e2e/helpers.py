@@ -71,9 +71,13 @@ def check_probe(seen: list[dict], *, nodes: int, tasks: int, master: str, node_n
         assert r["LOCAL_WORLD_SIZE"] == str(tasks) and r["MASTER_ADDR"] == master
         if node_names:
             assert r["SLURMD_NODENAME"] == node_names[rank // tasks]
-        # Exactly one GPU per rank: its own, by local rank, on its own node.
-        assert r["CUDA_VISIBLE_DEVICES"] == str(rank % tasks), r
-        gpus_seen.add((r["NODE_RANK"], r["CUDA_VISIBLE_DEVICES"]))
+        # Exactly one GPU per rank: its own, by local rank, on its own node. The default binding (auto) shows
+        # every rank the node's GPUs, so cuda:LOCAL_RANK exists, and starts it on its own one.
+        visible = r["CUDA_VISIBLE_DEVICES"].split(",")
+        assert visible == [str(i) for i in range(tasks)] and r["HPC_DDP_GPU_BINDING"] == "node", r
+        own = visible[int(r["HPC_DDP_CUDA_DEVICE"])]
+        assert own == str(rank % tasks), r
+        gpus_seen.add((r["NODE_RANK"], own))
         assert r["BACKEND"] == "gloo"
     assert len(gpus_seen) == world
 

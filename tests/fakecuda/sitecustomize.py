@@ -4,15 +4,17 @@ Scripts written for GPUs run unmodified on the CPU, while every device choice go
 as on real CUDA (hpc_ddp.job.gpubind.cuda_devices: CUDA_VISIBLE_DEVICES read when CUDA starts, an index
 past the visible GPUs is "invalid device ordinal"), and each process records the physical GPUs it used:
 
-  FAKE_CUDA_GPUS=N      the node has N GPUs (GPU-fake-<host>-<i>); unset: this model stays off
+  FAKE_CUDA_GPUS=N      the node has N GPUs (GPU-fake-<node>-<i>); unset: this model stays off
   FAKE_CUDA_LOG=DIR     each process appends {"host", "rank", "local_rank", "index", "gpu", "visible"}
-                        to DIR/<host>-<pid>.jsonl for every GPU it places something on
+                        to DIR/<node>-<pid>.jsonl for every GPU it places something on
 
 What is modelled: torch.cuda's is_available, device_count, set_device, current_device, is_initialized,
 the lazy start (queued calls, as torch.cuda._lazy_call queues them), Tensor/Module .to()/.cuda() with any
 form of CUDA device (the tensor stays on the CPU), DDP's device_ids/output_device (checked, then dropped:
 DDP on CPU takes none), an "nccl" process group (gloo underneath; it starts CUDA, as a real one does at its
-first collective), and SyncBatchNorm (plain BatchNorm: the CPU has no SyncBN kernel). Nothing else.
+first collective), SyncBatchNorm (plain BatchNorm: the CPU has no SyncBN kernel), DataLoader's
+pin_memory (off: page-locked memory needs a driver), and torch.accelerator, which torch's own internals ask
+(none: the tensors are on the CPU). Nothing else.
 hpc-ddp's own code never imports this.
 """
 
@@ -20,6 +22,11 @@ import json
 import os
 import socket
 import sys
+
+
+def _node():
+    """Slurm's name for the node (the test Slurm's nodes share one host name), else the host name."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 def _install():
@@ -34,7 +41,7 @@ def _install():
 class _Cuda:
     def __init__(self, torch, count):
         self.torch = torch
-        host = socket.gethostname()
+        host = _node()
         self.physical = [f"GPU-fake-{host}-{i}" for i in range(count)]
         self.started, self.current, self.shown, self.logged = False, 0, None, set()
 
@@ -78,10 +85,10 @@ class _Cuda:
         gpu = self.shown[index]
         if gpu not in self.logged and os.environ.get("FAKE_CUDA_LOG"):
             self.logged.add(gpu)
-            record = {"host": socket.gethostname(), "rank": os.environ.get("RANK"),
+            record = {"host": _node(), "rank": os.environ.get("RANK"),
                       "local_rank": os.environ.get("LOCAL_RANK"), "index": index, "gpu": gpu,
                       "visible": os.environ.get("CUDA_VISIBLE_DEVICES")}
-            path = os.path.join(os.environ["FAKE_CUDA_LOG"], f"{socket.gethostname()}-{os.getpid()}.jsonl")
+            path = os.path.join(os.environ["FAKE_CUDA_LOG"], f"{_node()}-{os.getpid()}.jsonl")
             with open(path, "a") as f:
                 f.write(json.dumps(record) + "\n")
         return index
@@ -147,6 +154,19 @@ def _patch(torch):
             cuda.use(cuda.index(device))
         ddp_init(self, module, None, None, *args, **kwargs)
     ddp.__init__ = ddp_on_cpu
+
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None:  # what torch's own internals ask (optimizers, loaders): the tensors are on the CPU
+        accelerator.current_accelerator = lambda check_available=False: None
+        accelerator.is_available = lambda: False
+        accelerator.device_count = lambda: 0
+
+    loader_init = torch.utils.data.DataLoader.__init__
+
+    def loader_unpinned(self, *args, **kwargs):
+        kwargs["pin_memory"] = False  # page-locked host memory needs a real driver; no device is chosen by it
+        loader_init(self, *args, **kwargs)
+    torch.utils.data.DataLoader.__init__ = loader_unpinned
 
     dist = torch.distributed
     init = dist.init_process_group

@@ -105,7 +105,7 @@ class _Guard:
             entries = self._node_entries(torch, dist)
         except Exception:  # noqa: BLE001 - a check that cannot run leaves the job as it is
             return
-        line = shared_gpu_line(entries, socket.gethostname(), self.visible) if entries else None
+        line = shared_gpu_line(entries, _node_name(self.environ), self.visible) if entries else None
         if line:
             print(line, file=sys.stderr, flush=True)
             sys.stdout.flush()
@@ -143,7 +143,8 @@ class _Guard:
             return None
         index = torch.cuda.current_device()
         store = dist.distributed_c10d._get_default_store()
-        prefix = f"hpc_ddp/gpu/{self.generation}/{socket.gethostname()}/"
+        node = self.environ.get("NODE_RANK") or _node_name(self.environ)
+        prefix = f"hpc_ddp/gpu/{self.generation}/{node}/"
         store.set(prefix + self.environ.get("LOCAL_RANK", "0"), f"{dist.get_rank()} {index} {_physical(torch, index)}")
         keys = [prefix + str(i) for i in range(local_world)]
         from datetime import timedelta
@@ -154,6 +155,10 @@ class _Guard:
             rank, device, gpu = store.get(key).decode().split(" ", 2)
             out.append((int(rank), int(device), gpu))
         return out
+
+
+def _node_name(environ):
+    return environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 def _physical(torch, index):
