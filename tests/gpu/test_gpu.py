@@ -128,7 +128,42 @@ def test_each_rank_gets_a_gpu_of_its_own(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     seen = [json.loads((tmp_path / "run" / f"rank-{r}.json").read_text()) for r in range(2)]
     assert [s["sum"] for s in seen] == [2.0, 2.0]  # NCCL, one GPU each (NCCL refuses two ranks on one GPU)
-    assert len({s["uuid"] for s in seen}) == 2 and len({s["visible"] for s in seen}) == 2, seen
+    # the default binding shows both ranks the node's GPUs and starts each on its own
+    assert len({s["uuid"] for s in seen}) == 2 and [s["device"] for s in seen] == ["cuda:0", "cuda:1"], seen
+
+
+RANK_GUARD_PROBE = """
+import json, os, sys, torch, torch.distributed as dist
+sys.path.insert(0, os.environ["GUARD_DIR"])
+import hpc_ddp_rankguard
+dist.init_process_group("nccl")  # wrapped by the rank guard: a one-rank group is not checked
+x = torch.ones(1, device="cuda")
+dist.all_reduce(x)
+print(json.dumps({"current": torch.cuda.current_device(), "count": torch.cuda.device_count(),
+                  "wrapped": hasattr(dist.init_process_group, "_hpc_ddp_original"),
+                  "physical": hpc_ddp_rankguard._physical(torch, 0), "sum": x.item()}))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("start_device", ["0", "1"])
+def test_the_rank_guard_on_real_cuda(tmp_path, start_device):
+    """The single-GPU path on real CUDA: the start device is queued for CUDA's own lazy start and never fails
+    it (index 1 on a one-GPU view is skipped, not a DeferredCudaCallError), init_process_group still works
+    wrapped, and a GPU is named by its real UUID."""
+    from hpc_ddp.job.runner import EXIT_GUARD_DIR, with_exit_guard
+
+    (tmp_path / "probe.py").write_text(RANK_GUARD_PROBE)
+    env = {**os.environ, "PYTHONPATH": with_exit_guard(None), "GUARD_DIR": EXIT_GUARD_DIR,
+           "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0],
+           "HPC_DDP_CUDA_DEVICE": start_device, "HPC_DDP_GPU_BINDING": "node", "RANK": "0", "WORLD_SIZE": "1",
+           "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29517"}
+    done = subprocess.run([sys.executable, str(tmp_path / "probe.py")], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["count"] == 1 and seen["current"] == 0 and seen["wrapped"] and seen["sum"] == 1.0, seen
+    assert seen["physical"].startswith(("GPU-", "MIG-")), seen
 
 
 def test_flags_live_where_the_process_group_does_whatever_device_the_loss_is_on(tmp_path):

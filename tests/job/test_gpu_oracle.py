@@ -9,6 +9,8 @@ refused with the documented line (at submit, or at start-up by the runner). Whic
 gets is written down below, so a change of outcome is a failure, not a silent pass.
 """
 
+from pathlib import Path
+
 import pytest
 
 from hpc_ddp.common.errors import EnvError
@@ -169,3 +171,31 @@ def test_the_old_default_is_what_broke_and_is_now_refused_before_the_queue(tmp_p
 ])
 def test_the_cuda_model(visible, physical, shown):
     assert cuda_devices(visible, physical) == shown
+
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+README_MARKER = "<!-- checked against the oracle by tests/job/test_gpu_oracle.py (4 GPUs per node) -->"
+README_ROWS = {  # the README's row -> the patterns it stands for
+    "`torch.cuda.set_device(LOCAL_RANK)`": ["set_device(LOCAL_RANK)"],
+    "`cuda:{LOCAL_RANK}`, `device_ids=[local_rank]`, `--local_rank`":
+        ["cuda:LOCAL_RANK", "device_ids=[local_rank]", "--local_rank (seed 003)"],
+    "plain `torch.device(\"cuda\")` (no `set_device`)": ["plain cuda (seed 001)"],
+    "Lightning (`devices=N`, SLURM_LOCALID), accelerate (LOCAL_RANK)": ["Lightning devices=N", "accelerate"],
+    "`hpc_ddp.start()`'s `run.device`": ["hpc_ddp run.device"],
+    "a model over `cuda:0` and `cuda:1`, 2 GPUs per rank": ["model parallel cuda:0,cuda:1"],
+}
+CELL = {"distinct": ("own GPU", "own GPUs"), "refused at submit": ("refused at submit",)}
+
+
+def test_the_readme_table_says_what_the_oracle_finds(tmp_path):
+    text = README.read_text()
+    assert README_MARKER in text
+    table = text.split(README_MARKER, 1)[1].strip().split("\n\n", 1)[0].splitlines()[2:]
+    rows = {cells[0]: cells[1:] for cells in ([c.strip() for c in line.strip("|").split(" | ")] for line in table)}
+    assert set(rows) == set(README_ROWS)
+    for row, patterns in README_ROWS.items():
+        per_task = 2 if "2 GPUs per rank" in row else 1
+        for pattern in patterns:
+            for exposure, cell in zip(("node", "per task"), rows[row]):
+                found = outcome(pattern, 4, per_task, exposure, "index", tmp_path)
+                assert cell in CELL[found], (row, pattern, exposure, found, cell)
