@@ -18,9 +18,11 @@ limit that hands over to the next job queued by --chain is what the chain is for
 Everything is recorded in RUN_DIR/events.jsonl (append-only), next to the trainer's own records, so
 `hpc-ddp status` can tell the whole story. The policy itself (`decide_begin`, `decide_end`) is pure.
 
-Causes: an attempt ends "completed" (exit 0), "time_limit" or "preempted" (exit 75 after the program
-checkpointed; the trainer says which: a stop near the job's end time is a time limit), "killed" (no end
-record: the job was killed from outside before the batch shell could say so), "cancelled", or "failed".
+Causes: an attempt ends "completed" (exit 0 with no stop before it, or a recorded finish), "time_limit" or
+"preempted" (exit 75 after the program checkpointed; the trainer says which: a stop near the job's end time
+is a time limit; or a stop from outside, whatever the exit code, 0 included: frameworks catch SIGTERM and
+exit 0), "killed" (no end record: the job was killed from outside before the batch shell could say so),
+"cancelled", or "failed".
 
 A program that dies of Slurm's SIGTERM (preemption, an admin's requeue, the hard time limit) is not a
 failed program: `end` asks Slurm what happened to the job (`scontrol show job`) and records such an
@@ -58,7 +60,8 @@ from hpc_ddp.common.rundir import LATEST, SCRIPT, RunDir, checkpoint_step
 from hpc_ddp.job.chain import chain_of, members, successor
 
 __all__ = ["Admission", "Attempt", "Limits", "admit", "attempts_from_events", "decide_begin", "decide_end",
-           "decide_successor", "latest_checkpoint_step", "outside_cause", "parse_show_job", "resubmit"]
+           "decide_successor", "latest_checkpoint_step", "outside_cause", "stopped_cause", "parse_show_job",
+           "resubmit"]
 
 NOT_ADMITTED_EXIT_CODE = 3
 # A later job of a chain whose run already completed: nothing to do, and not a failure (the batch script
@@ -86,6 +89,7 @@ class Attempt:
     checkpointed: bool = False     # the trainer saved at a stop request and asked to be requeued
     job_id: str | None = None
     handed_over: bool = False      # went on in the next job of its chain, queued up front (--chain)
+    finished: bool = False         # the trainer or a Session recorded the run's finish in this attempt
     gave_up: str | None = None     # the policy's reason for stopping the run after this attempt
 
     @property
@@ -129,6 +133,8 @@ def attempts_from_events(events: Sequence[dict[str, Any]], chain: str | None = N
             continue
         elif kind in ("start", "resume"):
             attempts[-1].trainer = True
+        elif kind == "finish":
+            attempts[-1].finished = True
         elif kind == "signal":
             attempts[-1].cause = event.get("cause")
         elif kind == "requeue_requested":
@@ -208,7 +214,7 @@ def decide_end(attempts: Sequence[Attempt], exit_code: int, limits: Limits,
     outside (preempted, time_limit: see `outside_cause`). `successor`: the next job of the chain, queued
     up front and waiting; the run goes on there instead (a time limit then counts against no cap)."""
     cause = attempts[-1].cause
-    if exit_code == 0:
+    if exit_code == 0 and cause not in ("preempted", "time_limit", "cancelled"):
         return False, "completed"
     if cause == "cancelled":
         return False, "cancelled"
@@ -268,6 +274,18 @@ def outside_cause(job: Mapping[str, str] | None, attempt: int, shell_signal: str
     if job.get("JobState") in ("CANCELLED", "COMPLETING") and (shell_signal or job.get("JobState") == "CANCELLED"):
         return "cancelled", False
     return "failed", False
+
+
+def stopped_cause(job: Mapping[str, str] | None, attempt: int, shell_signal: str | None) -> tuple[str, bool]:
+    """Why an attempt whose program exited 0 ended: (cause, Slurm requeues it itself).
+
+    Exit 0 is not "done" by itself: Lightning catches SIGTERM and leaves through a SystemExit with no code,
+    and a script that traps SIGTERM, saves and exits 0 is common. A stop that reached the program first
+    (Slurm shows a preemption, a time limit or a cancel, as `outside_cause` reads them; or, without Slurm's
+    answer, the batch shell or launcher got SIGTERM) makes the attempt interrupted, to be run again within
+    the caps; otherwise it completed."""
+    cause, by_slurm = outside_cause(job, attempt, shell_signal)
+    return ("completed", False) if cause == "failed" else (cause, by_slurm)
 
 
 def _int(text: str | None) -> int:
@@ -375,15 +393,22 @@ def finish(run_dir: Path, attempt: int, exit_code: int, env: Mapping[str, str] |
         # The program's record wins over srun's exit code: with --kill-on-bad-exit, the ranks that were
         # still exiting after the checkpoint (code 75 counts as "bad") are killed, and srun reports 143.
         exit_code = REQUEUE_EXIT_CODE
-    slurm = ask_slurm(env.get("SLURM_JOB_ID")) if exit_code != 0 and env.get("SLURM_JOB_ID") else None
+    # A run that recorded its finish (the trainer, a Session) completed, whatever came after; any other
+    # ending is judged by what happened to the job, exit 0 included (see stopped_cause).
+    done = exit_code == 0 and last.finished
+    slurm = ask_slurm(env.get("SLURM_JOB_ID")) if not done and env.get("SLURM_JOB_ID") else None
     by_slurm = False
+    shell_signal = env.get("HPC_DDP_SHELL_SIGNAL") or None
     if exit_code == REQUEUE_EXIT_CODE:
         last.cause = last.cause or _cause_from_deadline(env)
         by_slurm = bool(slurm) and _int(slurm.get("Restarts")) > attempt
     elif exit_code == 0:
-        last.cause = "completed"
+        last.cause, by_slurm = ("completed", False) if done else stopped_cause(slurm, attempt, shell_signal)
     else:
-        last.cause, by_slurm = outside_cause(slurm, attempt, env.get("HPC_DDP_SHELL_SIGNAL") or None)
+        last.cause, by_slurm = outside_cause(slurm, attempt, shell_signal)
+    if slurm is None and shell_signal and last.cause == "preempted":
+        # No Slurm to ask (the local and srun executors, no scontrol): a stop at the deadline is its limit.
+        last.cause = _cause_from_deadline(env)
     last.exit_code, last.ended_at = exit_code, time.time()
     goes_on = exit_code == REQUEUE_EXIT_CODE or last.cause in ("preempted", "time_limit")
     next_job = _waiting_successor(run_dir, env.get("SLURM_JOB_ID"), ask_slurm) if goes_on and not by_slurm else None
@@ -391,6 +416,9 @@ def finish(run_dir: Path, attempt: int, exit_code: int, env: Mapping[str, str] |
     record = {"event": "attempt_end", "attempt": attempt, "exit_code": exit_code, "cause": last.cause}
     if exit_code not in (0, REQUEUE_EXIT_CODE) and last.cause != "failed":
         record["note"] = f"signalled from outside ({_outside_note(slurm, env)}), not the program's failure"
+    elif exit_code == 0 and last.cause != "completed":
+        record["note"] = (f"exit code 0 after a stop reached the program ({_outside_note(slurm, env)}): "
+                          "interrupted, not completed")
     events.write(record)
     if goes_on:
         how = {"by": "slurm"} if by_slurm else {"by": "chain", "next_job": next_job} if next_job else {}
@@ -399,6 +427,13 @@ def finish(run_dir: Path, attempt: int, exit_code: int, env: Mapping[str, str] |
     elif last.cause == "cancelled":  # as the local executor records a cancel: status says CANCELLED
         events.write({"event": "gave_up", "attempt": attempt, "reason": "cancelled (scancel)", "cause": "cancelled"})
     return Outcome(requeue, reason, by_slurm, next_job if requeue else None)
+
+
+def finished_in_last_attempt(run_dir: Path) -> bool:
+    """The newest attempt recorded the run's finish (the trainer, a Session): it completed, even where a
+    cancel or a stop came after."""
+    attempts = attempts_from_events(read_jsonl(RunDir(run_dir).events))
+    return bool(attempts) and attempts[-1].finished
 
 
 def _cancelled_in(run_dir: Path, chain: str | None) -> str | None:

@@ -24,7 +24,8 @@ from collections.abc import Iterable, Sequence
 
 from hpc_ddp.job.gpubind import effective_mode
 
-__all__ = ["Pick", "Exposure", "Problem", "scan", "judge", "exposure_of", "slurm_binds_per_task", "MAX_SOURCE"]
+__all__ = ["Pick", "Exposure", "Problem", "scan", "judge", "exposure_of", "slurm_binds_per_task", "code_part",
+           "source_of", "runtime_exposure", "MAX_SOURCE"]
 
 MAX_SOURCE = 4 * 1024 * 1024  # bytes of a script read for the scan; past that, the rest is not read
 
@@ -79,7 +80,7 @@ def scan(source: str) -> tuple[Pick, ...]:
     picks = []
     spawns = bool(_SPAWNS.search(source))
     for number, raw in enumerate(source.splitlines(), 1):
-        line = _code_part(raw)
+        line = code_part(raw)
         if not line.strip():
             continue
         for kind, pattern in _PATTERNS:
@@ -93,7 +94,7 @@ def scan(source: str) -> tuple[Pick, ...]:
     return tuple(picks)
 
 
-def _code_part(line: str) -> str:
+def code_part(line: str) -> str:
     """The line without a trailing comment (a '#' outside quotes)."""
     quote = None
     for i, ch in enumerate(line):

@@ -35,6 +35,7 @@ from hpc_ddp.common.rundir import SCRIPT
 from hpc_ddp.job import devicescan
 from hpc_ddp.job.devicescan import exposure_of, judge, scan
 from hpc_ddp.launch.executors import LOAD_SLURM, Machine, fallback_problem, site_note
+from hpc_ddp.launch.frameworks import framework_notes
 from hpc_ddp.slurm.cluster import Cluster, Node, Partition, Unavailable, limit_text, mem_mb, one_line, read_cluster
 from hpc_ddp.slurm.slurmtime import format_time
 from hpc_ddp.spec.jobspec import JobSpec, Target
@@ -491,22 +492,25 @@ def doctor_report(spec: JobSpec, queues: bool, commands: CommandRunner, host: Ho
     return Report(report.cluster, report.findings + tuple(extra + device_findings(spec)))
 
 
-# ---- how the script picks its GPU (submit and doctor) ----
+# ---- what the script's text says (submit and doctor) ----
 
 def device_findings(spec: JobSpec) -> list[Finding]:
-    """The script's way of picking its GPU against the binding its ranks will get (job/devicescan.py):
-    errors where it cannot give each rank its own GPU, warnings where it may not."""
-    exposure = exposure_of(spec)
-    found = devicescan.source_of(spec.target.kind, spec.target.value, spec.workdir) if exposure else None
+    """The script read as text (nothing imported): its way of picking its GPU against the binding its ranks
+    will get (job/devicescan.py), errors where it cannot give each rank its own GPU and warnings where it may
+    not; and what a framework's script needs to resume after a preemption (launch/frameworks.py)."""
+    found = devicescan.source_of(spec.target.kind, spec.target.value, spec.workdir)
     if found is None:
         return []
     path, text = found
-    return [Finding(p.level, p.message, p.hint) for p in judge(scan(text), exposure, os.path.basename(path))]
+    name = os.path.basename(path)
+    exposure = exposure_of(spec)
+    devices = [Finding(p.level, p.message, p.hint) for p in judge(scan(text), exposure, name)] if exposure else []
+    return devices + [Finding(*note) for note in framework_notes(text, name)]
 
 
 def gate_devices(spec: JobSpec, warn: Callable[[str], None]) -> None:
     """Before a submission (and its dry run): warnings go to `warn`; an error stops it, nothing queued."""
-    gate(Report(None, tuple(device_findings(spec))), warn, skip_hint=None)
+    gate(Report(None, tuple(f for f in device_findings(spec) if f.level != "ok")), warn, skip_hint=None)
 
 
 # ---- requeue and dependencies (doctor) ----

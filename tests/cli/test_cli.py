@@ -601,3 +601,23 @@ def test_doctor_names_the_device_problem(project):
     result = CliRunner().invoke(cli, ["doctor", "--nodes", "2", "--gpus", "2", "--gpu-bind", "rank", "train.py"])
     assert result.exit_code == 2
     assert "error: train.py:2 picks its GPU by local rank" in result.output
+
+
+@pytest.mark.parametrize("source,says", [
+    ("import pytorch_lightning as pl\ntrainer.fit(model)\n", 'warning: train.py uses Lightning'),
+    ("import lightning as L\ntrainer.fit(model, ckpt_path='last')\n", None),
+    ("from transformers import Trainer, TrainingArguments\ntrainer.train()\n", "warning: train.py uses the Hugging Face Trainer"),
+    ("from transformers import Trainer\ntrainer.train(resume_from_checkpoint=last)\n", None),
+    ("from accelerate import Accelerator\n", "warning: train.py uses accelerate"),
+])
+def test_submit_says_what_a_framework_script_needs_to_resume(project, source, says):
+    """Issue 27: one line at submit when a framework's script would start over after a preemption."""
+    (project / "train.py").write_text(source)
+    result = invoke("submit", "--dry-run", "--nodes", "2", "train.py")
+    assert result.exit_code == 0
+    lines = [line for line in result.output.splitlines() if "train.py uses" in line]
+    if says is None:
+        assert lines == []
+    else:
+        [line] = lines
+        assert says in line and "HINT:" in line

@@ -195,6 +195,58 @@ def test_finish_asks_slurm_and_records_the_cause(tmp_path, case, shell_signal, w
     assert attempts.begin(run_dir, 1, env=env)[0] == (cause == "preempted")
 
 
+@pytest.mark.parametrize("case,shell_signal,word,cause", [
+    # Lightning catches SIGTERM ("Bypassing SIGTERM") and leaves with exit 0 (issue 27): interrupted
+    ("preempt_no_grace", "TERM", "requeued", "preempted"),   # GraceTime 0: Slurm requeues it, once
+    ("preempt_grace", "", "requeue", "preempted"),           # GraceTime > 0: ends FAILED unless requeued
+    ("admin_requeue", "TERM", "requeued", "preempted"),
+    ("time_limit", "", "requeue", "time_limit"),
+    ("scancel", "TERM", "stop", "cancelled"),                # scancel stays cancelled
+    ("own_crash", "", "stop", "completed"),                  # Slurm shows no stop: the run is done
+])
+def test_exit_0_after_a_stop_is_an_interruption_not_a_completion(tmp_path, case, shell_signal, word, cause):
+    run_dir = _spec_dir(tmp_path)
+    env = {"SLURM_JOB_ID": "3", "HPC_DDP_SHELL_SIGNAL": shell_signal}
+    assert attempts.begin(run_dir, 0, env=env)[0]
+    outcome = attempts.finish(run_dir, 0, 0, env, ask_slurm=lambda job: attempts.parse_show_job(SHOW_JOB[case]))
+    assert outcome.word == word
+    records = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    end = next(r for r in records if r["event"] == "attempt_end")
+    assert (end["cause"], end["exit_code"]) == (cause, 0)
+    assert ("interrupted, not completed" in end.get("note", "")) == (cause in ("preempted", "time_limit", "cancelled"))
+    # The next attempt runs after an interruption (GraceTime 0 no longer meets "already completed"), not after
+    # a completion or a cancel.
+    ok, reason = attempts.begin(run_dir, 1, env=env)
+    assert ok == (cause in ("preempted", "time_limit")), reason
+
+
+def test_a_recorded_finish_is_a_completion_whatever_came_after(tmp_path):
+    run_dir = _spec_dir(tmp_path)
+    env = {"SLURM_JOB_ID": "3", "HPC_DDP_SHELL_SIGNAL": "TERM"}
+    assert attempts.begin(run_dir, 0, env=env)[0]
+    (run_dir / "events.jsonl").open("a").write(json.dumps({"event": "finish", "step": 80}) + "\n")
+    asked = []
+    outcome = attempts.finish(run_dir, 0, 0, env, ask_slurm=lambda job: asked.append(job) or
+                              attempts.parse_show_job(SHOW_JOB["preempt_grace"]))
+    assert outcome.word == "stop" and asked == []  # no need to ask
+    assert attempts.finished_in_last_attempt(run_dir)
+
+
+@pytest.mark.parametrize("deadline_in,cause", [(30.0, "time_limit"), (3600.0, "preempted")])
+def test_without_slurm_a_stop_at_the_deadline_is_the_time_limit(tmp_path, deadline_in, cause):
+    """The local and srun executors: no scontrol answer; a SIGTERM near the deadline is the limit's."""
+    import time
+
+    run_dir = _spec_dir(tmp_path)
+    env = {"HPC_DDP_JOB_ID": "local-1", "HPC_DDP_SHELL_SIGNAL": "TERM",
+           "HPC_DDP_DEADLINE": f"{time.time() + deadline_in:.3f}"}
+    assert attempts.begin(run_dir, 0, env=env)[0]
+    outcome = attempts.finish(run_dir, 0, 0, env, ask_slurm=_no_slurm)
+    assert outcome.requeue
+    end = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()][-2]
+    assert end["event"] == "attempt_end" and end["cause"] == cause
+
+
 def test_a_user_script_preempted_over_and_over_stops_at_the_cap(tmp_path):
     run_dir = _spec_dir(tmp_path, max_preemptions=2)
     env = {"SLURM_JOB_ID": "11"}

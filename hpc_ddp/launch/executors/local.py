@@ -234,13 +234,17 @@ class LocalExecutor(ForegroundControl):
                 _run_ranks(argv, envs, log_dir, echo=self.echo, cwd=spec.workdir,
                            timeline=_timeline(spec, deadline), cancel=self.ctrl_c, received=received,
                            terminal_rank=spec.debug_rank if spec.debugger == "pdb" else None)
-            if self.ctrl_c.requested and rc != 0:  # a run that completed all the same completed
+            # A cancel is a cancel whatever the exit code (a program may catch the SIGTERM and exit 0), unless
+            # the run recorded its finish: one that completed all the same completed.
+            if self.ctrl_c.requested and (rc != 0 or not attempts.finished_in_last_attempt(run_dir)):
                 return self._cancelled(run_dir, attempt, rc, began=True)
-            # A SIGTERM from outside (what Slurm sends at preemption) is not the program's failure, as the
-            # batch shell's trap tells the policy on Slurm.
+            # A SIGTERM from outside (what Slurm sends at preemption) or at the emulated time limit is not
+            # the program's failure, and an exit 0 after it is no completion, as on Slurm.
             outside = "TERM" if "SIGTERM" in received else ""
-            requeue, reason = attempts.end(run_dir, attempt, rc,
-                                           env={"HPC_DDP_JOB_ID": self.job_id, "HPC_DDP_SHELL_SIGNAL": outside})
+            policy_env = {"HPC_DDP_JOB_ID": self.job_id, "HPC_DDP_SHELL_SIGNAL": outside}
+            if deadline is not None:
+                policy_env["HPC_DDP_DEADLINE"] = f"{deadline:.3f}"
+            requeue, reason = attempts.end(run_dir, attempt, rc, env=policy_env)
             if not requeue:
                 if rc == REQUEUE_EXIT_CODE:
                     _say(f"checkpointed, not restarting: {reason}")
@@ -338,7 +342,7 @@ def _run_ranks(argv: list[str], envs: list[dict[str, str]], log_dir: Path, *, ec
         pump.start()
     previous = _forward_signals(procs, received if received is not None else [])
     try:
-        rc = _wait_all(procs, list(timeline or []), cancel or _Cancel())
+        rc = _wait_all(procs, list(timeline or []), cancel or _Cancel(), received)
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
@@ -374,7 +378,8 @@ def _pump(proc: subprocess.Popen, log_path: Path, prefix: str, echo: bool, scrub
                 sys.stdout.flush()
 
 
-def _wait_all(procs: list[subprocess.Popen], timeline: list[tuple[float, int]], cancel: _Cancel | None = None) -> int:
+def _wait_all(procs: list[subprocess.Popen], timeline: list[tuple[float, int]], cancel: _Cancel | None = None,
+              received: list[str] | None = None) -> int:
     """Wait for every rank; when one fails, stop the rest (SIGTERM, then SIGKILL after a grace period).
     Ranks that exit with the requeue code are not failures: the others reach the same decision.
     `timeline` signals are sent to every rank when their time comes (the --time emulation); a cancel
@@ -395,6 +400,8 @@ def _wait_all(procs: list[subprocess.Popen], timeline: list[tuple[float, int]], 
             while timeline and time.time() >= timeline[0][0]:
                 _, signum = timeline.pop(0)
                 _say(f"time limit: sending {signal.Signals(signum).name} to every rank")
+                if received is not None and signum == signal.SIGTERM:
+                    received.append("SIGTERM")  # the limit's stop, as Slurm's reaches the batch shell
                 for p in procs:
                     if p.poll() is None:
                         _signal_group(p, signum)

@@ -395,7 +395,9 @@ class SrunExecutor(ForegroundControl):
             received: list[str] = []
             rc = self._node_setup(spec, run_dir, alloc) or self._run_step(spec, run_dir, alloc, attempt, deadline,
                                                                           received)
-            if self.ctrl_c.requested and rc != 0:  # a run that completed all the same completed
+            # A cancel whatever the exit code (a program may catch SIGTERM and exit 0), unless the run
+            # recorded its finish: one that completed all the same completed.
+            if self.ctrl_c.requested and (rc != 0 or not attempts.finished_in_last_attempt(Path(run_dir))):
                 return self._cancelled(run_dir, attempt, rc, began=True)
             # A SIGTERM from outside is not the program's failure, as the batch shell's trap tells the policy.
             end_env = {**policy_env, "HPC_DDP_SHELL_SIGNAL": "TERM" if "TERM" in received else ""}

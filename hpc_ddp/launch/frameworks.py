@@ -1,0 +1,51 @@
+"""What a script written for a framework must say to survive preemption, read from its text (pure).
+
+hpc-ddp runs a preempted or timed-out job again whichever way the program left (Lightning catches SIGTERM
+and exits 0; see job/attempts.stopped_cause). Whether the next attempt continues or starts over is the
+script's: a framework resumes only from a checkpoint it is told to load. `framework_notes` names the one
+line a script is missing, for `submit` (a warning) and `doctor`.
+"""
+
+from __future__ import annotations
+
+import re
+
+from hpc_ddp.job.devicescan import code_part
+
+__all__ = ["Note", "framework_notes"]
+
+_LIGHTNING = re.compile(r"^\s*(?:import|from)\s+(?:pytorch_lightning|lightning)\b", re.M)
+_HF_TRAINER = re.compile(r"^\s*from\s+transformers\s+import\s+.*\bTrainer\b|\btransformers\.Trainer\b", re.M)
+_ACCELERATE = re.compile(r"^\s*(?:from\s+accelerate\s+import|import\s+accelerate)\b", re.M)
+
+
+class Note(tuple):
+    """(level, message, hint)."""
+
+    def __new__(cls, level: str, message: str, hint: str | None = None):
+        return super().__new__(cls, (level, message, hint))
+
+
+def framework_notes(source: str, name: str) -> list[Note]:
+    code = "\n".join(code_part(line) for line in source.splitlines())
+    if _LIGHTNING.search(code):
+        if re.search(r"\bckpt_path\s*=", code):
+            return [Note("ok", f"{name} uses Lightning and names a checkpoint to resume from (ckpt_path): a "
+                               "preempted or timed-out job runs again and continues")]
+        return [Note("warning", f"{name} uses Lightning: a preempted or timed-out job runs again, but starts over "
+                                "unless fit() resumes from Lightning's own checkpoint",
+                     'ModelCheckpoint(save_last=True, every_n_train_steps=N) and trainer.fit(model, ckpt_path="last")')]
+    if _HF_TRAINER.search(code):
+        if re.search(r"\bresume_from_checkpoint\s*=", code):
+            return [Note("ok", f"{name} uses the Hugging Face Trainer with resume_from_checkpoint: a preempted or "
+                               "timed-out job runs again and continues")]
+        return [Note("warning", f"{name} uses the Hugging Face Trainer: a preempted or timed-out job runs again, but "
+                                "starts over unless train() resumes from its last checkpoint",
+                     "TrainingArguments(save_steps=N) and trainer.train(resume_from_checkpoint="
+                     "get_last_checkpoint(args.output_dir)) (transformers.trainer_utils)")]
+    if _ACCELERATE.search(code) and not re.search(r"\.load_state\s*\(", code):
+        return [Note("warning", f"{name} uses accelerate: a preempted or timed-out job runs again, but starts over "
+                                "unless it loads the state it saved",
+                     "accelerator.save_state(DIR) every N steps, and accelerator.load_state(DIR) at start "
+                     "when DIR exists")]
+    return []
