@@ -60,6 +60,119 @@ with open(os.path.join(out, f"done-{trainer.global_rank}.txt"), "w") as fh:
     fh.write(str(trainer.global_step))
 """
 
+HF_TRAINER = """
+# An unmodified Hugging Face Trainer script: a tiny BERT built from a config (no download), its own
+# checkpoints every 5 steps, and resume from the newest one.
+import os, sys, time
+import torch
+from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer_utils import get_last_checkpoint
+
+out = sys.argv[1]
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __len__(self):
+        return 640
+
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(i)
+        return {"input_ids": torch.randint(0, 100, (16,), generator=g), "labels": torch.tensor(i % 2)}
+
+
+class Steps(TrainerCallback):
+    def on_step_end(self, args, state, control, **kwargs):
+        time.sleep(0.25)
+        with open(os.path.join(out, f"steps-{args.process_index}.txt"), "a") as fh:
+            fh.write(f"{state.global_step - 1}\\n")
+
+
+torch.manual_seed(0)
+config = BertConfig(vocab_size=100, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                    intermediate_size=32, max_position_embeddings=32, num_labels=2)
+args = TrainingArguments(output_dir=os.path.join(out, "hf"), max_steps=60, per_device_train_batch_size=8,
+                         save_steps=5, logging_steps=10, report_to=[], use_cpu=True, disable_tqdm=True,
+                         dataloader_num_workers=0)
+trainer = Trainer(model=BertForSequenceClassification(config), args=args, train_dataset=Tokens(),
+                  callbacks=[Steps()])
+last = get_last_checkpoint(args.output_dir) if os.path.isdir(args.output_dir) else None
+trainer.train(resume_from_checkpoint=last)
+if trainer.is_world_process_zero():
+    with open(os.path.join(out, "done.txt"), "w") as fh:
+        fh.write(str(trainer.state.global_step))
+"""
+
+ACCELERATE = """
+# An accelerate loop of one's own: save_state every 5 steps, load_state at start when it exists.
+import os, sys, time
+import torch
+from accelerate import Accelerator
+
+out = sys.argv[1]
+state = os.path.join(out, "state")
+accelerator = Accelerator(cpu=True)
+torch.manual_seed(0)
+model = torch.nn.Linear(8, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+model, opt = accelerator.prepare(model, opt)
+start = 0
+if os.path.exists(os.path.join(state, "step.txt")):
+    accelerator.load_state(state)
+    start = int(open(os.path.join(state, "step.txt")).read())
+for step in range(start, 60):
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(step))
+    loss = model(x).pow(2).mean()
+    accelerator.backward(loss)
+    opt.step()
+    opt.zero_grad()
+    time.sleep(0.25)
+    with open(os.path.join(out, f"steps-{accelerator.process_index}.txt"), "a") as fh:
+        fh.write(f"{step}\\n")
+    if (step + 1) % 5 == 0:
+        accelerator.save_state(state)
+        if accelerator.is_main_process:
+            with open(os.path.join(state, "step.txt"), "w") as fh:
+                fh.write(str(step + 1))
+        accelerator.wait_for_everyone()
+if accelerator.is_main_process:
+    with open(os.path.join(out, "done.txt"), "w") as fh:
+        fh.write(str(step + 1))
+"""
+
+FABRIC = """
+# A Lightning Fabric loop: fabric.save every 5 steps, fabric.load at start when the checkpoint exists.
+import os, sys, time
+import torch
+import lightning as L
+
+out = sys.argv[1]
+fabric = L.Fabric(accelerator="cpu", devices=1, num_nodes=2, strategy="ddp")
+fabric.launch()
+torch.manual_seed(0)
+model = torch.nn.Linear(8, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+model, opt = fabric.setup(model, opt)
+state = {"model": model, "optimizer": opt, "step": 0}
+ckpt = os.path.join(out, "fabric.ckpt")
+if os.path.exists(ckpt):
+    fabric.load(ckpt, state)
+for step in range(state["step"], 60):
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(step))
+    loss = model(x).pow(2).mean()
+    fabric.backward(loss)
+    opt.step()
+    opt.zero_grad()
+    time.sleep(0.25)
+    with open(os.path.join(out, f"steps-{fabric.global_rank}.txt"), "a") as fh:
+        fh.write(f"{step}\\n")
+    if (step + 1) % 5 == 0:
+        state["step"] = step + 1
+        fabric.save(ckpt, state)
+if fabric.global_rank == 0:
+    with open(os.path.join(out, "done.txt"), "w") as fh:
+        fh.write(str(step + 1))
+"""
+
 # torchrun-style shapes, each with its own progress file (rank 0 writes it after every step)
 PLAIN_HEAD = """
 import json, os, signal, sys, time
@@ -126,6 +239,11 @@ def _progress(path: Path) -> int:
         return 0
 
 
+def _resumed_at(trained: list[int]) -> int:
+    """The step the second attempt began at: the first step not after the one before it."""
+    return next(trained[i] for i in range(1, len(trained)) if trained[i] <= trained[i - 1])
+
+
 def _ends(run_dir: Path) -> list[str]:
     return [e["cause"] for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "attempt_end"]
 
@@ -134,13 +252,16 @@ def _ends(run_dir: Path) -> list[str]:
 def test_unmodified_frameworks_preempted_for_real_are_run_again_and_complete(slurm_conf, tmp_path, seed):
     pytest.importorskip("pytorch_lightning", reason="a test-only dependency (make install puts it in .venv)")
     rng = random.Random(seed)
-    (tmp_path / "fit.py").write_text(LIGHTNING)
     jobs, outs = {}, {}
-    for name, partition in (("lightning-grace0", "debug"), ("lightning-grace15", "grace")):
+    # `lightning` (the unified package) at GraceTime 0, `pytorch_lightning` at GraceTime 15
+    unified = LIGHTNING.replace("import pytorch_lightning as pl", "import lightning.pytorch as pl").replace(
+        "from pytorch_lightning.callbacks", "from lightning.pytorch.callbacks")
+    for name, partition, text in (("lightning-grace0", "debug", unified), ("lightning-grace15", "grace", LIGHTNING)):
+        (tmp_path / f"{name}.py").write_text(text)
         outs[name] = tmp_path / f"{name}-out"
         outs[name].mkdir()
         jobs[name] = submit_json("--executor", "sbatch", "--partition", partition, "--nodes", "2", "--run-dir", name,
-                                 "fit.py", str(outs[name]), cwd=tmp_path)["job_id"]
+                                 f"{name}.py", str(outs[name]), cwd=tmp_path)["job_id"]
     for name, text in SHAPES.items():
         (tmp_path / f"{name}.py").write_text(text)
         jobs[name] = submit_json("--executor", "sbatch", "--partition", "grace", "--nodes", "2", "--run-dir", name,
@@ -169,9 +290,43 @@ def test_unmodified_frameworks_preempted_for_real_are_run_again_and_complete(slu
         # the second attempt resumed from Lightning's own last.ckpt (a multiple of 5), not from step 0
         restart = trained.index(0, 1) if 0 in trained[1:] else None
         assert restart is None, f"{name} started over from step 0"
-        resumed_at = next(trained[i] for i in range(1, len(trained)) if trained[i] <= trained[i - 1])
+        resumed_at = _resumed_at(trained)
         assert resumed_at % 5 == 0 and resumed_at > 0, (name, resumed_at)
     for name in SHAPES:
         assert _progress(tmp_path / f"{name}.json") == 60, name
     grace0 = [e for e in read_jsonl(tmp_path / "lightning-grace0" / "events.jsonl") if e["event"] == "requeue"]
     assert grace0 and grace0[0]["by"] == "slurm"  # GraceTime 0: Slurm requeued it itself; hpc-ddp did not again
+
+
+@pytest.mark.parametrize("seed", [28])
+def test_hugging_face_accelerate_and_fabric_preempted_for_real_resume_and_complete(slurm_conf, tmp_path, seed):
+    """The Hugging Face Trainer (a tiny BERT from a config, save_steps=5, resume_from_checkpoint) at
+    GraceTime 0, an accelerate loop of one's own (save_state/load_state) and a Lightning Fabric loop
+    (fabric.save/load) at GraceTime 15: none handles SIGTERM, all die of it, and each runs again from its
+    own newest checkpoint."""
+    pytest.importorskip("transformers", reason="a test-only dependency (make install puts it in .venv)")
+    pytest.importorskip("lightning", reason="a test-only dependency (make install puts it in .venv)")
+    rng = random.Random(seed)
+    jobs, outs = {}, {}
+    for name, partition, text in (("hf-grace0", "debug", HF_TRAINER), ("accelerate-grace15", "grace", ACCELERATE),
+                                  ("fabric-grace15", "grace", FABRIC)):
+        (tmp_path / f"{name}.py").write_text(text)
+        outs[name] = tmp_path / f"{name}-out"
+        outs[name].mkdir()
+        jobs[name] = submit_json("--executor", "sbatch", "--partition", partition, "--nodes", "2", "--run-dir", name,
+                                 f"{name}.py", str(outs[name]), cwd=tmp_path)["job_id"]
+    at = {name: rng.randrange(7, 30) for name in jobs}
+    for name in jobs:
+        wait_until(lambda n=name: len(_steps(outs[n], 0)) >= at[n], 300, f"{name} step {at[name]}")
+    _preempt_all(list(jobs.values()))
+    states = {name: _wait_done(job) for name, job in jobs.items()}
+    logs = {name: hpc_ddp("logs", job, cwd=tmp_path).stdout[-3000:] for name, job in jobs.items()}
+    assert states == dict.fromkeys(jobs, "COMPLETED"), (states, logs)
+    for name, job in jobs.items():
+        assert job_field(job, "Restarts") == "1", name
+        assert _ends(tmp_path / name) == ["preempted", "completed"], (name, _ends(tmp_path / name))
+        assert (outs[name] / "done.txt").read_text() == "60"
+        trained = _steps(outs[name], 0)
+        assert set(trained) == set(range(60)), (name, sorted(set(range(60)) - set(trained)))
+        resumed_at = _resumed_at(trained)
+        assert resumed_at % 5 == 0 and resumed_at > 0, (name, resumed_at)
