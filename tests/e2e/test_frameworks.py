@@ -41,7 +41,7 @@ class Model(pl.LightningModule):
     def training_step(self, batch, _index):
         time.sleep(0.25)
         with open(os.path.join(out, f"steps-{self.global_rank}.txt"), "a") as fh:
-            fh.write(f"{self.global_step}\\n")
+            fh.write(f"{os.environ.get('SLURM_RESTART_COUNT', '0')} {self.global_step}\\n")
         x, y = batch
         return torch.nn.functional.mse_loss(self.layer(x), y)
 
@@ -84,7 +84,7 @@ class Steps(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         time.sleep(0.25)
         with open(os.path.join(out, f"steps-{args.process_index}.txt"), "a") as fh:
-            fh.write(f"{state.global_step - 1}\\n")
+            fh.write(f"{os.environ.get('SLURM_RESTART_COUNT', '0')} {state.global_step - 1}\\n")
 
 
 torch.manual_seed(0)
@@ -127,7 +127,7 @@ for step in range(start, 60):
     opt.zero_grad()
     time.sleep(0.25)
     with open(os.path.join(out, f"steps-{accelerator.process_index}.txt"), "a") as fh:
-        fh.write(f"{step}\\n")
+        fh.write(f"{os.environ.get('SLURM_RESTART_COUNT', '0')} {step}\\n")
     if (step + 1) % 5 == 0:
         accelerator.save_state(state)
         if accelerator.is_main_process:
@@ -164,7 +164,7 @@ for step in range(state["step"], 60):
     opt.zero_grad()
     time.sleep(0.25)
     with open(os.path.join(out, f"steps-{fabric.global_rank}.txt"), "a") as fh:
-        fh.write(f"{step}\\n")
+        fh.write(f"{os.environ.get('SLURM_RESTART_COUNT', '0')} {step}\\n")
     if (step + 1) % 5 == 0:
         state["step"] = step + 1
         fabric.save(ckpt, state)
@@ -227,9 +227,11 @@ def _wait_done(job: str, timeout: float = 400) -> str:
                       timeout, f"job {job} to end")
 
 
-def _steps(out: Path, rank: int) -> list[int]:
+def _steps(out: Path, rank: int) -> list[tuple[int, int]]:
+    """(attempt, step) for every step rank `rank` trained, in order."""
     path = out / f"steps-{rank}.txt"
-    return [int(x) for x in path.read_text().split()] if path.exists() else []
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [(int(a), int(b)) for a, b in (line.split() for line in lines)]
 
 
 def _progress(path: Path) -> int:
@@ -239,13 +241,22 @@ def _progress(path: Path) -> int:
         return 0
 
 
-def _resumed_at(trained: list[int]) -> int:
-    """The step the second attempt began at: the first step not after the one before it."""
-    return next(trained[i] for i in range(1, len(trained)) if trained[i] <= trained[i - 1])
+def _resumed_at(trained: list[tuple[int, int]]) -> int:
+    """The step the second attempt began at."""
+    return next(step for attempt, step in trained if attempt == 1)
 
 
 def _ends(run_dir: Path) -> list[str]:
     return [e["cause"] for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "attempt_end"]
+
+
+def _one_stop_then_completed(run_dir: Path, name: str) -> None:
+    """The first attempt ended preempted; or, at GraceTime 0, "killed": Slurm SIGKILLs the batch shell
+    KillWait (5 s here) after its SIGTERM, sometimes before it recorded the end (the next attempt records
+    it then; both count against max_preemptions)."""
+    ends = _ends(run_dir)
+    allowed = (["preempted", "completed"], ["killed", "completed"]) if "grace0" in name else (["preempted", "completed"],)
+    assert ends in allowed, (name, ends)
 
 
 @pytest.mark.parametrize("seed", [27])
@@ -279,23 +290,22 @@ def test_unmodified_frameworks_preempted_for_real_are_run_again_and_complete(slu
     assert states == dict.fromkeys(jobs, "COMPLETED"), (states, logs)
     for name, job in jobs.items():
         assert job_field(job, "Restarts") == "1", name  # exactly one requeue for the one stop
-        assert _ends(tmp_path / name) == ["preempted", "completed"], (name, _ends(tmp_path / name))
+        _one_stop_then_completed(tmp_path / name, name)
         status = json.loads(hpc_ddp("status", "--json", job, cwd=tmp_path).stdout)
-        assert [a["ended"] for a in status["attempts"]] == ["preempted", "completed"], (name, status["attempts"])
+        assert [a["ended"] for a in status["attempts"]] in (["preempted", "completed"], ["killed", "completed"]), \
+            (name, status["attempts"])
     for name in ("lightning-grace0", "lightning-grace15"):
         out = outs[name]
         assert (out / "done-0.txt").read_text() == "80"
         trained = _steps(out, 0)
-        assert set(trained) == set(range(80)), (name, sorted(set(range(80)) - set(trained)))
+        assert {step for _, step in trained} == set(range(80)), name
         # the second attempt resumed from Lightning's own last.ckpt (a multiple of 5), not from step 0
-        restart = trained.index(0, 1) if 0 in trained[1:] else None
-        assert restart is None, f"{name} started over from step 0"
         resumed_at = _resumed_at(trained)
         assert resumed_at % 5 == 0 and resumed_at > 0, (name, resumed_at)
     for name in SHAPES:
         assert _progress(tmp_path / f"{name}.json") == 60, name
     grace0 = [e for e in read_jsonl(tmp_path / "lightning-grace0" / "events.jsonl") if e["event"] == "requeue"]
-    assert grace0 and grace0[0]["by"] == "slurm"  # GraceTime 0: Slurm requeued it itself; hpc-ddp did not again
+    assert all(e["by"] == "slurm" for e in grace0)  # GraceTime 0: Slurm requeued it itself; hpc-ddp did not again
 
 
 @pytest.mark.parametrize("seed", [28])
@@ -324,9 +334,9 @@ def test_hugging_face_accelerate_and_fabric_preempted_for_real_resume_and_comple
     assert states == dict.fromkeys(jobs, "COMPLETED"), (states, logs)
     for name, job in jobs.items():
         assert job_field(job, "Restarts") == "1", name
-        assert _ends(tmp_path / name) == ["preempted", "completed"], (name, _ends(tmp_path / name))
+        _one_stop_then_completed(tmp_path / name, name)
         assert (outs[name] / "done.txt").read_text() == "60"
         trained = _steps(outs[name], 0)
-        assert set(trained) == set(range(60)), (name, sorted(set(range(60)) - set(trained)))
+        assert {step for _, step in trained} == set(range(60)), name
         resumed_at = _resumed_at(trained)
         assert resumed_at % 5 == 0 and resumed_at > 0, (name, resumed_at)
