@@ -27,10 +27,11 @@ from hpc_ddp.job.gpubind import effective_mode
 __all__ = ["Pick", "Exposure", "Problem", "scan", "judge", "exposure_of", "slurm_binds_per_task", "code_part",
            "source_of", "runtime_exposure", "MAX_SOURCE"]
 
-MAX_SOURCE = 4 * 1024 * 1024  # bytes of a script read for the scan; past that, the rest is not read
+MAX_SOURCE = 4 * 1024 * 1024  # bytes: a larger script is not scanned
 
 _LOCAL = r"(?:local[_-]?rank|LOCAL_RANK|SLURM_LOCALID|local_process_index|localid)"
-_DEVICE_CALL = r"(?:set_device|\.cuda|\.to|torch\.device|device_ids\s*=|output_device\s*=|device\s*=|map_location\s*=)"
+_DEVICE_CALL = (r"(?:set_device|\.cuda|\.to|torch\.device|device_ids\s*=|output_device\s*=|device\s*=|"
+                r"map_location\s*=)")
 _PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("hpc_ddp", re.compile(r"\bhpc_ddp\.start\s*\(|from\s+hpc_ddp\s+import\s+.*\bstart\b")),
     ("framework", re.compile(r"^\s*(?:import|from)\s+(?:lightning|pytorch_lightning|accelerate)\b"
@@ -40,8 +41,9 @@ _PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = (
                               r"|add_argument\(\s*[\"']--local[_-]rank[\"']", re.IGNORECASE)),
     ("fixed", re.compile(r"[\"']cuda:\d+[\"']|set_device\(\s*\d+\s*\)|\.cuda\(\s*\d+\s*\)"
                          r"|device_ids\s*=\s*\[\s*\d+\s*\]|torch\.device\(\s*[\"']cuda[\"']\s*,\s*\d+\s*\)")),
-    ("rank", re.compile(r"(?:set_device|\.cuda|\.to)\(\s*(?:args\.)?rank\s*\)|device_ids\s*=\s*\[\s*(?:args\.)?rank\s*\]"
-                        r"|cuda:\{(?:args\.)?rank\}|torch\.device\(\s*[\"']cuda[\"']\s*,\s*(?:args\.)?rank\s*\)")),
+    ("rank", re.compile(r"(?:set_device|\.cuda|\.to)\(\s*(?:args\.)?rank\s*\)"
+                        r"|device_ids\s*=\s*\[\s*(?:args\.)?rank\s*\]|cuda:\{(?:args\.)?rank\}"
+                        r"|torch\.device\(\s*[\"']cuda[\"']\s*,\s*(?:args\.)?rank\s*\)")),
     ("plain", re.compile(r"torch\.device\(\s*[\"']cuda[\"']\s*\)|\.cuda\(\s*\)|\.to\(\s*[\"']cuda[\"']\s*\)"
                          r"|device\s*=\s*[\"']cuda[\"']")),
 )
@@ -53,6 +55,7 @@ class Pick:
     kind: str
     line: int   # 1-based
     text: str   # the line, stripped and shortened
+    index: int | None = None  # "fixed": the GPU index it names
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,12 +87,14 @@ def scan(source: str) -> tuple[Pick, ...]:
         if not line.strip():
             continue
         for kind, pattern in _PATTERNS:
-            if pattern.search(line):
+            found = pattern.search(line)
+            if found:
                 if kind in ("local_rank", "rank") and "cpu" in line and "cuda" not in line:
                     continue  # torch.device("cpu:{}".format(local_rank)): no GPU picked
                 if kind == "rank" and spawns:  # mp.spawn's first argument is the rank on this node
                     kind = "local_rank"
-                picks.append(Pick(kind, number, _short(raw.strip())))
+                index = int(re.findall(r"\d+", found.group())[-1]) if kind == "fixed" else None
+                picks.append(Pick(kind, number, _short(raw.strip()), index))
                 break
     return tuple(picks)
 
@@ -157,12 +162,14 @@ def judge(picks: Sequence[Pick], exposure: Exposure | None, where: str = "the sc
 def _judge_one(pick: Pick, e: Exposure, at: str) -> Problem | None:
     local = e.local_world_size
     if pick.kind in ("local_rank", "framework"):
-        how = "picks its GPU by local rank" if pick.kind == "local_rank" else "uses a framework that picks cuda:LOCAL_RANK"
+        how = "picks its GPU by local rank" if pick.kind == "local_rank" else \
+            "uses a framework that picks cuda:LOCAL_RANK"
         if e.how == "node":
             if e.per_rank > 1 and local > 1:
-                return Problem("warning", f"{at} {how} ({pick.text}), but each rank has {e.per_rank} GPUs: local rank 1's "
-                               "cuda:1 is local rank 0's second GPU",
-                               f"give each rank one GPU (--gpus {local}), or use --gpu-bind rank and cuda:0..{e.per_rank - 1}")
+                return Problem("warning", f"{at} {how} ({pick.text}), but each rank has {e.per_rank} GPUs: local "
+                               "rank 1's cuda:1 is local rank 0's second GPU",
+                               f"give each rank one GPU (--gpus {local}), or use --gpu-bind rank and "
+                               f"cuda:0..{e.per_rank - 1}")
             return None
         if local > e.visible:
             fix = ("ask for GPUs per node without per-task binding (--gpus N, no --gpus-per-task or --gpu-bind in "
@@ -173,11 +180,12 @@ def _judge_one(pick: Pick, e: Exposure, at: str) -> Problem | None:
                            f"{fix}; or pick {_ANY_BINDING}")
         return None
     if pick.kind == "fixed":
-        index = int(re.search(r"\d+", pick.text.split("cuda", 1)[-1] if "cuda" in pick.text else pick.text).group())
+        index = pick.index or 0
         if e.how == "node" and local > 1:
             return Problem("warning", f"{at} uses a fixed GPU ({pick.text}): every rank of a node sees the node's "
-                           f"{_gpus(e.visible)}, so all {local} would share one (the job stops at start-up if they do)",
-                           f"use --gpu-bind rank (each rank then sees only its own GPU, as cuda:0), or pick {_ANY_BINDING}")
+                           f"{_gpus(e.visible)}, so all {local} would share one (the job stops at start-up if "
+                           "they do)", f"use --gpu-bind rank (each rank then sees only its own GPU, as cuda:0), or "
+                           f"pick {_ANY_BINDING}")
         if e.how != "node" and index >= e.visible:
             return Problem("error", f"{at} uses cuda:{index} ({pick.text}), but {e.bound_by} lets each rank see "
                            f"only {_own(e.visible)}", f"pick {_ANY_BINDING}")
@@ -222,11 +230,12 @@ def source_of(kind: str, value: str, workdir: str) -> tuple[str, str] | None:
         candidates = [base + ".py", os.path.join(base, "__main__.py")]
     else:
         return None
+    from hpc_ddp.common.durable import read_regular
+
     for path in candidates:
-        try:
-            with open(path, "rb") as f:
-                data = f.read(MAX_SOURCE)
-        except OSError:
+        try:  # a regular file only (no FIFO or device is opened); a link is read where it points
+            data = read_regular(os.path.realpath(path), limit=MAX_SOURCE)
+        except (OSError, ValueError):
             continue
         return path, data.decode("utf-8", errors="replace")
     return None

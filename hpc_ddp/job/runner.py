@@ -1,8 +1,8 @@
 """The per-rank runner: what each task of the job starts (`python -m hpc_ddp.job.runner RUN_DIR/spec.json`).
 
 It derives the DistEnv, exports the torchrun-compatible variables (and those managed platforms inject),
-gives the rank its GPUs (gpubind: which it sees, which torch starts on), then replaces itself with the user's program (exec), so
-signals from Slurm go straight to it. Everything but `main` is pure.
+gives the rank its GPUs (gpubind: which it sees, which torch starts on), then replaces itself with the
+user's program (exec), so signals from Slurm go straight to it. Everything but `main` is pure.
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ from hpc_ddp.common import rundir
 from hpc_ddp.common.errors import EnvError, report
 from hpc_ddp.common.events import JsonLines
 from hpc_ddp.common.machine import physical_gpus
-from hpc_ddp.job.distenv import DistEnv, from_environ
 from hpc_ddp.job import devicescan
+from hpc_ddp.job.distenv import DistEnv, from_environ
+from hpc_ddp.job.exitsite.hpc_ddp_warned import SIGNAL_VARIABLE as WARNED_VARIABLE
 from hpc_ddp.job.gpubind import BINDING_VARIABLE, DEVICE_VARIABLE, NO_GPU, bind_gpus, entries
 from hpc_ddp.job.ports import PORT_HINT, port_in_use, taken_port_message
 from hpc_ddp.spec.jobspec import JobSpec, load_spec
@@ -87,6 +88,9 @@ def rank_environment(spec: JobSpec, dist: DistEnv, env: Mapping[str, str], run_d
         # plain "cuda" lands on this rank's own GPU, not every rank of the node on cuda:0.
         out[DEVICE_VARIABLE] = str(binding.device)
         out[BINDING_VARIABLE] = binding.how
+    # A handler of the program's own for the warning signal records that the warning reached it
+    # (exitsite/hpc_ddp_warned.py): an exit 0 after it is a stop, not a completion.
+    out[WARNED_VARIABLE] = spec.signal
     if "OMP_NUM_THREADS" not in env:
         # torchrun's default; one thread per rank unless the job gave each task more CPUs.
         out["OMP_NUM_THREADS"] = str(spec.cpus_per_task or env.get("SLURM_CPUS_PER_TASK") or 1)
@@ -187,7 +191,8 @@ def _check_device_pick(spec: JobSpec, dist: DistEnv, env: Mapping[str, str]) -> 
     visible = env.get("CUDA_VISIBLE_DEVICES")
     exposure = devicescan.runtime_exposure(how, len(entries(visible)), spec.gpus // spec.tasks_per_node,
                                            dist.local_world_size, dist.num_nodes, visible)
-    errors = [p for p in devicescan.judge(devicescan.scan(text), exposure, os.path.basename(path)) if p.level == "error"]
+    problems = devicescan.judge(devicescan.scan(text), exposure, os.path.basename(path))
+    errors = [p for p in problems if p.level == "error"]
     if errors:
         raise EnvError(errors[0].message, hint=errors[0].hint)
 

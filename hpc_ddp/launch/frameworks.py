@@ -9,6 +9,7 @@ line a script is missing, for `submit` (a warning) and `doctor`.
 from __future__ import annotations
 
 import re
+from typing import NamedTuple
 
 from hpc_ddp.job.devicescan import code_part
 
@@ -19,11 +20,10 @@ _HF_TRAINER = re.compile(r"^\s*from\s+transformers\s+import\s+.*\bTrainer\b|\btr
 _ACCELERATE = re.compile(r"^\s*(?:from\s+accelerate\s+import|import\s+accelerate)\b", re.M)
 
 
-class Note(tuple):
-    """(level, message, hint)."""
-
-    def __new__(cls, level: str, message: str, hint: str | None = None):
-        return super().__new__(cls, (level, message, hint))
+class Note(NamedTuple):
+    level: str  # "ok" | "warning"
+    message: str
+    hint: str | None = None
 
 
 def framework_notes(source: str, name: str) -> list[Note]:

@@ -63,8 +63,7 @@ from hpc_ddp.common.events import JsonLines
 from hpc_ddp.common.exitcodes import REQUEUE_EXIT_CODE
 from hpc_ddp.common.procs import exit_after_handlers
 from hpc_ddp.common.rundir import RunDir
-from hpc_ddp.data.loaders import (ResumableSampler, SeededSamples, shield_loader_workers, worker_init,
-                                  worker_niceness)
+from hpc_ddp.data.loaders import ResumableSampler, SeededSamples, shield_loader_workers, worker_init, worker_niceness
 from hpc_ddp.job.deadline import job_deadline, stop_lead
 from hpc_ddp.job.distenv import DistEnv, from_environ
 from hpc_ddp.job.gpubind import own_device

@@ -16,11 +16,10 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from test_attempts import SHOW_JOB  # tests/job is on sys.path (pytest prepends it)
 
 from hpc_ddp.job import attempts
 from hpc_ddp.spec.jobspec import Layer, Target, build_spec
-
-from test_attempts import SHOW_JOB  # tests/job is on sys.path (pytest prepends it)
 
 REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"
@@ -53,7 +52,8 @@ def _decide(tmp_path: Path, exit_code: int, state: str) -> str:
     (run_dir / "spec.json").write_text(json.dumps(spec.to_dict()))
     env = {"SLURM_JOB_ID": "3", "HPC_DDP_SHELL_SIGNAL": "" if state == "preempt_grace" else "TERM"}
     assert attempts.begin(run_dir, 0, env=env)[0]
-    outcome = attempts.finish(run_dir, 0, exit_code, env, ask_slurm=lambda _job: attempts.parse_show_job(SHOW_JOB[state]))
+    slurm = attempts.parse_show_job(SHOW_JOB[state])
+    outcome = attempts.finish(run_dir, 0, exit_code, env, ask_slurm=lambda _job: slurm)
     cause = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()
              if json.loads(x)["event"] == "attempt_end"][-1]["cause"]
     if outcome.word == "stop":

@@ -62,8 +62,9 @@ def node_gpus(n: int, style: str) -> tuple[list[str], list[str]]:
 
 def slurm_env(local_rank: int, tasks: int, visible: str) -> dict[str, str]:
     """What Slurm gives task `local_rank` of node 0 of a 2-node step."""
-    return {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_PROCID": str(local_rank), "SLURM_LOCALID": str(local_rank),
-            "SLURM_NODEID": "0", "SLURM_STEP_NUM_TASKS": str(2 * tasks), "SLURM_STEP_NODELIST": "n[1-2]",
+    return {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_PROCID": str(local_rank),
+            "SLURM_LOCALID": str(local_rank), "SLURM_NODEID": "0", "SLURM_STEP_NUM_TASKS": str(2 * tasks),
+            "SLURM_STEP_NODELIST": "n[1-2]",
             "SLURM_STEP_TASKS_PER_NODE": f"{tasks}(x2)", "CUDA_VISIBLE_DEVICES": visible}
 
 
@@ -99,7 +100,8 @@ def outcome(pattern: str, gpus: int, per_task: int, exposure: str, style: str, t
         for index in uses(env, len(shown)):
             gpu = physical_gpu(env.get("CUDA_VISIBLE_DEVICES"), index, physical)
             if gpu is None:
-                return f"local rank {local}: cuda:{index} is no device (CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']})"
+                shown = env["CUDA_VISIBLE_DEVICES"]
+                return f"local rank {local}: cuda:{index} is no device (CUDA_VISIBLE_DEVICES={shown})"
             if gpu in used:
                 return f"local ranks {used[gpu]} and {local} share {gpu}"
             used[gpu] = local

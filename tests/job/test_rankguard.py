@@ -32,7 +32,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _two_ranks(script: Path, tmp_path: Path, **extra: str | None) -> tuple[list[subprocess.CompletedProcess], list[dict]]:
+def _two_ranks(script: Path, tmp_path: Path, **extra: str | None) -> tuple[list, list[dict]]:
+    """Two ranks of one node run `script`; their CompletedProcess and the GPUs the model of CUDA saw used."""
     log = tmp_path / "cuda-log"
     log.mkdir()
     port = str(_free_port())
@@ -86,7 +87,8 @@ def test_ranks_that_pick_one_gpu_stop_at_init_with_one_line(tmp_path):
     for d in done:
         assert "trained" not in d.stdout
         [line] = [x for x in d.stderr.splitlines() if x.startswith("hpc-ddp:")]
-        assert f"ranks 0 and 1 on node {socket.gethostname()} both use GPU 0 (cuda:0 of CUDA_VISIBLE_DEVICES=0,1)" in line
+        node = socket.gethostname()
+        assert f"ranks 0 and 1 on node {node} both use GPU 0 (cuda:0 of CUDA_VISIBLE_DEVICES=0,1)" in line
 
 
 def test_a_script_that_narrows_cuda_visible_devices_itself_keeps_its_choice(tmp_path):

@@ -136,6 +136,8 @@ class _Guard:
     def _node_entries(self, torch, dist):
         if dist.get_world_size() < 2 or not torch.cuda.is_available():
             return None
+        if str(dist.get_world_size()) != self.environ.get("WORLD_SIZE"):
+            return None  # a group of the program's own making, not the job's ranks: who is on which node is unknown
         if "nccl" not in str(dist.get_backend()).lower() and not torch.cuda.is_initialized():
             return None  # a CPU job: no GPU to share, and CUDA is not started for the check
         local_world = int(self.environ.get("LOCAL_WORLD_SIZE", "1"))
