@@ -22,7 +22,8 @@ Causes: an attempt ends "completed" (exit 0 with no stop before it, or a recorde
 "preempted" (exit 75 after the program checkpointed; the trainer says which: a stop near the job's end time
 is a time limit; or a stop from outside, whatever the exit code, 0 included: frameworks catch SIGTERM and
 exit 0), "killed" (no end record: the job was killed from outside before the batch shell could say so),
-"cancelled", or "failed".
+"cancelled", or "failed". An exit 0 after the time-limit warning reached a handler of the program's own
+(exitsite/hpc_ddp_warned.py records it as a "warned" event) is a time limit too.
 
 A program that dies of Slurm's SIGTERM (preemption, an admin's requeue, the hard time limit) is not a
 failed program: `end` asks Slurm what happened to the job (`scontrol show job`) and records such an
@@ -90,6 +91,7 @@ class Attempt:
     job_id: str | None = None
     handed_over: bool = False      # went on in the next job of its chain, queued up front (--chain)
     finished: bool = False         # the trainer or a Session recorded the run's finish in this attempt
+    warned: bool = False           # the time-limit warning reached a handler of the program's own
     gave_up: str | None = None     # the policy's reason for stopping the run after this attempt
 
     @property
@@ -135,6 +137,8 @@ def attempts_from_events(events: Sequence[dict[str, Any]], chain: str | None = N
             attempts[-1].trainer = True
         elif kind == "finish":
             attempts[-1].finished = True
+        elif kind == "warned":
+            attempts[-1].warned = True
         elif kind == "signal":
             attempts[-1].cause = event.get("cause")
         elif kind == "requeue_requested":
@@ -288,6 +292,11 @@ def stopped_cause(job: Mapping[str, str] | None, attempt: int, shell_signal: str
     return ("completed", False) if cause == "failed" else (cause, by_slurm)
 
 
+def slurm_stop(job: Mapping[str, str] | None, attempt: int) -> bool:
+    """Slurm shows a stop of its own (preemption, requeue, time limit, cancel)."""
+    return bool(job) and outside_cause(job, attempt, None)[0] != "failed"
+
+
 def _int(text: str | None) -> int:
     try:
         return int(text or 0)
@@ -404,6 +413,9 @@ def finish(run_dir: Path, attempt: int, exit_code: int, env: Mapping[str, str] |
         by_slurm = bool(slurm) and _int(slurm.get("Restarts")) > attempt
     elif exit_code == 0:
         last.cause, by_slurm = ("completed", False) if done else stopped_cause(slurm, attempt, shell_signal)
+        if last.cause == "completed" and last.warned and not done:
+            # the program's own handler got the time-limit warning and it left with exit 0: it stopped early
+            last.cause = "time_limit"
     else:
         last.cause, by_slurm = outside_cause(slurm, attempt, shell_signal)
     if slurm is None and shell_signal and last.cause == "preempted":
@@ -417,8 +429,9 @@ def finish(run_dir: Path, attempt: int, exit_code: int, env: Mapping[str, str] |
     if exit_code not in (0, REQUEUE_EXIT_CODE) and last.cause != "failed":
         record["note"] = f"signalled from outside ({_outside_note(slurm, env)}), not the program's failure"
     elif exit_code == 0 and last.cause != "completed":
-        record["note"] = (f"exit code 0 after a stop reached the program ({_outside_note(slurm, env)}): "
-                          "interrupted, not completed")
+        seen = "the time-limit warning reached its handler" if last.warned and not slurm_stop(slurm, attempt) \
+            else _outside_note(slurm, env)
+        record["note"] = f"exit code 0 after a stop reached the program ({seen}): interrupted, not completed"
     events.write(record)
     if goes_on:
         how = {"by": "slurm"} if by_slurm else {"by": "chain", "next_job": next_job} if next_job else {}

@@ -3,7 +3,8 @@
 An unmodified Lightning script catches SIGTERM and leaves with exit code 0; a plain script may trap SIGTERM,
 save and exit 0 too. Neither is a completion: hpc-ddp asks Slurm what happened and runs the job again, once
 per stop, and the script resumes from its own checkpoint. Jobs run side by side (2 nodes x 1 task each)
-and one urgent job preempts them all, so the suite pays for one preemption, not one per case.
+and one urgent job preempts them all, so the suite pays for one preemption, not one per case. A script
+that leaves with exit 0 at the time-limit warning runs under the local executor, which emulates the limit.
 """
 
 import json
@@ -18,7 +19,7 @@ from hpc_ddp.common.events import read_jsonl
 
 from .helpers import hpc_ddp, job_field, submit_json, wait_until
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slurm]
+pytestmark = pytest.mark.e2e
 
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
 
@@ -173,6 +174,33 @@ if fabric.global_rank == 0:
         fh.write(str(step + 1))
 """
 
+# handles the time-limit warning itself (SIGUSR2), saves and leaves with exit 0
+HANDLES_WARNING = """
+# Handles the time-limit warning itself: saves its progress and leaves with exit 0.
+import json, os, signal, sys, time
+import torch, torch.distributed as dist
+
+progress = sys.argv[1]
+warned = []
+signal.signal(signal.SIGUSR2, lambda *_: warned.append(1))
+dist.init_process_group("gloo")
+start = json.load(open(progress))["step"] if os.path.exists(progress) else 0
+for step in range(start, 60):
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    time.sleep(0.25)
+    if dist.get_rank() == 0:
+        with open(progress + ".tmp", "w") as fh:
+            json.dump({"step": step + 1}, fh)
+        os.replace(progress + ".tmp", progress)
+    flag = torch.tensor([float(bool(warned))])
+    dist.all_reduce(flag)
+    if flag.item():
+        print(f"rank {dist.get_rank()}: warned: saved at step {step + 1}, leaving with exit code 0", flush=True)
+        sys.exit(0)
+dist.destroy_process_group()
+"""
+
 # torchrun-style shapes, each with its own progress file (rank 0 writes it after every step)
 PLAIN_HEAD = """
 import json, os, signal, sys, time
@@ -259,6 +287,7 @@ def _one_stop_then_completed(run_dir: Path, name: str) -> None:
     assert ends in allowed, (name, ends)
 
 
+@pytest.mark.slurm
 @pytest.mark.parametrize("seed", [27])
 def test_unmodified_frameworks_preempted_for_real_are_run_again_and_complete(slurm_conf, tmp_path, seed):
     pytest.importorskip("pytorch_lightning", reason="a test-only dependency (make install puts it in .venv)")
@@ -308,6 +337,7 @@ def test_unmodified_frameworks_preempted_for_real_are_run_again_and_complete(slu
     assert all(e["by"] == "slurm" for e in grace0)  # GraceTime 0: Slurm requeued it itself; hpc-ddp did not again
 
 
+@pytest.mark.slurm
 @pytest.mark.parametrize("seed", [28])
 def test_hugging_face_accelerate_and_fabric_preempted_for_real_resume_and_complete(slurm_conf, tmp_path, seed):
     """The Hugging Face Trainer (a tiny BERT from a config, save_steps=5, resume_from_checkpoint) at
@@ -340,3 +370,20 @@ def test_hugging_face_accelerate_and_fabric_preempted_for_real_resume_and_comple
         assert {step for _, step in trained} == set(range(60)), name
         resumed_at = _resumed_at(trained)
         assert resumed_at % 5 == 0 and resumed_at > 0, (name, resumed_at)
+
+
+def test_a_script_that_leaves_with_exit_0_at_the_warning_runs_again_under_the_local_executor(tmp_path):
+    """The time-limit warning column: the script's own SIGUSR2 handler saves and exits 0 before any
+    SIGTERM; the rank recorded that the warning reached it, so the attempt is a time limit, and the local
+    executor (which emulates Slurm's limit) runs it again until every step is done."""
+    (tmp_path / "warned.py").write_text(HANDLES_WARNING)
+    progress = tmp_path / "progress.json"
+    done = hpc_ddp("submit", "--executor", "local", "--nodes", "2", "--time", "0:25", "--signal-lead", "10",
+                   "--run-dir", "run", "warned.py", str(progress), cwd=tmp_path, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "leaving with exit code 0" in done.stdout
+    assert _progress(progress) == 60
+    events = read_jsonl(tmp_path / "run" / "events.jsonl")
+    assert {e["rank"] for e in events if e["event"] == "warned"} == {"0", "1"}
+    ends = [e["cause"] for e in events if e["event"] == "attempt_end"]
+    assert ends[0] == "time_limit" and ends[-1] == "completed" and set(ends[1:-1]) <= {"time_limit"}, ends

@@ -220,6 +220,24 @@ def test_exit_0_after_a_stop_is_an_interruption_not_a_completion(tmp_path, case,
     assert ok == (cause in ("preempted", "time_limit")), reason
 
 
+@pytest.mark.parametrize("warned,word,cause", [(True, "requeue", "time_limit"), (False, "stop", "completed")])
+def test_exit_0_after_the_warning_reached_the_programs_handler_is_a_time_limit(tmp_path, warned, word, cause):
+    """A script that handles the warning itself, saves and exits 0 before Slurm shows anything: the rank
+    recorded "warned" (exitsite/hpc_ddp_warned.py); without that record, an exit 0 is a completion."""
+    run_dir = _spec_dir(tmp_path)
+    env = {"SLURM_JOB_ID": "3", "HPC_DDP_SHELL_SIGNAL": ""}
+    assert attempts.begin(run_dir, 0, env=env)[0]
+    if warned:
+        (run_dir / "events.jsonl").open("a").write(json.dumps({"event": "warned", "signal": "USR2"}) + "\n")
+    outcome = attempts.finish(run_dir, 0, 0, env, ask_slurm=lambda job: attempts.parse_show_job(SHOW_JOB["own_crash"]))
+    assert outcome.word == word
+    end = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()
+           if json.loads(line)["event"] == "attempt_end"][-1]
+    assert end["cause"] == cause
+    if warned:
+        assert "the time-limit warning reached its handler" in end["note"]
+
+
 def test_a_recorded_finish_is_a_completion_whatever_came_after(tmp_path):
     run_dir = _spec_dir(tmp_path)
     env = {"SLURM_JOB_ID": "3", "HPC_DDP_SHELL_SIGNAL": "TERM"}

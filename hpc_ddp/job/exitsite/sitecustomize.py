@@ -1,5 +1,6 @@
 """Put on a rank's PYTHONPATH by hpc-ddp's runner: destroys a process group left open at exit, and
-installs hpc_ddp_rankguard (the rank starts on its own GPU; ranks that share one stop at start-up).
+installs hpc_ddp_rankguard (the rank starts on its own GPU; ranks that share one stop at start-up) and
+hpc_ddp_warned (a time-limit warning that reached a handler of the program's is recorded).
 
 A script that never calls `destroy_process_group` (Lightning's DDP strategy is one) leaves gloo's
 threads joinable while the interpreter shuts down; about 1 rank in 20 then aborts in a C++ destructor
@@ -74,12 +75,15 @@ def _run_shadowed_sitecustomize():
 
 
 def _install_rank_guard():
-    """hpc_ddp_rankguard (beside this file): this rank starts on its own GPU; ranks sharing one stop."""
+    """hpc_ddp_rankguard (beside this file): this rank starts on its own GPU; ranks sharing one stop.
+    hpc_ddp_warned: a handler of the program's own for the warning signal records that it was warned."""
     try:
         import hpc_ddp_rankguard
+        import hpc_ddp_warned
     except Exception:  # a broken install must not stop the user's program
         return
     hpc_ddp_rankguard.install()
+    hpc_ddp_warned.install()
 
 
 if os.environ.get("HPC_DDP_EXIT_GUARD") != "0":
