@@ -20,8 +20,10 @@ from hpc_ddp.common import rundir
 from hpc_ddp.common.errors import EnvError, report
 from hpc_ddp.common.events import JsonLines
 from hpc_ddp.common.machine import physical_gpus
+from hpc_ddp.common.rundir import RunDir
 from hpc_ddp.job import devicescan
 from hpc_ddp.job.distenv import DistEnv, from_environ
+from hpc_ddp.job.exitsite.hpc_ddp_warned import EVENTS_VARIABLE
 from hpc_ddp.job.exitsite.hpc_ddp_warned import SIGNAL_VARIABLE as WARNED_VARIABLE
 from hpc_ddp.job.gpubind import BINDING_VARIABLE, DEVICE_VARIABLE, NO_GPU, bind_gpus, entries
 from hpc_ddp.job.ports import PORT_HINT, port_in_use, taken_port_message
@@ -91,6 +93,7 @@ def rank_environment(spec: JobSpec, dist: DistEnv, env: Mapping[str, str], run_d
     # A handler of the program's own for the warning signal records that the warning reached it
     # (exitsite/hpc_ddp_warned.py): an exit 0 after it is a stop, not a completion.
     out[WARNED_VARIABLE] = spec.signal
+    out[EVENTS_VARIABLE] = str(RunDir(run_dir).events)
     if "OMP_NUM_THREADS" not in env:
         # torchrun's default; one thread per rank unless the job gave each task more CPUs.
         out["OMP_NUM_THREADS"] = str(spec.cpus_per_task or env.get("SLURM_CPUS_PER_TASK") or 1)

@@ -28,7 +28,7 @@ _MANAGED = {
     **{name: "hpc-ddp sets it on every rank from Slurm's own variables" for name in _RANK_VARIABLES},
     "MASTER_PORT": "use --master-port", "CUDA_VISIBLE_DEVICES": "use --gpu-bind auto|node|rank",
     "HPC_DDP_CUDA_DEVICE": "use --gpu-bind auto|node|rank", "HPC_DDP_GPU_BINDING": "use --gpu-bind auto|node|rank",
-    "HPC_DDP_WARNING_SIGNAL": "use --signal",
+    "HPC_DDP_WARNING_SIGNAL": "use --signal", "HPC_DDP_EVENTS_FILE": "hpc-ddp sets it to the run dir's events file",
     "BACKEND": "set HPC_DDP_BACKEND=nccl|gloo instead", "WORKSPACE": "hpc-ddp sets it to the run dir",
     "WORKER_PER_NODE": "hpc-ddp sets it to the ranks per node", "EPOCHS": "use --epochs", "LR": "use --lr",
     "BATCH_SIZE": "use --batch-size", "PYTHONUNBUFFERED": "hpc-ddp sets it, so a killed rank's log is complete",

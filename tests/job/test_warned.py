@@ -33,7 +33,7 @@ def run(tmp_path, mode, **env):
     script.write_text(PROGRAM)
     environ = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "HPC_DDP_EXIT_GUARD")}
     environ.update({"PYTHONPATH": with_exit_guard(None), "HPC_DDP_WARNING_SIGNAL": "USR2",
-                    "HPC_DDP_RUN_DIR": str(tmp_path), "RANK": "3", "HPC_DDP_JOB_ID": "41"}, **env)
+                    "HPC_DDP_EVENTS_FILE": str(tmp_path / "events.jsonl"), "RANK": "3", "HPC_DDP_JOB_ID": "41"}, **env)
     done = subprocess.run([sys.executable, "-c", "import signal; signal.signal(signal.SIGUSR2, signal.SIG_IGN); "
                            f"import os; os.execv({sys.executable!r}, [{sys.executable!r}, {str(script)!r}, {mode!r}])"],
                           env=environ, capture_output=True, text=True, timeout=60)

@@ -5,8 +5,8 @@ The runner sets the warning signal (HPC_DDP_WARNING_SIGNAL, SIGUSR2 unless --sig
 execs the program: a program without a handler runs on, and its exit 0 is a completion. A program that
 installs a handler (a script's own, Lightning's for SIGUSR1) may save and leave with exit 0 when the warning
 comes. `install()` wraps `signal.signal` so that such a handler, when the warning calls it, first appends
-{"event": "warned", ...} to $HPC_DDP_RUN_DIR/events.jsonl (once per process; O_APPEND, never through a
-link); the requeue policy then counts that attempt as stopped by the time limit (job/attempts.py).
+{"event": "warned", ...} to the run's events file ($HPC_DDP_EVENTS_FILE; once per process; O_APPEND,
+never through a link); the requeue policy then counts that attempt as stopped by the time limit (job/attempts.py).
 `signal.getsignal` still returns the program's own handler. Imports nothing from hpc-ddp.
 """
 
@@ -16,13 +16,14 @@ import signal
 import time
 
 SIGNAL_VARIABLE = "HPC_DDP_WARNING_SIGNAL"
+EVENTS_VARIABLE = "HPC_DDP_EVENTS_FILE"  # the run dir's events file, as the runner names it
 
 
 def install(environ=os.environ):
     """Wrap signal.signal in this process (idempotent; a no-op outside an hpc-ddp rank)."""
-    name, run_dir = environ.get(SIGNAL_VARIABLE), environ.get("HPC_DDP_RUN_DIR")
+    name, events = environ.get(SIGNAL_VARIABLE), environ.get(EVENTS_VARIABLE)
     signum = getattr(signal, f"SIG{name}", None) if name else None
-    if signum is None or not run_dir or getattr(signal.signal, "_hpc_ddp_warned", False):
+    if signum is None or not events or getattr(signal.signal, "_hpc_ddp_warned", False):
         return
     original_signal, original_getsignal = signal.signal, signal.getsignal
     theirs = {}
@@ -35,8 +36,7 @@ def install(environ=os.environ):
         record = {"time": round(time.time(), 3), "event": "warned", "signal": name,
                   "rank": environ.get("RANK"), "job_id": environ.get("HPC_DDP_JOB_ID")}
         try:
-            fd = os.open(os.path.join(run_dir, "events.jsonl"),
-                         os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = os.open(events, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC)
             try:
                 os.write(fd, (json.dumps(record) + "\n").encode())
             finally:
