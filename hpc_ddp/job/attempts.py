@@ -411,6 +411,10 @@ def finish(run_dir: Path, attempt: int, exit_code: int, env: Mapping[str, str] |
     if exit_code == REQUEUE_EXIT_CODE:
         last.cause = last.cause or _cause_from_deadline(env)
         by_slurm = bool(slurm) and _int(slurm.get("Restarts")) > attempt
+        if slurm and not by_slurm and outside_cause(slurm, attempt, shell_signal)[0] == "cancelled":
+            # scancel: the program checkpointed at its SIGTERM as at a preemption, but the job was cancelled
+            # (a requeue would fail on it, and the fallback would queue a new job the user never wanted)
+            last.cause = "cancelled"
     elif exit_code == 0:
         last.cause, by_slurm = ("completed", False) if done else stopped_cause(slurm, attempt, shell_signal)
         if last.cause == "completed" and last.warned and not done:

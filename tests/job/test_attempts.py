@@ -238,6 +238,30 @@ def test_exit_0_after_the_warning_reached_the_programs_handler_is_a_time_limit(t
         assert "the time-limit warning reached its handler" in end["note"]
 
 
+def test_a_run_that_checkpointed_at_a_scancel_is_cancelled_not_requeued(tmp_path):
+    """The trainer or a Session checkpoints at any SIGTERM and exits 75; under scancel Slurm shows the job
+    cancelled, and a requeue would fail on it (and the fallback queue a job nobody asked for)."""
+    run_dir = _spec_dir(tmp_path)
+    env = {"SLURM_JOB_ID": "3", "HPC_DDP_SHELL_SIGNAL": "TERM"}
+    assert attempts.begin(run_dir, 0, env=env)[0]
+    with open(run_dir / "events.jsonl", "a") as fh:
+        for event in ({"event": "start"}, {"event": "signal", "cause": "preempted"}, {"event": "requeue_requested"}):
+            fh.write(json.dumps(event) + "\n")
+    outcome = attempts.finish(run_dir, 0, 75, env, ask_slurm=lambda job: attempts.parse_show_job(SHOW_JOB["scancel"]))
+    assert outcome.word == "stop"
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert [e["cause"] for e in events if e["event"] == "attempt_end"] == ["cancelled"]
+    # a preemption of the same run is still run again
+    for case, word in (("preempt_grace", "requeue"), ("preempt_no_grace", "requeued")):
+        (tmp_path / case).mkdir()
+        other = _spec_dir(tmp_path / case)
+        assert attempts.begin(other, 0, env=env)[0]
+        with open(other / "events.jsonl", "a") as fh:
+            fh.write(json.dumps({"event": "start"}) + "\n" + json.dumps({"event": "requeue_requested"}) + "\n")
+        got = attempts.finish(other, 0, 75, env, ask_slurm=lambda job, c=case: attempts.parse_show_job(SHOW_JOB[c]))
+        assert got.word == word, case
+
+
 def test_a_recorded_finish_is_a_completion_whatever_came_after(tmp_path):
     run_dir = _spec_dir(tmp_path)
     env = {"SLURM_JOB_ID": "3", "HPC_DDP_SHELL_SIGNAL": "TERM"}
