@@ -26,26 +26,28 @@ class Note(NamedTuple):
     hint: str | None = None
 
 
+# (how the script shows the framework, how it shows that it resumes, the framework's name, what a resume
+# takes in words, the HINT)
+_FRAMEWORKS = (
+    (_LIGHTNING, r"\bckpt_path\s*=", "Lightning", "fit() resumes from Lightning's own checkpoint",
+     'ModelCheckpoint(save_last=True, every_n_train_steps=N) and trainer.fit(model, ckpt_path="last")'),
+    (_HF_TRAINER, r"\bresume_from_checkpoint\s*=", "the Hugging Face Trainer",
+     "train() resumes from its last checkpoint",
+     "TrainingArguments(save_steps=N) and trainer.train(resume_from_checkpoint=get_last_checkpoint(args.output_dir)) "
+     "(transformers.trainer_utils)"),
+    (_ACCELERATE, r"\.load_state\s*\(", "accelerate", "it loads the state it saved",
+     "accelerator.save_state(DIR) every N steps, and accelerator.load_state(DIR) at start when DIR exists"),
+)
+
+
 def framework_notes(source: str, name: str) -> list[Note]:
     code = "\n".join(code_part(line) for line in source.splitlines())
-    if _LIGHTNING.search(code):
-        if re.search(r"\bckpt_path\s*=", code):
-            return [Note("ok", f"{name} uses Lightning and names a checkpoint to resume from (ckpt_path): a "
-                               "preempted or timed-out job runs again and continues")]
-        return [Note("warning", f"{name} uses Lightning: a preempted or timed-out job runs again, but starts over "
-                                "unless fit() resumes from Lightning's own checkpoint",
-                     'ModelCheckpoint(save_last=True, every_n_train_steps=N) and trainer.fit(model, ckpt_path="last")')]
-    if _HF_TRAINER.search(code):
-        if re.search(r"\bresume_from_checkpoint\s*=", code):
-            return [Note("ok", f"{name} uses the Hugging Face Trainer with resume_from_checkpoint: a preempted or "
+    for uses, resumes, framework, resume, hint in _FRAMEWORKS:
+        if not uses.search(code):
+            continue
+        if re.search(resumes, code):
+            return [Note("ok", f"{name} uses {framework} and resumes from its own checkpoint: a preempted or "
                                "timed-out job runs again and continues")]
-        return [Note("warning", f"{name} uses the Hugging Face Trainer: a preempted or timed-out job runs again, but "
-                                "starts over unless train() resumes from its last checkpoint",
-                     "TrainingArguments(save_steps=N) and trainer.train(resume_from_checkpoint="
-                     "get_last_checkpoint(args.output_dir)) (transformers.trainer_utils)")]
-    if _ACCELERATE.search(code) and not re.search(r"\.load_state\s*\(", code):
-        return [Note("warning", f"{name} uses accelerate: a preempted or timed-out job runs again, but starts over "
-                                "unless it loads the state it saved",
-                     "accelerator.save_state(DIR) every N steps, and accelerator.load_state(DIR) at start "
-                     "when DIR exists")]
+        return [Note("warning", f"{name} uses {framework}: a preempted or timed-out job runs again, but starts "
+                                f"over unless {resume}", hint)]
     return []

@@ -621,3 +621,16 @@ def test_submit_says_what_a_framework_script_needs_to_resume(project, source, sa
     else:
         [line] = lines
         assert says in line and "HINT:" in line
+
+
+def test_the_readme_shows_the_lines_submit_really_prints(project):
+    """The README's examples of the GPU-binding refusal and the Lightning note, as submit prints them."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    (project / "train.py").write_text("import os, torch\nlocal_rank = int(os.environ['LOCAL_RANK'])\n"
+                                      "torch.cuda.set_device(local_rank)\n")
+    result = CliRunner().invoke(cli, ["submit", "--nodes", "2", "--gpus", "2", "--gpu-bind", "rank", "train.py"])
+    assert result.exit_code == 2 and result.output.strip().splitlines()[-1] in readme
+    (project / "fit.py").write_text("import pytorch_lightning as pl\ntrainer.fit(model)\n")
+    result = invoke("submit", "--dry-run", "--nodes", "2", "fit.py")
+    [line] = [x for x in result.output.splitlines() if "fit.py uses Lightning" in x]
+    assert line in readme
