@@ -30,13 +30,8 @@ from hpc_ddp.job.ports import PORT_HINT, port_in_use, taken_port_message
 from hpc_ddp.spec.jobspec import JobSpec, load_spec
 from hpc_ddp.spec.siteenv import expand
 
-__all__ = ["select_gpus", "rank_environment", "site_environment", "run_id_for", "program_argv", "with_exit_guard",
+__all__ = ["rank_environment", "site_environment", "run_id_for", "program_argv", "with_exit_guard",
            "main"]
-
-def select_gpus(visible: str | None, local_rank: int, local_world_size: int, per_task: int, bind: str) -> str | None:
-    """This rank's CUDA_VISIBLE_DEVICES (gpubind.bind_gpus says which, and why)."""
-    return bind_gpus(visible, local_rank, local_world_size, per_task, bind).visible
-
 
 def gpu_visible(cuda_visible: str | None, nvidia_driver: bool) -> bool:
     """A GPU is usable when the NVIDIA driver is loaded and CUDA_VISIBLE_DEVICES does not hide them all."""

@@ -6,7 +6,8 @@ import pytest
 
 from hpc_ddp.common.errors import EnvError
 from hpc_ddp.job.distenv import from_environ
-from hpc_ddp.job.runner import gpu_visible, program_argv, rank_environment, select_gpus
+from hpc_ddp.job.gpubind import bind_gpus
+from hpc_ddp.job.runner import gpu_visible, program_argv, rank_environment
 from hpc_ddp.spec.jobspec import Layer, Target, build_spec
 
 STEP = {"SLURM_JOB_ID": "12", "SLURM_STEP_ID": "0", "SLURM_PROCID": "3", "SLURM_LOCALID": "1",
@@ -32,13 +33,13 @@ def spec_of(values=None, target=None):
     ("0,1,2,3", 1, 2, 2, "auto", "2,3"),         # auto, two GPUs per rank: as rank
     ("3", 1, 4, 1, "auto", "3"),                 # Slurm bound it: as it is
 ])
-def test_select_gpus(visible, local, world, per, bind, expected):
-    assert select_gpus(visible, local, world, per, bind) == expected
+def test_bind_gpus_visible(visible, local, world, per, bind, expected):
+    assert bind_gpus(visible, local, world, per, bind).visible == expected
 
 
 def test_too_few_gpus_is_an_error_naming_the_fix():
     with pytest.raises(EnvError, match="too few.*HINT"):
-        select_gpus("0,1", 2, 4, 1, "rank")
+        bind_gpus("0,1", 2, 4, 1, "rank")
 
 
 def test_backend_needs_a_real_driver():
@@ -55,7 +56,8 @@ def test_rank_environment_is_torchrun_compatible():
     assert env["MASTER_ADDR"] == "n1" and env["MASTER_PORT"] == str(dist.master_port)
     # auto: the node's GPUs stay visible (cuda:LOCAL_RANK exists), and the rank starts on its own one
     assert (env["CUDA_VISIBLE_DEVICES"], env["HPC_DDP_CUDA_DEVICE"], env["HPC_DDP_GPU_BINDING"]) == ("4,5", "1", "node")
-    ranked = rank_environment(spec_of({"nodes": 2, "gpus": 2, "gpu_bind": "rank"}), dist, STEP, "/r", nvidia_driver=False)
+    ranked_spec = spec_of({"nodes": 2, "gpus": 2, "gpu_bind": "rank"})
+    ranked = rank_environment(ranked_spec, dist, STEP, "/r", nvidia_driver=False)
     assert (ranked["CUDA_VISIBLE_DEVICES"], ranked["HPC_DDP_CUDA_DEVICE"]) == ("5", "0")
     assert env["BACKEND"] == "gloo"  # fake GPUs: no NVIDIA driver
     assert (env["WORKSPACE"], env["WORKER_PER_NODE"]) == ("/runs/r", "2")

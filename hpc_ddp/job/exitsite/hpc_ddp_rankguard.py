@@ -18,6 +18,7 @@ its interpreter); never lets its own failure reach the user's program. HPC_DDP_E
 with the exit guard.
 """
 
+import contextlib
 import os
 import socket
 import sys
@@ -64,11 +65,9 @@ class _Guard:
         self.generation = 0
 
     def torch_imported(self, torch):
-        try:
+        with contextlib.suppress(Exception):  # a torch without these hooks runs as it would without hpc-ddp
             self._default_device(torch)
             self._wrap_init(torch)
-        except Exception:  # noqa: BLE001 - a torch without these hooks runs as it would without hpc-ddp
-            pass
 
     def _default_device(self, torch):
         index = int(self.environ.get(DEVICE_VARIABLE, "0"))
@@ -77,11 +76,9 @@ class _Guard:
             return
 
         def start_on_own_gpu():
-            try:  # a queued call that raises would fail the program's first CUDA call
+            with contextlib.suppress(Exception):  # a queued call that raises would fail the first CUDA call
                 if os.environ.get("CUDA_VISIBLE_DEVICES") == self.visible and index < torch.cuda.device_count():
                     torch.cuda.set_device(index)
-            except Exception:  # noqa: BLE001
-                pass
         lazy_call(start_on_own_gpu)
 
     def _wrap_init(self, torch):
@@ -165,12 +162,10 @@ def _node_name(environ):
 
 def _physical(torch, index):
     """The GPU cuda:index is: its UUID where the driver says, else CUDA_VISIBLE_DEVICES's entry (CUDA's map)."""
-    try:
+    with contextlib.suppress(Exception):
         uuid = str(torch.cuda.get_device_properties(index).uuid)
         if uuid:
             return uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"
-    except Exception:  # noqa: BLE001
-        pass
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
         listed = [x.strip() for x in visible.split(",")]

@@ -10,6 +10,7 @@ never through a link); the requeue policy then counts that attempt as stopped by
 `signal.getsignal` still returns the program's own handler. Imports nothing from hpc-ddp.
 """
 
+import contextlib
 import json
 import os
 import signal
@@ -35,14 +36,12 @@ def install(environ=os.environ):
         noted.append(True)
         record = {"time": round(time.time(), 3), "event": "warned", "signal": name,
                   "rank": environ.get("RANK"), "job_id": environ.get("HPC_DDP_JOB_ID")}
-        try:
+        with contextlib.suppress(OSError):  # no run dir here (a copied environment): the handler still runs
             fd = os.open(events, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC)
             try:
                 os.write(fd, (json.dumps(record) + "\n").encode())
             finally:
                 os.close(fd)
-        except OSError:  # no run dir here (a copied environment): the program's handler still runs
-            pass
 
     def wrapped_signal(sig, handler):
         if sig != signum or not callable(handler):
