@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import json
 import shlex
@@ -47,23 +48,34 @@ def submit(**params) -> None:
     _chains_need_support(spec, executor)
     run_dir = new_run_dir(spec, now)
     check_kind(run_dir, sweep=False)
-    plan = executor.plan(spec, run_dir)
+    snap = _plan_snapshot(spec, run_dir)
+    plan = executor.plan(_pinned(spec, snap), run_dir)
     if not params["as_json"] or not spec.executor:
         warn(which)
         warn(explain(spec))
     _devices(plan.spec)
     if params["dry_run"]:
+        _say_snapshot_plan(spec, snap)
         if params["as_json"]:
             click.echo(json.dumps({"executor": plan.executor, "job_id": None, "run_dir": plan.run_dir,
-                                   "script": plan.dry_run_text(), "dry_run": True}, indent=2))
+                                   "script": plan.dry_run_text(), "dry_run": True,
+                                   "code": _code_json(plan.spec)}, indent=2))
         else:
             click.echo(plan.dry_run_text(), nl=False)
         return
     if executor.queues and not params["no_preflight"]:
         _preflight(plan)
+    executor.check(plan)  # what the executor refuses, before the snapshot writes anything
+    if snap is not None:
+        snap = _take_snapshot(snap, run_dir, [run_dir])
+        if snap.id != plan.spec.code.id:  # a file changed since the plan: the spec names the copy as taken
+            plan = executor.plan(_pinned(spec, snap), run_dir)
+    else:
+        _say_snapshot_plan(spec, None)
+    spec = plan.spec
     sub = executor.submit(plan, on_job_id=lambda job_id: record_run(spec, plan.run_dir, job_id, executor.name, warn))
     if params["as_json"]:
-        click.echo(json.dumps(sub.to_json(), indent=2))
+        click.echo(json.dumps({**sub.to_json(), "code": _code_json(spec)}, indent=2))
     elif len(getattr(sub, "job_ids", ())) > 1:
         click.echo(f"Submitted jobs {', '.join(sub.job_ids)} ({sub.executor}; a chain: each starts when the one "
                    f"before ends and resumes the run); run dir {sub.run_dir}")
@@ -101,8 +113,12 @@ def _submit_sweep(params: dict, spec, sweep) -> None:
     executor, now, which = executor_for(spec)
     sweep_dir = new_run_dir(spec, now)
     check_kind(sweep_dir, sweep=True)
-    plan = plan_sweep(executor, sweep, sweep_dir,
-                      lambda values, index: task_spec(spec, values, index, lambda extra: build(params, extra=extra)))
+    snap = _plan_snapshot(spec, sweep_dir)  # one copy for every task
+
+    def planned(snap):
+        return plan_sweep(executor, sweep, sweep_dir, lambda values, index: _pinned(
+            task_spec(spec, values, index, lambda extra: build(params, extra=extra)), snap))
+    plan = planned(snap)
     check_resubmission(plan, executor)  # --dry-run says what the submission would
     _devices(plan.tasks[0].plan.spec)
     if plan.script is not None:
@@ -114,6 +130,7 @@ def _submit_sweep(params: dict, spec, sweep) -> None:
         warn(which)
         warn(explain(spec))
     if params["dry_run"]:
+        _say_snapshot_plan(spec, snap)
         click.echo(json.dumps({"executor": plan.executor, "sweep_dir": plan.sweep_dir, "dry_run": True,
                                "script": plan.script, "tasks": [{"task": t.index, "values": dict(t.values),
                                                                   "run_dir": t.run_dir} for t in plan.tasks]},
@@ -121,6 +138,12 @@ def _submit_sweep(params: dict, spec, sweep) -> None:
         return
     if executor.queues and not params["no_preflight"]:
         _preflight(plan.tasks[0].plan)
+    if snap is not None:
+        taken = _take_snapshot(snap, sweep_dir, [t.run_dir for t in plan.tasks])
+        if taken.id != snap.id:
+            plan = planned(taken)
+    else:
+        _say_snapshot_plan(spec, None)
 
     def recorded(task, job_id: str) -> None:
         array = job_id.partition("_")[0] if plan.script is not None else None
@@ -148,6 +171,53 @@ def _submit_sweep(params: dict, spec, sweep) -> None:
             warn(f"stopped after task {len(subs) - 1}; tasks {len(subs)}..{len(plan.tasks) - 1} did not run")
     if any(s.returncode for s in subs):
         sys.exit(1)
+
+
+def _plan_snapshot(spec, where: str):
+    """The snapshot of the spec's project that goes into `where`/code (None: nothing to pin). Reads only."""
+    from hpc_ddp.launch.snapshot import CODE_DIR, plan
+
+    return plan(spec, str(Path(where) / CODE_DIR))
+
+
+def _pinned(spec, snap):
+    return dataclasses.replace(spec, code=snap.code()) if snap is not None else spec
+
+
+def _take_snapshot(snap, where: str, run_dirs: list[str]):
+    """Copy the project; say what was copied and, for a run dir submitted before, what changed since.
+    `where` (the run dir, or a sweep's dir) is made as a run dir is: the user's alone; each of `run_dirs`
+    gets the record of the snapshot."""
+    from hpc_ddp.common.errors import HpcDdpError
+    from hpc_ddp.launch.snapshot import record, take
+    from hpc_ddp.spec.jobspec import load_spec
+
+    previous = None
+    if len(run_dirs) == 1 and RunDir(run_dirs[0]).spec.is_file():
+        try:
+            previous = load_spec(RunDir(run_dirs[0]).spec).code
+        except HpcDdpError:
+            previous = None
+    Path(where).mkdir(parents=True, exist_ok=True, mode=0o700)
+    taken = take(snap)
+    for line in record(taken, run_dirs, previous):
+        warn(line)
+    return taken
+
+
+def _say_snapshot_plan(spec, snap) -> None:
+    if snap is not None:
+        warn(snap.describe().replace("code: snapshot", "code: would snapshot", 1))
+        for note in snap.listing.notes:
+            warn(f"code: note: {note}")
+    elif not spec.snapshot:
+        warn("code: not pinned (--no-snapshot): every attempt runs the working tree as it is when it starts")
+    elif spec.target.kind == "module":
+        warn(f"code: -m {spec.target.value} is not in the working directory: it runs as installed, not pinned")
+
+
+def _code_json(spec) -> dict | None:
+    return dataclasses.asdict(spec.code) if spec.code is not None else None
 
 
 def _devices(spec) -> None:
@@ -216,10 +286,16 @@ def render(to_stdout: bool, **params) -> None:
 
     spec = build({**params, "executor": "sbatch"})
     executor, now, _ = executor_for(spec)
-    plan = executor.plan(spec, new_run_dir(spec, now))
+    run_dir = new_run_dir(spec, now)
+    snap = _plan_snapshot(spec, run_dir)
+    plan = executor.plan(_pinned(spec, snap), run_dir)
     if to_stdout:
         click.echo(plan.script, nl=False)
         return
+    if snap is not None:  # the script will run whenever it is submitted: the code as it is now
+        taken = _take_snapshot(snap, run_dir, [run_dir])
+        if taken.id != snap.id:
+            plan = executor.plan(_pinned(spec, taken), run_dir)
     run_dir = write_run_dir(plan)
     script = RunDir(run_dir).script
     script.write_text(plan.script or "")

@@ -82,6 +82,14 @@ _SPEC_OPTIONS = [
                  help="Copy a dataset (dir, .tar[.gz], .zip) to node-local disk before training (repeatable)."),
     click.option("--python", help="The Python every rank runs [default: the active venv's or conda env's, "
                                   "else the one running hpc-ddp]; it must be able to import hpc_ddp."),
+    click.option("--snapshot/--no-snapshot", "snapshot", default=None,
+                 help="Run a copy of your project taken now (git's files, or the script's folder), on every "
+                      "attempt and requeue, whatever you edit meanwhile [default: on]; --no-snapshot: each attempt "
+                      "runs the working tree as it is when it starts."),
+    click.option("--snapshot-exclude", "snapshot_exclude", multiple=True, metavar="PATTERN",
+                 help="Leave matching files or folders out of the snapshot (the run sees them live), e.g. data "
+                      "or '*.h5' (repeatable)."),
+    click.option("--snapshot-max-mb", help="Refuse to snapshot a project bigger than this [default: 256]."),
     click.option("-m", "module", help="Run a module (like python -m) instead of a script."),
     click.argument("argv", nargs=-1, type=click.UNPROCESSED),
 ]

@@ -14,14 +14,18 @@ requeue policy and the runner on compute nodes, the checkpointer in every traini
       logs/slurm-<job>.out      the batch shell's output
       logs/job-<job>/attempt-<n>/rank-<r>.log   every rank's output, per job and attempt
       checkpoints/step-<N>[-r<k>]/ and checkpoints/latest
+      code/<id>/                the snapshot of the project the ranks run (launch.snapshot), read-only
+      code/<id>.json            its manifest; code/<id>-<commit>.diff: its uncommitted changes
+      environments/<hash>.txt   the ranks' installed packages, one list per environment seen (job.provenance)
       submitit/<job>/           submitit's own files
       training.png, timeline.png
 
-A sweep (`submit --sweep`) is a folder of run dirs, one per task, with the sweep's own two files:
+A sweep (`submit --sweep`) is a folder of run dirs, one per task, with the sweep's own files:
 
     SWEEP_DIR/
       sweep.json                the axes, every task's values and run dir, the array's job id
       job.sbatch                the array's batch script: picks task-<i>/job.sbatch and runs it
+      code/<id>/                the one snapshot every task runs
       task-<i>/                 task i's whole run dir (its Slurm output: logs/slurm-<array>_<i>.out)
 
 Pure: names and paths only; nothing here touches the filesystem except `rank_logs` (a glob), `is_sweep_dir` and
@@ -34,7 +38,7 @@ import dataclasses
 import re
 from pathlib import Path
 
-__all__ = ["RunDir", "SPEC", "SCRIPT", "EVENTS", "METRICS", "SUBMISSIONS", "LOCAL_PID", "SRUN_PID", "CHECKPOINTS", "LATEST",
+__all__ = ["RunDir", "CODE", "ENVIRONMENTS", "SPEC", "SCRIPT", "EVENTS", "METRICS", "SUBMISSIONS", "LOCAL_PID", "SRUN_PID", "CHECKPOINTS", "LATEST",
            "CHECKPOINT_PREFIX", "CHECKPOINT_NAME", "checkpoint_name", "attempt_logs", "RANK_LOG", "RANK_LOGS_GLOB", "SLURM_OUTPUT",
            "SWEEP", "TASK_DIR", "ARRAY_OUTPUT", "task_dir", "is_sweep_dir"]
 
@@ -47,6 +51,8 @@ LOCAL_PID = "local.pid"
 SRUN_PID = "srun.pid"
 LOGS = "logs"
 SUBMITIT = "submitit"
+CODE = "code"
+ENVIRONMENTS = "environments"
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"                      # inside CHECKPOINTS: the name of the newest complete checkpoint
 CHECKPOINT_PREFIX = "step-"
@@ -111,6 +117,8 @@ class RunDir:
     logs = _under(LOGS)
     checkpoints = _under(CHECKPOINTS)
     submitit = _under(SUBMITIT)
+    code = _under(CODE)
+    environments = _under(ENVIRONMENTS)
 
     def picture(self, what: str) -> Path:
         """training.png, timeline.png: the default place of a plot of this run."""

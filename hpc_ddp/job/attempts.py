@@ -317,10 +317,22 @@ def slurm_job(job_id: str | None, run=subprocess.run) -> dict[str, str] | None:
 
 # ---- the edge: what the batch script and the local executor call ----
 
-def _limits(run_dir: Path) -> Limits:
+def _spec(run_dir: Path):
     from hpc_ddp.spec.jobspec import load_spec
 
-    spec = load_spec(RunDir(run_dir).spec)
+    return load_spec(RunDir(run_dir).spec)
+
+
+def _code_of(run_dir: Path) -> dict[str, str]:
+    """{"code": the id of the snapshot the spec names}, or {} (none, or no spec to read)."""
+    try:
+        code = _spec(run_dir).code
+    except HpcDdpError:
+        return {}
+    return {"code": code.id} if code is not None else {}
+
+
+def _limits(spec) -> Limits:
     return Limits(spec.max_requeues, spec.max_preemptions)
 
 
@@ -352,10 +364,12 @@ def admit(run_dir: Path, attempt: int, env: Mapping[str, str] | None = None) -> 
     if verdict and verdict[0] == "done":
         events.write({"event": "skipped", "job_id": job_id, "chain": chain, "reason": verdict[1]})
         return Admission(False, verdict[1], done=True)
-    ok, reason = (False, verdict[1]) if verdict else decide_begin(previous, step, _limits(run_dir))
+    ok, reason = (False, verdict[1]) if verdict else decide_begin(previous, step, _limits(_spec(run_dir)))
+    # "code": the snapshot this attempt runs (the spec names it; a resubmission to the run dir names another)
     events.write({"event": "attempt_start", "attempt": attempt, "job_id": job_id,
                   **({"chain": chain} if chain != job_id else {}),
-                  "nodes": env.get("SLURM_JOB_NODELIST"), "checkpoint_step": step})
+                  "nodes": env.get("SLURM_JOB_NODELIST"), "checkpoint_step": step,
+                  **_code_of(run_dir)})
     if previous and previous[-1].exit_code is None:
         events.write({"event": "attempt_end", "attempt": previous[-1].number, "exit_code": None, "cause": "killed",
                       "note": "no end record: the job was killed from outside (preempted, requeued or node failure)"})
@@ -428,7 +442,7 @@ def finish(run_dir: Path, attempt: int, exit_code: int, env: Mapping[str, str] |
     last.exit_code, last.ended_at = exit_code, time.time()
     goes_on = exit_code == REQUEUE_EXIT_CODE or last.cause in ("preempted", "time_limit")
     next_job = _waiting_successor(run_dir, env.get("SLURM_JOB_ID"), ask_slurm) if goes_on and not by_slurm else None
-    requeue, reason = decide_end(attempts, exit_code, _limits(run_dir), next_job)
+    requeue, reason = decide_end(attempts, exit_code, _limits(_spec(run_dir)), next_job)
     record = {"event": "attempt_end", "attempt": attempt, "exit_code": exit_code, "cause": last.cause}
     if exit_code not in (0, REQUEUE_EXIT_CODE) and last.cause != "failed":
         record["note"] = f"signalled from outside ({_outside_note(slurm, env)}), not the program's failure"

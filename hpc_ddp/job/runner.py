@@ -27,6 +27,9 @@ from hpc_ddp.job.exitsite.hpc_ddp_warned import EVENTS_VARIABLE
 from hpc_ddp.job.exitsite.hpc_ddp_warned import SIGNAL_VARIABLE as WARNED_VARIABLE
 from hpc_ddp.job.gpubind import BINDING_VARIABLE, DEVICE_VARIABLE, NO_GPU, bind_gpus, entries
 from hpc_ddp.job.ports import PORT_HINT, port_in_use, taken_port_message
+from hpc_ddp.job.exitsite.hpc_ddp_code import DIR_VARIABLE as CODE_DIR_VARIABLE
+from hpc_ddp.job.exitsite.hpc_ddp_code import PROJECT_VARIABLE as CODE_PROJECT_VARIABLE
+from hpc_ddp.spec.code import pinned
 from hpc_ddp.spec.jobspec import JobSpec, load_spec
 from hpc_ddp.spec.siteenv import expand
 
@@ -88,6 +91,10 @@ def rank_environment(spec: JobSpec, dist: DistEnv, env: Mapping[str, str], run_d
     # A handler of the program's own for the warning signal records that the warning reached it
     # (exitsite/hpc_ddp_warned.py): an exit 0 after it is a stop, not a completion.
     out[WARNED_VARIABLE] = spec.signal
+    if spec.code is not None:
+        # The project's imports come from the snapshot (exitsite/hpc_ddp_code.py); HPC_DDP_CODE_ID names it.
+        out.update({CODE_PROJECT_VARIABLE: spec.code.project, CODE_DIR_VARIABLE: spec.code.dir,
+                    "HPC_DDP_CODE_ID": spec.code.id})
     out[EVENTS_VARIABLE] = str(RunDir(run_dir).events)
     if "OMP_NUM_THREADS" not in env:
         # torchrun's default; one thread per rank unless the job gave each task more CPUs.
@@ -117,7 +124,9 @@ def with_exit_guard(pythonpath: str | None, guard_dir: str = EXIT_GUARD_DIR) -> 
 def program_argv(spec: JobSpec, dist: DistEnv, python: str, spec_path: str = rundir.SPEC) -> list[str]:
     target = spec.target
     if target.kind == "script":
-        argv = [python, target.value, *target.args]
+        # The snapshot's copy of the script where submit took one: the code as submitted, on every attempt.
+        script = spec.code.script if spec.code is not None and spec.code.script else target.value
+        argv = [python, script, *target.args]
     elif target.kind == "module":
         argv = [python, "-m", target.value, *target.args]
     else:
@@ -147,6 +156,7 @@ def clean_environ(env: Mapping[str, str]) -> dict[str, str]:
 def prepare(spec_path: str) -> tuple[list[str], dict[str, str]]:
     """Everything the exec needs: the program's argv and its full environment."""
     spec = load_spec(spec_path)
+    _check_code(spec)
     base = clean_environ(os.environ)
     dist = from_environ(base, pid=os.getpid())
     run_dir = str(Path(spec_path).resolve().parent)
@@ -156,6 +166,8 @@ def prepare(spec_path: str) -> tuple[list[str], dict[str, str]]:
     env["PYTHONPATH"] = with_exit_guard(env.get("PYTHONPATH"))
     _check_device_pick(spec, dist, env)
     _check_master_port(dist, int(env["MASTER_PORT"]))
+    if dist.rank == 0:
+        _record_environment(run_dir, dist)
     if spec.datasets:
         from hpc_ddp.job.stagejob import dataset_env, scratch_dir, stage_for_job
 
@@ -182,7 +194,8 @@ def _check_device_pick(spec: JobSpec, dist: DistEnv, env: Mapping[str, str]) -> 
     how = env.get(BINDING_VARIABLE)
     if how not in ("node", "rank", "slurm"):
         return
-    found = devicescan.source_of(spec.target.kind, spec.target.value, spec.workdir)
+    script = spec.code.script if spec.code is not None and spec.code.script else spec.target.value
+    found = devicescan.source_of(spec.target.kind, script, pinned(spec.code, spec.workdir))
     if found is None:
         return
     path, text = found
@@ -193,6 +206,25 @@ def _check_device_pick(spec: JobSpec, dist: DistEnv, env: Mapping[str, str]) -> 
     errors = [p for p in problems if p.level == "error"]
     if errors:
         raise EnvError(errors[0].message, hint=errors[0].hint)
+
+
+def _record_environment(run_dir: str, dist: DistEnv) -> None:
+    """This attempt's Python, packages, torch, CUDA and NCCL (job.provenance); a note if that fails."""
+    from hpc_ddp.job import provenance
+
+    try:
+        provenance.record(Path(run_dir), RunDir(run_dir).events, job_id=dist.job_id, attempt=dist.restart_count,
+                          node=socket.gethostname())
+    except Exception as exc:  # noqa: BLE001 - a record we could not write is not the run's failure
+        print(f"hpc-ddp: note: the environment of this attempt was not recorded: {exc}", file=sys.stderr, flush=True)
+
+
+def _check_code(spec: JobSpec) -> None:
+    """The snapshot the run was submitted with must still be there: running the working tree instead would
+    break the promise silently."""
+    if spec.code is not None and not os.path.isdir(spec.code.dir):
+        raise EnvError(f"the code snapshot {spec.code.id} of this run is gone ({spec.code.dir} does not exist)",
+                       hint="submit the run again (a new snapshot of the working tree), or with --no-snapshot")
 
 
 def _check_master_port(dist: DistEnv, port: int) -> None:

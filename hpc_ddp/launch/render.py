@@ -120,7 +120,7 @@ def render_sbatch(spec: JobSpec, run_dir: str, *, generated_at: str, command_lin
             requeue_exit_code=REQUEUE_EXIT_CODE,
             version=__version__, generated_at=generated_at, command_line=scrub(command_line),
             script_name=rundir.SCRIPT, attempt_logs=rundir.attempt_logs("$SLURM_JOB_ID", "$ATTEMPT"),
-            rank_log=rundir.RANK_LOG.format(rank="%t"), program=scrub(spec.target.describe()),
+            rank_log=rundir.RANK_LOG.format(rank="%t"), program=scrub(spec.program()),
             time_limit=format_time(spec.time) if spec.time else "none",
             run_complete_exit_code=RUN_COMPLETE_EXIT_CODE,
         )

@@ -18,6 +18,7 @@ from typing import Any
 
 from hpc_ddp.common.errors import HpcDdpError, SpecError
 from hpc_ddp.slurm.slurmtime import parse_time
+from hpc_ddp.spec.code import DEFAULT_MAX_MB, Code, parse_excludes
 from hpc_ddp.spec.container import Container, image_is_path, parse_container
 from hpc_ddp.spec.siteenv import parse_env
 from hpc_ddp.spec.slurmargs import SBATCH, SRUN, SRUN_MANAGED, check_option, directive_safe
@@ -97,10 +98,20 @@ class JobSpec:
     debug_rank: int | None = None      # this rank starts under a debugger and waits for it (job.debugger)
     debug_port: int | None = None      # where debugpy listens; None: the first free port from 5678
     debugger: str = "debugpy"          # "debugpy" (an IDE attaches) or "pdb" (the terminal; local executor)
+    snapshot: bool = True              # the ranks run a copy of the project taken at submit (spec.code)
+    snapshot_exclude: tuple[str, ...] = ()  # patterns left out of the copy (seen live through a link)
+    snapshot_max_mb: int = DEFAULT_MAX_MB   # a bigger project is refused, not copied
+    code: Code | None = None           # the snapshot the ranks run (set by submit, never by the user)
 
     @property
     def world_size(self) -> int:
         return self.nodes * self.tasks_per_node
+
+    def program(self) -> str:
+        """What every rank runs, as one line: a script's copy in the snapshot where submit took one."""
+        if self.target.kind == "script" and self.code is not None and self.code.script:
+            return dataclasses.replace(self.target, value=self.code.script).describe()
+        return self.target.describe()
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -110,13 +121,14 @@ class JobSpec:
         fields = dict(data)
         t = fields.pop("target")
         fields["target"] = Target(t["kind"], t["value"], tuple(t["args"]))
-        for key in ("sbatch_args", "srun_args", "setup", "node_setup"):
+        for key in ("sbatch_args", "srun_args", "setup", "node_setup", "snapshot_exclude"):
             fields[key] = tuple(fields.get(key, ()))
         if fields.get("train") is not None:
             fields["train"] = TrainConfig(**fields["train"])
         fields["datasets"] = tuple(tuple(d) for d in fields.get("datasets", ()))
         fields["env"] = tuple(tuple(pair) for pair in fields.get("env", ()))
         fields["container"] = Container.from_dict(fields.get("container"))
+        fields["code"] = Code.from_dict(fields.get("code"))
         return cls(**fields)
 
 
@@ -385,6 +397,7 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "rendezvous_timeout": count(5, WEEK), "collective_timeout": count(10, WEEK),
     "after": _after, "chain": count(1, MAX_CHAIN), "env": parse_env, "container": _container,
     "debug_rank": count(0, MAX_NODES * MAX_PER_NODE), "debug_port": _port, "debugger": choice(("debugpy", "pdb")),
+    "snapshot": flag, "snapshot_exclude": parse_excludes, "snapshot_max_mb": count(1, 1 << 20),
 }
 SPEC_KEYS = frozenset(PARSERS)
 PROFILE_KEYS = SPEC_KEYS - {"script", "module", "args", "profile", "job_name", "run_dir", "pass_local_rank", "train",

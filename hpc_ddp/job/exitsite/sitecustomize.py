@@ -1,5 +1,6 @@
-"""Put on a rank's PYTHONPATH by hpc-ddp's runner: destroys a process group left open at exit, and
-installs hpc_ddp_rankguard (the rank starts on its own GPU; ranks that share one stop at start-up) and
+"""Put on a rank's PYTHONPATH by hpc-ddp's runner: installs hpc_ddp_code (the project is imported from the
+run's snapshot, not the working tree), destroys a process group left open at exit, and installs
+hpc_ddp_rankguard (the rank starts on its own GPU; ranks that share one stop at start-up) and
 hpc_ddp_warned (a time-limit warning that reached a handler of the program's is recorded).
 
 A script that never calls `destroy_process_group` (Lightning's DDP strategy is one) leaves gloo's
@@ -85,6 +86,17 @@ def _install_rank_guard():
     hpc_ddp_warned.install()
 
 
+def _install_code_pin():
+    """hpc_ddp_code: imports of the user's project come from the snapshot the run was submitted with. Not
+    part of the exit guard (HPC_DDP_EXIT_GUARD=0 leaves it on): it is what the run runs, not a safeguard."""
+    try:
+        import hpc_ddp_code
+    except Exception:  # a broken install must not stop the user's program
+        return
+    hpc_ddp_code.install()
+
+
+_install_code_pin()
 if os.environ.get("HPC_DDP_EXIT_GUARD") != "0":
     # Registered before the user's program runs, so it runs after the program's own exit handlers
     # (a logger's finish may still need the group).

@@ -66,6 +66,10 @@ class Executor(Protocol):
 
     def plan(self, spec: JobSpec, run_dir: str) -> Plan: ...
 
+    def check(self, plan: Plan) -> Any:
+        """Refuse (a UserError) what the executor cannot run, before anything is written: submit calls it
+        before it takes the code snapshot, and `submit` itself calls it again."""
+
     def submit(self, plan: Plan, on_job_id: Callable[[str], None] | None = None) -> Submission:
         """Start the job. `on_job_id` is called as soon as the job has an id (before a local run starts,
         which may last hours), so the run can be found while it runs."""

@@ -121,7 +121,7 @@ def _plan_head(spec: JobSpec, scrubber: secrets.Scrubber) -> list[str]:
         "[rank N] prefix, the --time limit, signal forwarding, requeues); as there, a failed rank stops the others.",
         f"# {spec.nodes} simulated node(s) x {spec.tasks_per_node} task(s) = {n} process(es) on this machine; "
         "MASTER_PORT is where attempt 0 starts (submit takes the next free port if it is taken).",
-        f"# Each rank runs: {comment_text(scrubber(spec.target.describe()))}",
+        f"# Each rank runs: {comment_text(scrubber(spec.program()))}",
     ]
 
 
@@ -196,9 +196,13 @@ class LocalExecutor(ForegroundControl):
         return Plan("local", spec, run_dir, None,
                     summary=plan_script(spec, run_dir, self.job_id, envs, secrets.current()))
 
-    def submit(self, plan: Plan, on_job_id=None) -> Submission:
+    def check(self, plan: Plan) -> None:
+        """Refusals before anything is written (the snapshot included)."""
         container.refuse_missing_runtime(plan.spec, shutil.which)  # the ranks run here: so must the runtime
         refuse_taken_debug_port(plan.spec)
+
+    def submit(self, plan: Plan, on_job_id=None) -> Submission:
+        self.check(plan)
         if on_job_id is not None:  # before it runs: it may run for hours
             on_job_id(self.job_id)
         run_dir = write_run_dir(plan)

@@ -50,9 +50,13 @@ class SbatchExecutor(SlurmControl):
         script = render_sbatch(spec, run_dir, generated_at=self.generated_at, command_line=self.command_line)
         return Plan("sbatch", spec, run_dir, script, summary=script)
 
-    def submit(self, plan: Plan, on_job_id=None) -> SbatchSubmission:
-        if plan.spec.after:  # before anything is written: a bad dependency submits nothing
+    def check(self, plan: Plan) -> None:
+        """Refusals that ask the cluster, before anything is written (the snapshot included)."""
+        if plan.spec.after:  # a bad dependency submits nothing
             check_dependency(plan.spec.after, self.commands)
+
+    def submit(self, plan: Plan, on_job_id=None) -> SbatchSubmission:
+        self.check(plan)
         run_dir = write_run_dir(plan)
         script_path = _write_script(run_dir, plan.script)
         # sbatch runs in the run dir: the script's relative log paths resolve there, on every requeue too.

@@ -295,7 +295,7 @@ def plan_text(spec: JobSpec, run_dir: str, job_id: str, alloc: Allocation, scrub
     head = [(f"{PLAN_FIRST_LINE} the ranks run as a step of allocation {alloc.job_id} ({alloc.nodes} node(s) "
              f"{comment_text(alloc.nodelist)}; {gpus} and {cpus} per node), in the foreground."),
             f"# {spec.nodes} node(s) x {spec.tasks_per_node} task(s) = {spec.world_size} rank(s){per_node}.",
-            f"# Each rank runs: {comment_text(scrubber(spec.target.describe()))}",
+            f"# Each rank runs: {comment_text(scrubber(spec.program()))}",
             ("# Left out: srun.pid, the echo of the rank logs here, signal forwarding (Ctrl-C: the ranks checkpoint "
              "and stop) and the requeues that `submit` adds around these commands.")]
     ignored = ignored_settings(spec)
@@ -347,11 +347,17 @@ class SrunExecutor(ForegroundControl):
         return Plan(NAME, fitted, run_dir, None,
                     summary=plan_text(fitted, run_dir, self.job_id, alloc, secrets.current()))
 
-    def submit(self, plan: Plan, on_job_id=None) -> Submission:
+    def check(self, plan: Plan):
+        """Refusals before anything is written (the snapshot included): a stale SLURM_JOB_ID, no srun.
+        Returns the allocation and its end."""
         alloc = self.allocation()
-        ends = self._allocation_end(alloc)  # before anything is written: a stale SLURM_JOB_ID is one line, exit 2
+        ends = self._allocation_end(alloc)
         if not self.commands.which("srun"):
             raise UserError("srun is not on PATH", hint="load Slurm (`module load slurm`), or use --executor local")
+        return alloc, ends
+
+    def submit(self, plan: Plan, on_job_id=None) -> Submission:
+        alloc, ends = self.check(plan)
         if on_job_id is not None:  # before it runs: it may run for hours
             on_job_id(self.job_id)
         run_dir = write_run_dir(plan)

@@ -173,8 +173,11 @@ class SubmititExecutor(SlurmControl):
         lines = [f"# submitit executor: SlurmExecutor(folder={str(RunDir(run_dir).submitit / '%j')!r}, python={spec.python!r})",
                  "update_parameters("]
         lines += [f"    {k}={v!r}," for k, v in params.items()]
-        lines += [")", f"submit(RankTask({str(RunDir(run_dir).spec)!r}))  # each rank runs: {spec.target.describe()}"]
+        lines += [")", f"submit(RankTask({str(RunDir(run_dir).spec)!r}))  # each rank runs: {spec.program()}"]
         return Plan("submitit", spec, run_dir, None, summary=scrub("\n".join(lines) + "\n"))
+
+    def check(self, plan: Plan) -> None:
+        """Nothing to refuse before anything is written: submitit's sbatch says what it refuses."""
 
     def submit(self, plan: Plan, on_job_id=None) -> Submission:
         import submitit

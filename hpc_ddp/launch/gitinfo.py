@@ -1,0 +1,125 @@
+"""What git says about the user's project, for its snapshot: the repo's root, which files it holds
+(tracked, and untracked but not ignored), what it ignores, and the commit, branch and uncommitted changes.
+
+Only read-only git commands, run with the user's git but none of the repo's programs: no fsmonitor hook,
+no external diff or textconv driver, no pager; and none of the shell's GIT_DIR/GIT_WORK_TREE/GIT_INDEX_FILE,
+which would point the commands at another repo. `Git.run` is the one edge; tests fake it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+__all__ = ["Git", "GitState", "GitError"]
+
+# The repo's own configuration may name programs to run (core.fsmonitor, diff drivers): not from here.
+_SAFE = ("--no-pager", "-c", "core.fsmonitor=false", "-c", "core.untrackedCache=false")
+# Variables that would make git read another repo, index or configuration than the project's own.
+_REPO_VARIABLES = ("GIT_DIR", "GIT_WORK_TREE", "GIT_INDEX_FILE", "GIT_OBJECT_DIRECTORY", "GIT_COMMON_DIR",
+                   "GIT_NAMESPACE", "GIT_CEILING_DIRECTORIES", "GIT_DISCOVERY_ACROSS_FILESYSTEM",
+                   "GIT_ALTERNATE_OBJECT_DIRECTORIES", "GIT_CONFIG", "GIT_CONFIG_PARAMETERS", "GIT_CONFIG_COUNT",
+                   "GIT_EXTERNAL_DIFF", "GIT_PAGER", "GIT_TRACE", "GIT_TRACE2", "GIT_TRACE2_EVENT")
+MAX_LISTED = 50  # changed and untracked files named in the record (the diff and the copy hold all of them)
+
+
+class GitError(Exception):
+    """git failed where it should not have (not: the folder is no repo)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GitState:
+    commit: str | None          # None: a repo with no commits yet
+    branch: str | None          # None: a detached HEAD
+    dirty: bool                 # uncommitted changes to tracked files, or untracked files
+    changed: tuple[str, ...]    # tracked files that differ from the commit (at most MAX_LISTED)
+    untracked: tuple[str, ...]  # untracked files, not ignored (at most MAX_LISTED)
+    patch: bytes                # `git diff --binary HEAD`: the changes to tracked files; b"" when none
+
+    def describe(self) -> str:
+        head = f"commit {self.commit[:12]}" if self.commit else "no commits yet"
+        if self.commit and self.branch:
+            head += f" on {self.branch}"
+        if not self.dirty:
+            return f"git {head}, clean"
+        parts = [f"{len(self.changed)}{'+' if len(self.changed) >= MAX_LISTED else ''} changed"] if self.changed else []
+        if self.untracked:
+            parts.append(f"{len(self.untracked)}{'+' if len(self.untracked) >= MAX_LISTED else ''} untracked")
+        return f"git {head} + uncommitted changes ({', '.join(parts) or 'staged'})"
+
+    def to_json(self) -> dict:
+        return {"commit": self.commit, "branch": self.branch, "dirty": self.dirty, "changed": list(self.changed),
+                "untracked": list(self.untracked)}
+
+
+Runner = Callable[[list[str], str], "subprocess.CompletedProcess[bytes]"]
+
+
+def _subprocess(argv: list[str], cwd: str) -> "subprocess.CompletedProcess[bytes]":
+    env = {k: v for k, v in os.environ.items() if k not in _REPO_VARIABLES}
+    env["GIT_OPTIONAL_LOCKS"] = "0"  # reading must not take the index lock another git holds
+    return subprocess.run(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, capture_output=True, timeout=120,
+                          check=False)
+
+
+class Git:
+    """git for one folder's repo. `run(argv, cwd)` runs one git command line (tests pass a fake)."""
+
+    def __init__(self, run: Runner | None = None, executable: str | None = None) -> None:
+        self._run = run or _subprocess
+        self.executable = executable if executable is not None else (shutil.which("git") or "")
+
+    @property
+    def available(self) -> bool:
+        return bool(self.executable)
+
+    def _git(self, cwd: str | Path, *args: str, ok: tuple[int, ...] = (0,)) -> "subprocess.CompletedProcess[bytes]":
+        try:
+            done = self._run([self.executable, *_SAFE, *args], str(cwd))
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise GitError(f"git {args[0]} failed: {exc}") from None
+        if done.returncode not in ok:
+            said = done.stderr.decode(errors="replace").strip().splitlines()
+            raise GitError(f"git {args[0]} failed: {said[-1] if said else f'exit code {done.returncode}'}")
+        return done
+
+    def toplevel(self, folder: str | Path) -> Path | None:
+        """The root of the repo `folder` is in; None where it is in none (or git is not installed)."""
+        if not self.available:
+            return None
+        done = self._git(folder, "rev-parse", "--show-toplevel", ok=(0, 128))
+        out = done.stdout.decode(errors="surrogateescape").rstrip("\n")
+        return Path(out) if done.returncode == 0 and out else None
+
+    def files(self, root: Path, *, untracked_only: bool = False) -> list[str]:
+        """Tracked files and untracked files that are not ignored (relative, '/'-separated); with
+        `untracked_only`, the untracked ones alone. Submodules are listed as their folder."""
+        which = ["--others"] if untracked_only else ["--cached", "--others"]
+        return _split(self._git(root, "ls-files", "-z", *which, "--exclude-standard").stdout)
+
+    def ignored(self, root: Path) -> list[str]:
+        """What the repo ignores, a whole ignored folder as one entry ending in '/'."""
+        return _split(self._git(root, "ls-files", "-z", "--others", "--ignored", "--exclude-standard",
+                                "--directory").stdout)
+
+    def state(self, root: Path, untracked: list[str]) -> GitState:
+        head = self._git(root, "rev-parse", "--verify", "-q", "HEAD", ok=(0, 1)).stdout.decode().strip() or None
+        branch_out = self._git(root, "symbolic-ref", "-q", "--short", "HEAD", ok=(0, 1))
+        branch = branch_out.stdout.decode(errors="replace").strip() or None if branch_out.returncode == 0 else None
+        if head is None:
+            changed = _split(self._git(root, "ls-files", "-z", "--cached").stdout)
+            patch = b""
+        else:
+            changed = _split(self._git(root, "diff", "--name-only", "-z", "--no-ext-diff", "HEAD").stdout)
+            patch = self._git(root, "diff", "--binary", "--no-ext-diff", "--no-textconv", "HEAD").stdout if changed \
+                else b""
+        return GitState(head, branch, bool(changed or untracked), tuple(changed[:MAX_LISTED]),
+                        tuple(untracked[:MAX_LISTED]), patch)
+
+
+def _split(out: bytes) -> list[str]:
+    return [p for p in out.decode(errors="surrogateescape").split("\0") if p]

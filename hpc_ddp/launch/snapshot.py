@@ -1,0 +1,623 @@
+"""The snapshot of the user's project that submit takes, so that every attempt runs the code as submitted.
+
+Which files make the project:
+  - in a git repo (the script's): the tracked files and the untracked files git does not ignore;
+  - elsewhere: the script's folder, walked.
+Left out, and seen live through a link in the copy (so `Path(__file__).parent / "data"` still finds the
+data, and outputs written there still land in the working tree): what git ignores, and among untracked files
+virtual environments, run dirs, caches, logs, data and weights folders (`LEFT_OUT`), and the user's
+`snapshot_exclude` patterns. `__pycache__` and `*.pyc` are dropped. Symbolic links stay links: one out of the
+project is named in a note (it is not pinned); nothing is ever read through one. FIFOs, sockets and devices
+are skipped with a note; an unreadable file is refused. A project over `snapshot_max_mb` is refused in one
+line that names its biggest folders, never copied.
+
+    RUN_DIR/code/<id>/          the copy (files read-only): the project's layout, its id the content's hash
+    RUN_DIR/code/<id>.json      its manifest: every file's sha256, every link, what was left out
+    RUN_DIR/code/<id>-<commit>.diff   the uncommitted changes to tracked files (git diff --binary HEAD)
+
+A sweep keeps one copy for all its tasks (SWEEP_DIR/code); a chain, a requeue and its fallback job all
+run the run dir's spec, which names the copy. `plan` reads (for --dry-run: the id it would have);
+`take` writes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import hashlib
+import json
+import os
+import secrets
+import shutil
+import stat
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from hpc_ddp.common.durable import NotRegularFile, read_regular
+from hpc_ddp.common.errors import UserError
+from hpc_ddp.common.rundir import CHECKPOINTS, CODE, SPEC, SUBMISSIONS, SWEEP
+from hpc_ddp.launch.gitinfo import Git, GitError, GitState
+from hpc_ddp.spec.code import Code
+from hpc_ddp.spec.jobspec import JobSpec
+
+__all__ = ["Item", "Listing", "Snapshot", "LEFT_OUT", "project_root", "list_project", "check_limits", "plan",
+           "take", "changes", "manifest_of", "CODE_DIR"]
+
+CODE_DIR = CODE
+# Folders of an untracked tree (or of a project outside git) that are not code: kept out of the copy and
+# reached through a link instead. Tracked files are always copied unless snapshot_exclude names them.
+LEFT_OUT = frozenset({
+    ".git", ".hg", ".svn", ".venv", "venv", ".conda", ".tox", ".nox", ".mypy_cache", ".pytest_cache",
+    ".ruff_cache", ".ipynb_checkpoints", "node_modules", "runs", "wandb", "lightning_logs", "mlruns", "outputs",
+    "multirun", CHECKPOINTS, "data", "datasets", ".cache", "build", "dist",
+})
+LEFT_OUT_FILES = ("*.pt", "*.pth", "*.ckpt", "*.safetensors", "*.npz", "*.h5", "*.hdf5", "*.tar", "*.tar.gz",
+                  "*.zip", "*.egg-info")
+DROPPED = ("__pycache__", "*.pyc", "*.pyo")
+MAX_FILES = 100_000
+MAX_LINKS = 2_000
+_STOPPED = "the walk stopped early: the folder holds more than a snapshot may"
+_MB = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Item:
+    """One entry of the copy. kind "file": copied (`size`, `executable`); "link": a symbolic link of the
+    project, recreated with `target`; "live": left out, a link to the working tree's `target`."""
+
+    rel: str
+    kind: str
+    size: int = 0
+    executable: bool = False
+    target: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Listing:
+    project: str                     # the project's root, resolved
+    items: tuple[Item, ...]
+    notes: tuple[str, ...] = ()      # links out of the project, special files skipped, links not made
+    git: GitState | None = None
+    git_error: str | None = None     # git was there but failed: the project was walked instead
+
+    @property
+    def files(self) -> list[Item]:
+        return [i for i in self.items if i.kind == "file"]
+
+    @property
+    def size(self) -> int:
+        return sum(i.size for i in self.files)
+
+
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+    """A planned snapshot: what will be copied, and the id and place it will have."""
+
+    listing: Listing
+    id: str
+    hashes: dict[str, str]           # rel -> sha256 of each file
+    code_root: str                   # RUN_DIR/code (a sweep's: SWEEP_DIR/code)
+    script: str | None               # the script, relative to the project
+
+    @property
+    def dir(self) -> str:
+        return os.path.join(self.code_root, self.id)
+
+    def code(self) -> Code:
+        return Code(self.listing.project, self.dir, self.id,
+                    os.path.join(self.dir, self.script) if self.script is not None else None)
+
+    def describe(self) -> str:
+        size = self.listing.size
+        what = (f"{len(self.listing.files)} files, {_human(size)}"
+                + (f", {sum(i.kind == 'live' for i in self.listing.items)} left out" if any(
+                    i.kind == "live" for i in self.listing.items) else ""))
+        where = self.listing.git.describe() if self.listing.git else "not in git"
+        return f"code: snapshot {self.id} of {self.listing.project} ({where}; {what}) in {self.dir}"
+
+
+# ----------------------------------------------------------------------------------------------- listing
+
+
+def project_root(spec: JobSpec, git: Git) -> tuple[Path, str | None] | None:
+    """(the project's root, the script relative to it) for a script or a module found in the working
+    directory; None for the built-in trainer and for a module that is not the user's (an installed one)."""
+    if spec.target.kind == "script":
+        script = Path(os.path.realpath(spec.target.value))
+        root = _git_root(script.parent, git) or script.parent
+        return root, script.relative_to(root).as_posix()
+    if spec.target.kind == "module":
+        workdir = Path(os.path.realpath(spec.workdir))
+        top = spec.target.value.split(".")[0]
+        if not ((workdir / top).is_dir() or (workdir / f"{top}.py").is_file()):
+            return None
+        return (_git_root(workdir, git) or workdir), None
+    return None
+
+
+def _git_root(folder: Path, git: Git) -> Path | None:
+    try:
+        top = git.toplevel(folder)
+    except GitError:
+        return None
+    return Path(os.path.realpath(top)) if top else None
+
+
+def list_project(root: Path, excludes: Sequence[str] = (), git: Git | None = None,
+                 max_bytes: int | None = None) -> Listing:
+    """Every file and link the copy of `root` will hold. Reads names and metadata only; a walk stops once
+    it passed `max_bytes` (check_limits then refuses)."""
+    root = Path(os.path.realpath(root))
+    git = git or Git()
+    rule = _Rule(root, excludes)
+    error = None
+    if _git_root(root, git) == root:
+        try:
+            return _from_git(root, git, rule)
+        except GitError as exc:
+            error = str(exc)
+    items, notes = _walk(root, rule, max_bytes)
+    return Listing(str(root), tuple(items), tuple(notes), None, error)
+
+
+class _Rule:
+    """What is left out: the user's patterns (anything), then, for untracked files, LEFT_OUT."""
+
+    def __init__(self, root: Path, excludes: Sequence[str]) -> None:
+        self.root, self.excludes = root, tuple(excludes)
+        self._dirs: dict[str, str | None] = {}
+
+    def dropped(self, rel: str) -> bool:
+        name = rel.rsplit("/", 1)[-1]
+        return any(fnmatch.fnmatchcase(name, p) for p in DROPPED)
+
+    def asked(self, rel: str) -> bool:
+        name = rel.rsplit("/", 1)[-1]
+        return any(fnmatch.fnmatchcase(rel, p) if "/" in p else fnmatch.fnmatchcase(name, p)
+                   for p in self.excludes)
+
+    def not_code_dir(self, rel: str) -> bool:
+        name = rel.rsplit("/", 1)[-1]
+        path = self.root / rel
+        return (name in LEFT_OUT or name.endswith(".egg-info") or os.path.lexists(path / "pyvenv.cfg")
+                or os.path.lexists(path / "conda-meta")
+                or os.path.lexists(path / SWEEP)
+                or (os.path.lexists(path / SPEC) and os.path.lexists(path / SUBMISSIONS)))
+
+    def not_code_file(self, rel: str) -> bool:
+        name = rel.rsplit("/", 1)[-1]
+        return any(fnmatch.fnmatchcase(name, p) for p in LEFT_OUT_FILES)
+
+    def left_out_above(self, rel: str, untracked: bool) -> str | None:
+        """The folder above `rel` (or `rel` itself) that is left out, as the link that stands for it."""
+        parts = rel.split("/")
+        for depth in range(1, len(parts) + 1):
+            prefix = "/".join(parts[:depth])
+            key = f"{int(untracked)}{prefix}"
+            if key not in self._dirs:
+                is_dir = depth < len(parts)
+                out = self.dropped(prefix) or self.asked(prefix) or (
+                    untracked and (self.not_code_dir(prefix) if is_dir else self.not_code_file(prefix)))
+                self._dirs[key] = prefix if out else None
+            if self._dirs[key] is not None:
+                return prefix
+        return None
+
+
+def _from_git(root: Path, git: Git, rule: _Rule) -> Listing:
+    listed = git.files(root)
+    untracked = set(git.files(root, untracked_only=True))
+    items: dict[str, Item] = {}
+    live: dict[str, list[str]] = {}   # a left-out folder (or file) -> the listed files it stands for
+    notes: list[str] = []
+    for rel, is_untracked in _with_submodules(root, git, listed, untracked, notes):
+        out = rule.left_out_above(rel, is_untracked)
+        if out is not None:
+            if not rule.dropped(out):
+                live.setdefault(out, []).append(rel)
+            continue
+        item = _item(root, rel, notes)
+        if item is not None and item.kind == "live":
+            live.setdefault(rel, []).append(rel)
+        elif item is not None:
+            items[rel] = item
+    folders = {p for rel in items for p in _parents(rel.rpartition("/")[0]) if p}
+    links: set[str] = set()
+    for out, under in live.items():
+        # a left-out folder that also holds copied files (tracked ones) is a folder of the copy: its
+        # left-out files get a link each instead
+        links.update(under if out in folders else [out])
+    for rel in git.ignored(root):
+        rel = rel.rstrip("/")
+        if rel and rel not in folders and not rule.dropped(rel) and not any(rel.startswith(p + "/") for p in links):
+            links.add(rel)
+    # untracked files the copy holds (not those left out): with the commit and the diff, they are the code
+    state = git.state(root, sorted(r for r in untracked if r in items))
+    return Listing(str(root), tuple(sorted([*items.values(), *_live_items(root, links, set(items), notes)],
+                                           key=_order)), tuple(notes), state)
+
+
+def _with_submodules(root: Path, git: Git, listed: list[str], untracked: set[str],
+                     notes: list[str]) -> Iterator[tuple[str, bool]]:
+    """git's list, with a submodule's (a folder in the list) own files in its place."""
+    for rel in listed:
+        path = root / rel
+        if os.path.isdir(path) and not os.path.islink(path):
+            if not os.path.lexists(path / ".git"):
+                continue  # a submodule never checked out: an empty folder
+            try:
+                inner = git.files(path)
+                inner_untracked = set(git.files(path, untracked_only=True))
+            except GitError as exc:
+                notes.append(f"submodule {_shown(rel)} skipped: {exc}")
+                continue
+            yield from ((f"{rel}/{sub}", sub in inner_untracked) for sub in inner)
+        else:
+            yield rel, rel in untracked
+
+
+def _walk(root: Path, rule: _Rule, max_bytes: int | None) -> tuple[list[Item], list[str]]:
+    """The project's folder, walked. Stops once it holds more than a snapshot may (a script in a home
+    folder, outside any repo, must not have the whole home folder listed before the refusal)."""
+    items: list[Item] = []
+    live: set[str] = set()
+    notes: list[str] = []
+    size = 0
+
+    def unreadable(exc: OSError) -> None:
+        rel = os.path.relpath(exc.filename, root).replace(os.sep, "/")
+        notes.append(f"{_shown(rel)} left out: it cannot be read ({exc.strerror}), by the ranks either")
+        live.add(rel)
+
+    for folder, dirs, files in os.walk(root, onerror=unreadable):
+        base = os.path.relpath(folder, root)
+        base = "" if base == "." else base.replace(os.sep, "/") + "/"
+        kept = []
+        for name in sorted(dirs):
+            rel = base + name
+            if name == ".git" or rule.dropped(rel):
+                continue
+            if os.path.islink(os.path.join(folder, name)):
+                files.append(name)  # a link to a folder is a link: recreated, never followed
+            elif rule.asked(rel) or rule.not_code_dir(rel) or name.startswith("."):
+                live.add(rel)
+            else:
+                kept.append(name)
+        dirs[:] = kept
+        for name in sorted(files):
+            rel = base + name
+            if name == ".git" or rule.dropped(rel):
+                continue
+            if rule.asked(rel) or rule.not_code_file(rel):
+                live.add(rel)
+                continue
+            item = _item(root, rel, notes)
+            if item is not None and item.kind == "live":
+                live.add(rel)
+            elif item is not None:
+                items.append(item)
+                size += item.size
+        if len(items) > MAX_FILES or (max_bytes is not None and size > max_bytes):
+            notes.append(_STOPPED)
+            break
+    names = {i.rel for i in items}
+    return sorted([*items, *_live_items(root, live, names, notes)], key=_order), notes
+
+
+def _item(root: Path, rel: str, notes: list[str]) -> Item | None:
+    path = root / rel
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None  # tracked but deleted in the working tree: the copy is the working tree
+    except OSError as exc:
+        raise UserError(f"cannot read {_shown(rel)} in the project {root}: {exc.strerror}",
+                        hint="fix its permissions, or leave it out of the snapshot (--snapshot-exclude NAME)") from None
+    if stat.S_ISREG(st.st_mode):
+        if not os.access(path, os.R_OK):
+            notes.append(f"{_shown(rel)} left out: it cannot be read (permission denied), by the ranks either")
+            return Item(rel, "live", target=str(path))
+        return Item(rel, "file", st.st_size, bool(st.st_mode & 0o111))
+    if stat.S_ISLNK(st.st_mode):
+        return _link(root, rel, notes)
+    kind = "a FIFO" if stat.S_ISFIFO(st.st_mode) else "a socket" if stat.S_ISSOCK(st.st_mode) else \
+        "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else "not a file"
+    notes.append(f"{_shown(rel)} skipped: {kind}, not code")
+    return None
+
+
+def _link(root: Path, rel: str, notes: list[str]) -> Item:
+    """A symbolic link of the project, as the copy recreates it: one that stays in the project keeps
+    pointing there (relative, so into the copy); one that leaves it points at the same place, by its
+    absolute path, and is named in a note: what it reaches is not pinned. Never followed."""
+    path = root / rel
+    target = os.readlink(path)
+    where = os.path.normpath(os.path.join(path.parent, target))
+    if where == str(root) or where.startswith(str(root) + os.sep):
+        return Item(rel, "link", target=os.path.relpath(where, path.parent) if os.path.isabs(target) else target)
+    notes.append(f"{_shown(rel)} links out of the project (to {_shown(where)}): the run sees it live, not pinned")
+    return Item(rel, "link", target=where)
+
+
+def _live_items(root: Path, live: Iterable[str], copied: set[str], notes: list[str]) -> list[Item]:
+    chosen = sorted(r for r in live if r not in copied)
+    if len(chosen) > MAX_LINKS:
+        notes.append(f"{len(chosen) - MAX_LINKS} more left-out entries have no link in the copy")
+        chosen = chosen[:MAX_LINKS]
+    return [Item(rel, "live", target=str(root / rel)) for rel in chosen]
+
+
+def _order(item: Item) -> list[str]:
+    return item.rel.split("/")
+
+
+# ------------------------------------------------------------------------------------------------ limits
+
+
+def check_limits(listing: Listing, max_mb: int) -> None:
+    """Refuse a project too big to copy onto the shared filesystem at every submit, before a byte is read."""
+    files, size = listing.files, listing.size
+    if size <= max_mb * _MB and len(files) <= MAX_FILES and _STOPPED not in listing.notes:
+        return
+    more = "more than " if _STOPPED in listing.notes else ""
+    tops: dict[str, int] = {}
+    for item in files:
+        top = item.rel.split("/")[0] + ("/" if "/" in item.rel else "")
+        tops[top] = tops.get(top, 0) + item.size
+    biggest = ", ".join(f"{_shown(name)} {_human(n)}" for name, n in sorted(tops.items(), key=lambda t: -t[1])[:3])
+    over = (f"{more}{len(files):,} files, more than the {MAX_FILES:,} a snapshot holds" if len(files) > MAX_FILES
+            else f"{more}{_human(size)} in {len(files):,} files, over the snapshot limit of {max_mb} MB")
+    raise UserError(f"the project {listing.project} is {over} (biggest: {biggest})",
+                    hint="leave out what is not code (--snapshot-exclude NAME, or snapshot_exclude in the job "
+                         "file), raise --snapshot-max-mb, or run the working tree as it is (--no-snapshot)")
+
+
+# ---------------------------------------------------------------------------------------- reading, copying
+
+
+class _Tree:
+    """The project's files, opened through folder descriptors that never follow a link on the way, so
+    nothing outside the project is read even where a folder is swapped for a link meanwhile."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self._fds: dict[str, int] = {}
+
+    def read(self, rel: str) -> bytes:
+        folder, _, name = rel.rpartition("/")
+        try:
+            return read_regular(name, dir_fd=self._dir(folder))
+        except NotRegularFile:
+            raise UserError(f"{_shown(rel)} in the project {self.root} changed while it was copied (it is no longer "
+                            "a regular file)", hint="submit again") from None
+        except OSError as exc:
+            raise UserError(f"cannot read {_shown(rel)} in the project {self.root}: {exc.strerror or exc}",
+                            hint="fix its permissions, or leave it out of the snapshot (--snapshot-exclude NAME)") \
+                from None
+
+    def _dir(self, rel: str) -> int:
+        if rel in self._fds:
+            return self._fds[rel]
+        if len(self._fds) > 256:
+            self.close()
+        parent, _, name = rel.rpartition("/")
+        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+        if rel:
+            fd = os.open(name, flags | os.O_NOFOLLOW, dir_fd=self._dir(parent))
+        else:
+            fd = os.open(self.root, flags)
+        self._fds[rel] = fd
+        return fd
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+def _content_id(listing: Listing, hashes: dict[str, str]) -> str:
+    h = hashlib.sha256()
+    for item in listing.items:
+        detail = hashes[item.rel] if item.kind == "file" else item.target
+        h.update(f"{item.kind}\0{item.rel}\0{detail}\0{'x' if item.executable else '-'}\n".encode(
+            errors="surrogateescape"))
+    return h.hexdigest()[:16]
+
+
+def _each_file(listing: Listing) -> Iterator[tuple[Item, bytes]]:
+    tree = _Tree(listing.project)
+    try:
+        for item in listing.files:
+            yield item, tree.read(item.rel)
+    finally:
+        tree.close()
+
+
+def plan(spec: JobSpec, code_root: str, git: Git | None = None) -> Snapshot | None:
+    """The snapshot submit will take of the spec's project (None: nothing to pin, or snapshot = false).
+    Reads the project, writes nothing."""
+    git = git or Git()
+    found = project_root(spec, git) if spec.snapshot else None
+    if found is None:
+        return None
+    root, script = found
+    listing = list_project(root, spec.snapshot_exclude, git, max_bytes=spec.snapshot_max_mb * _MB)
+    check_limits(listing, spec.snapshot_max_mb)
+    hashes = {item.rel: hashlib.sha256(data).hexdigest() for item, data in _each_file(listing)}
+    return Snapshot(listing, _content_id(listing, hashes), hashes, code_root, script)
+
+
+def take(snap: Snapshot) -> Snapshot:
+    """Copy the planned snapshot into its place and write its manifest; the snapshot as taken (its id
+    differs from the plan's where a file changed in between). A copy with the same id is reused as it is."""
+    root = Path(snap.code_root)
+    root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    tmp = root / f".tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp.mkdir(mode=0o700)
+    try:
+        hashes = _copy(snap.listing, tmp)
+        taken = dataclasses.replace(snap, hashes=hashes, id=_content_id(snap.listing, hashes))
+        final = Path(taken.dir)
+        if final.is_dir() and not final.is_symlink():
+            shutil.rmtree(tmp)  # the same content, copied before: ours to remove, theirs to keep
+        else:
+            os.rename(tmp, final)
+        _write_manifest(taken)
+        return taken
+    except BaseException:
+        if tmp.exists():
+            _remove_copy(tmp)
+        raise
+
+
+def _copy(listing: Listing, dest: Path) -> dict[str, str]:
+    hashes: dict[str, str] = {}
+    made = {""}
+    for item in listing.items:
+        parent = item.rel.rpartition("/")[0]
+        if parent not in made:
+            os.makedirs(dest / parent, exist_ok=True)
+            made.update(_parents(parent))
+        if item.kind != "file":
+            os.symlink(item.target, dest / item.rel)
+    for item, data in _each_file(listing):
+        hashes[item.rel] = hashlib.sha256(data).hexdigest()
+        fd = os.open(dest / item.rel, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        with open(fd, "wb") as fh:
+            fh.write(data)
+        # read-only: a traceback's file opened in an editor is the copy, and an edit there would be lost
+        os.chmod(dest / item.rel, 0o555 if item.executable else 0o444)
+    return hashes
+
+
+def _parents(rel: str) -> Iterator[str]:
+    parts = rel.split("/")
+    for depth in range(1, len(parts) + 1):
+        yield "/".join(parts[:depth])
+
+
+def _remove_copy(path: Path) -> None:
+    """Remove a half-made copy of ours (read-only files in writable folders: rmtree can)."""
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def manifest_path(code_root: str | Path, snapshot_id: str) -> Path:
+    return Path(code_root) / f"{snapshot_id}.json"
+
+
+def _write_manifest(snap: Snapshot) -> None:
+    path = manifest_path(snap.code_root, snap.id)
+    if path.is_file():
+        return
+    data = {"id": snap.id, "project": snap.listing.project, "taken_at": time.time(),
+            "files": len(snap.listing.files), "bytes": snap.listing.size,
+            "items": {i.rel: (snap.hashes[i.rel] if i.kind == "file" else f"-> {i.target}") for i in snap.listing.items
+                      if i.kind != "live"},
+            "left_out": {i.rel: i.target for i in snap.listing.items if i.kind == "live"},
+            "notes": list(snap.listing.notes)}
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def manifest_of(code_root: str | Path, snapshot_id: str) -> dict[str, Any] | None:
+    try:
+        data = json.loads(read_regular(manifest_path(code_root, snapshot_id), limit=256 * _MB))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and isinstance(data.get("items"), dict) else None
+
+
+def write_patch(snap: Snapshot) -> str | None:
+    """The uncommitted changes beside the copy; its name relative to the code folder, or None."""
+    state = snap.listing.git
+    if state is None or not state.patch:
+        return None
+    name = f"{snap.id}-{(state.commit or 'none')[:12]}.diff"
+    path = Path(snap.code_root) / name
+    if not path.exists():
+        tmp = path.with_name(f".{name}.tmp-{os.getpid()}")
+        tmp.write_bytes(state.patch)
+        os.replace(tmp, path)
+    return name
+
+
+def changes(before: dict[str, Any] | None, after: Snapshot) -> dict[str, list[str]] | None:
+    """What differs between an earlier snapshot's manifest and this one: changed, added, removed."""
+    if before is None:
+        return None
+    old: dict[str, str] = before["items"]
+    new = {i.rel: (after.hashes[i.rel] if i.kind == "file" else f"-> {i.target}") for i in after.listing.items
+           if i.kind != "live"}
+    return {"changed": sorted(r for r in new if r in old and old[r] != new[r]),
+            "added": sorted(r for r in new if r not in old), "removed": sorted(r for r in old if r not in new)}
+
+
+def describe_changes(diff: dict[str, list[str]]) -> str:
+    parts = []
+    for key in ("changed", "added", "removed"):
+        names = diff.get(key) or []
+        if names:
+            shown = ", ".join(_shown(n) for n in names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+            parts.append(f"{len(names)} {key} ({shown})")
+    return "; ".join(parts) or "no file changed"
+
+
+def _shown(name: str | None) -> str:
+    """A file name as one line can hold it: quoted where it has a newline, a control character or a
+    byte that is not UTF-8."""
+    text = str(name)
+    return text if text.isprintable() and not any(0xDC80 <= ord(c) <= 0xDCFF for c in text) else repr(text)
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TB"
+
+
+def record(snap: Snapshot, run_dirs: Sequence[str | Path], previous: Code | None) -> list[str]:
+    """After `take`: the uncommitted changes beside the copy, the "snapshot" record in the run dir's events
+    (what status shows by attempt), and the lines submit says: the snapshot, its notes, and what changed
+    since the snapshot the run dir had before (a resubmission to fix a bug and go on)."""
+    from hpc_ddp.common.events import JsonLines
+    from hpc_ddp.common.rundir import RunDir
+
+    patch = write_patch(snap)
+    lines = [snap.describe()] + [f"code: note: {n}" for n in snap.listing.notes]
+    entry: dict[str, Any] = {"event": "snapshot", "code": snap.id, "dir": snap.dir, "project": snap.listing.project,
+                             "files": len(snap.listing.files), "bytes": snap.listing.size,
+                             "git": snap.listing.git.to_json() if snap.listing.git else None,
+                             "patch": patch, "notes": list(snap.listing.notes)}
+    if snap.listing.git_error:
+        lines.append(f"code: note: {snap.listing.git_error}; the folder was walked instead of asking git")
+    if previous is not None:
+        entry["previous"] = previous.id
+        if previous.id == snap.id:
+            lines.append(f"code: the same as the run dir's last snapshot ({previous.id})")
+        else:
+            diff = changes(manifest_of(Path(previous.dir).parent, previous.id), snap)
+            entry["changes"] = {k: v[:50] for k, v in diff.items()} if diff else None
+            said = describe_changes(diff) if diff else "its manifest is gone: what changed is not known"
+            before = _last_commit(RunDir(run_dirs[0]).events, previous.id)
+            after = snap.listing.git.commit if snap.listing.git else None
+            commits = f", commit {(before or 'none')[:12]} -> {(after or 'none')[:12]}" if before or after else ""
+            lines.append(f"code: a new snapshot for this run dir, replacing {previous.id}{commits}: {said}; the "
+                         "run resumes from its checkpoint with the new code")
+    for run_dir in run_dirs:  # a sweep's tasks each get the record
+        Path(run_dir).mkdir(parents=True, exist_ok=True, mode=0o700)
+        JsonLines(RunDir(run_dir).events).write(entry)
+    return lines
+
+
+def _last_commit(events_path: Path, snapshot_id: str) -> str | None:
+    from hpc_ddp.common.events import read_jsonl
+
+    for event in reversed(read_jsonl(events_path)):
+        if event.get("event") == "snapshot" and event.get("code") == snapshot_id:
+            return (event.get("git") or {}).get("commit")
+    return None
