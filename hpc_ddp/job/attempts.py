@@ -492,13 +492,13 @@ def _waiting_successor(run_dir: Path, job_id: str | None, ask_slurm) -> str | No
 
 def resubmit(run_dir: Path, attempt: int, why: str, env: Mapping[str, str] | None = None, queue=None) -> str:
     """`scontrol requeue` failed (`why`: what it said): queue the next attempt as a new job that waits for
-    this one (`launch.executors.sbatch.queue_next`), on the same run dir and chain, so the same policy
+    this one (`job.chain.queue_next`), on the same run dir and chain, so the same policy
     and caps apply. Returns the new job id; raises SubmitError (and records gave_up) when that fails too."""
     env = dict(os.environ if env is None else env)
     events = JsonLines(RunDir(run_dir).events)
     job_id = env.get("SLURM_JOB_ID")
     if queue is None:
-        from hpc_ddp.launch.executors.sbatch import queue_next as queue
+        from hpc_ddp.job.chain import queue_next as queue
     why = " ".join(why.split())[:300] or "no reason given"
     try:
         if not job_id:

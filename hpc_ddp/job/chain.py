@@ -8,7 +8,8 @@ is recorded in the run dir's submissions.jsonl, next to the submission itself:
 
 `chain` is the job id of the chain's first job. The requeue policy (`attempts`) counts attempts per
 chain, so its caps hold across job ids, and a new `hpc-ddp submit` of the run dir (a new chain, whose
-record names no chain) starts them afresh. Reading and writing those records is all this module does.
+record names no chain) starts them afresh. This module reads and writes those records, and queues the
+requeue fallback's job (`queue_next`): on the compute node, with nothing of the launcher.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 from hpc_ddp.common.events import read_jsonl
 from hpc_ddp.common.rundir import RunDir
 
-__all__ = ["chain_of", "link", "members", "record", "sbatch_env", "successor"]
+__all__ = ["chain_of", "link", "members", "queue_next", "record", "sbatch_env", "successor"]
 
 # Slurm variables that the job's own sbatch must not pass on to the next job: they describe this
 # allocation (SLURM_RESTART_COUNT would number the next job's attempts wrongly, SLURM_MEM_PER_NODE
@@ -67,3 +68,29 @@ def sbatch_env(env: Mapping[str, str]) -> dict[str, str]:
     removed (they would leak into the next job), the rest (the user's, SBATCH_* included, as at the
     first submission) kept."""
     return {k: v for k, v in env.items() if k in _KEEP or not k.startswith(("SLURM_", "SRUN_"))}
+
+
+def queue_next(run_dir: str | os.PathLike, job_id: str, chain: str, env: Mapping[str, str], commands=None) -> str:
+    """Queue the next attempt of the run as a new job that starts when job `job_id` ends (afterany): the
+    run dir's own batch script, so the same spec and the same code snapshot; linked to its chain, recorded
+    as any submission and in the user's registry (a registry that cannot be written is a warning). Its id."""
+    import sys
+
+    from hpc_ddp.common.errors import HpcDdpError
+    from hpc_ddp.common.procs import SubprocessCommands
+    from hpc_ddp.common.registryfile import register
+    from hpc_ddp.slurm.queue import sbatch
+    from hpc_ddp.spec.jobspec import load_spec
+
+    next_job = sbatch(commands or SubprocessCommands(), run_dir, dependency=f"afterany:{job_id}", env=sbatch_env(env))
+    submission = {"executor": "sbatch", "job_id": next_job, "run_dir": str(run_dir),
+                  "script": str(RunDir(run_dir).script), "state": "SUBMITTED", "returncode": None}
+    record(run_dir, link(submission, chain, job_id, "requeue_fallback"))
+    try:
+        spec = load_spec(RunDir(run_dir).spec)
+        register({"job_id": next_job, "executor": "sbatch", "run_dir": str(run_dir), "name": spec.job_name,
+                  "nodes": spec.nodes, "gpus": spec.gpus})
+    except (HpcDdpError, OSError) as exc:
+        print(f"hpc-ddp: warning: job {next_job} is not in the registry: {getattr(exc, 'message', exc)}",
+              file=sys.stderr)
+    return next_job

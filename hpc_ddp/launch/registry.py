@@ -1,6 +1,6 @@
 """A small registry of this user's runs, so `hpc-ddp list/status/logs/cancel JOB_ID` work from any
 directory: one JSON line per submission in $XDG_DATA_HOME/hpc-ddp/runs.jsonl (default ~/.local/share).
-`resolve` turns what a command was given (a job id, a run dir, nothing) into the Run it means."""
+(The file and its writer: common/registryfile.py.) `resolve` turns what a command was given (a job id, a run dir, nothing) into the Run it means."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from hpc_ddp.common.errors import UserError
-from hpc_ddp.common.events import JsonLines, read_jsonl
+from hpc_ddp.common.events import read_jsonl
+from hpc_ddp.common.registryfile import register, registry_path
 from hpc_ddp.common.rundir import RunDir, is_sweep_dir
 from hpc_ddp.launch.executors.base import Run
 from hpc_ddp.launch.rundirs import existing_run_dir
@@ -18,19 +19,6 @@ from hpc_ddp.launch.sweep import read_sweep
 from hpc_ddp.spec.jobspec import JobSpec
 
 __all__ = ["registry_path", "register", "record_run", "runs", "find_run", "resolve"]
-
-
-def registry_path(env: Mapping[str, str] = os.environ) -> Path:
-    if env.get("HPC_DDP_REGISTRY"):
-        return Path(env["HPC_DDP_REGISTRY"])
-    base = Path(env.get("XDG_DATA_HOME") or Path(env.get("HOME", "~")).expanduser() / ".local" / "share")
-    return base / "hpc-ddp" / "runs.jsonl"
-
-
-def register(record: dict[str, Any], env: Mapping[str, str] = os.environ) -> None:
-    path = registry_path(env)
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    JsonLines(path).write(record)
 
 
 def runs(env: Mapping[str, str] = os.environ) -> list[dict[str, Any]]:

@@ -2,9 +2,8 @@
 
 Also the jobs that wait for other jobs: an --after dependency is checked against Slurm before anything
 is written (Slurm itself drops a dependency on a job it does not know and starts the job at once);
---chain N queues the run's later jobs up front, each waiting for the one before; and `queue_next` is the
-requeue fallback, run by the batch script where `scontrol requeue` is impossible. Chain links are
-recorded in submissions.jsonl (`job.chain`).
+--chain N queues the run's later jobs up front, each waiting for the one before. Chain links are recorded
+in submissions.jsonl (`job.chain`, which also queues the requeue fallback's job from the compute node).
 """
 
 from __future__ import annotations
@@ -15,20 +14,17 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from hpc_ddp.common.errors import HpcDdpError, SubmitError, UserError
-from hpc_ddp.common.procs import CommandRunner, SubprocessCommands, slurm_unreachable
-from hpc_ddp.common.rundir import SCRIPT, RunDir
-from hpc_ddp.job.chain import link, record, sbatch_env
+from hpc_ddp.common.procs import CommandRunner, SubprocessCommands
+from hpc_ddp.common.rundir import RunDir
+from hpc_ddp.job.chain import link, record
 from hpc_ddp.launch.executors.base import Plan, Submission, record_submission, write_run_dir
 from hpc_ddp.launch.executors.slurmctl import SlurmControl
 from hpc_ddp.launch.render import render_sbatch
+from hpc_ddp.slurm.queue import SchedulerRefused, sbatch
 from hpc_ddp.spec.jobspec import JobSpec
 
 __all__ = ["SbatchExecutor", "SbatchSubmission", "SchedulerRefused", "check_dependency", "dependency_problem",
-           "job_state", "queue_next", "sbatch"]
-
-
-class SchedulerRefused(UserError):
-    """sbatch refused the request (bad partition, account, limits...): nothing was queued."""
+           "job_state", "sbatch"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,23 +118,6 @@ def _write_script(directory: Path, text: str | None) -> Path:
     return path
 
 
-def sbatch(commands: CommandRunner, run_dir: str | Path, dependency: str | None = None,
-           env: Mapping[str, str] | None = None) -> str:
-    """Queue the run dir's script (from inside the run dir); its job id. A dependency given here overrides
-    the script's own `#SBATCH --dependency` (command-line options win over directives)."""
-    argv = ["sbatch", "--parsable", *([f"--dependency={dependency}"] if dependency else []), SCRIPT]
-    done = commands.run(argv, cwd=str(run_dir), env=env)
-    if done.returncode != 0:
-        message = " ".join((done.stderr.strip() or done.stdout.strip() or f"exit code {done.returncode}").splitlines())
-        if slurm_unreachable(message):  # Slurm itself is down: not the user's mistake
-            raise SubmitError(f"sbatch could not reach Slurm: {message}", hint="check `sinfo`; try again later")
-        raise SchedulerRefused(f"sbatch refused the job: {message}")
-    job_id = done.stdout.strip().split(";")[0]
-    if not job_id:
-        raise SubmitError(f"sbatch printed no job id (stdout {done.stdout!r})")
-    return job_id
-
-
 # ---- --after: the job waited for must exist, and be able to satisfy the dependency ----
 
 # End states after which a job never satisfies afterok (Slurm leaves the dependent job pending forever,
@@ -205,36 +184,6 @@ def check_dependency(after: str, commands: CommandRunner) -> None:
     problem = dependency_problem(after, state)
     if problem:
         raise UserError(problem[0], hint=problem[1])
-
-
-# ---- the requeue fallback: run by the batch script, on a compute node ----
-
-def queue_next(run_dir: str | Path, job_id: str, chain: str, env: Mapping[str, str],
-               commands: CommandRunner | None = None) -> str:
-    """Queue the next attempt of the run as a new job that starts when job `job_id` ends (afterany),
-    linked to its chain, and recorded as any submission; its job id."""
-    commands = commands or SubprocessCommands()
-    next_job = sbatch(commands, run_dir, dependency=f"afterany:{job_id}", env=sbatch_env(env))
-    sub = Submission("sbatch", next_job, str(run_dir), str(RunDir(run_dir).script))
-    record(run_dir, link(sub.to_json(), chain, job_id, "requeue_fallback"))
-    _register(run_dir, next_job)
-    return next_job
-
-
-def _register(run_dir: str | Path, job_id: str) -> None:
-    """So `hpc-ddp status JOB` and `list` know the new job; a registry that cannot be written is a warning."""
-    from hpc_ddp.launch.registry import record_run
-    from hpc_ddp.spec.jobspec import load_spec
-
-    def warn(message: str) -> None:
-        print(f"hpc-ddp: warning: {message}", file=sys.stderr)
-
-    try:
-        spec = load_spec(RunDir(run_dir).spec)
-    except HpcDdpError as exc:
-        warn(f"job {job_id} is not in the registry: {exc.message}")
-        return
-    record_run(spec, str(run_dir), job_id, "sbatch", warn)
 
 
 def script_path(run_dir: str) -> Path:
