@@ -92,8 +92,21 @@ def inspect(checkpoint: str, as_json: bool) -> None:
         return
     for key in ("path", "step", "epoch", "batch_in_epoch", "model_sha256", "verified"):
         click.echo(f"{key:15} {info[key]}")
+    click.echo(f"{'code':15} {_code_of(info)}")
     for name, meta in info["files"].items():
         click.echo(f"  {name:20} {meta['size']:>12,} bytes  sha256 {meta['sha256'][:16]}...")
+
+
+def _code_of(info: dict) -> str:
+    """The snapshot that saved the checkpoint, described from its run dir's records where they are there."""
+    from hpc_ddp.common.events import read_jsonl
+    from hpc_ddp.common.rundir import RunDir
+    from hpc_ddp.launch.status import code_line, snapshots_of
+
+    if not info.get("code"):
+        return "not recorded (saved without a code snapshot)"
+    run_dir = Path(info["path"]).parent.parent  # RUN_DIR/checkpoints/step-N
+    return code_line(info["code"], snapshots_of(read_jsonl(RunDir(run_dir).events))).removeprefix("code ")
 
 
 def _holds_checkpoints(path: Path) -> bool:

@@ -93,6 +93,7 @@ class Attempt:
     finished: bool = False         # the trainer or a Session recorded the run's finish in this attempt
     warned: bool = False           # the time-limit warning reached a handler of the program's own
     gave_up: str | None = None     # the policy's reason for stopping the run after this attempt
+    code: str | None = None        # the id of the code snapshot it ran (launch.snapshot)
 
     @property
     def trained(self) -> bool:
@@ -130,7 +131,8 @@ def attempts_from_events(events: Sequence[dict[str, Any]], chain: str | None = N
             if attempts and attempts[-1].ended_at is None:
                 attempts[-1].ended_at = event.get("time")  # killed: it ended before this one began
             attempts.append(Attempt(int(event.get("attempt", len(attempts))), event.get("checkpoint_step"),
-                                    started_at=event.get("time"), job_id=event.get("job_id")))
+                                    started_at=event.get("time"), job_id=event.get("job_id"),
+                                    code=event.get("code") if isinstance(event.get("code"), str) else None))
         elif not attempts:
             continue
         elif kind in ("start", "resume"):

@@ -198,7 +198,8 @@ def run_status(run_dir: Path, job_id: str | None, executor: str | None, commands
         "scheduler": sched or None, "restarts": max(len(attempts) - 1, 0),
         "attempts": [{"attempt": a.number, "start_step": a.start_step, "ended": a.ended_cause if a.exit_code is not None
                       or a is not attempts[-1] else ("running" if state in ("RUNNING", "PENDING") else "killed"),
-                      "exit_code": a.exit_code, "job_id": a.job_id} for a in attempts],
+                      "exit_code": a.exit_code, "job_id": a.job_id, **_provenance(a, events)} for a in attempts],
+        "code": snapshots_of(events),
         "last_checkpoint_step": latest_checkpoint_step(run_dir), "step": step, "total_steps": total,
         "progress": round(step / total, 4) if step and total else None,
         "samples_per_s": metrics[-1].get("samples_per_s") if metrics else None,
@@ -211,6 +212,48 @@ def run_status(run_dir: Path, job_id: str | None, executor: str | None, commands
     }
     # events.jsonl is masked as written; this also covers records written before masking existed.
     return secrets.current().deep(status)
+
+
+def snapshots_of(events: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Every code snapshot the run dir was submitted with, by id: the newest record of each (project,
+    git commit, branch, dirty, the diff's file)."""
+    out: dict[str, dict[str, Any]] = {}
+    for e in events:
+        if e.get("event") == "snapshot" and isinstance(e.get("code"), str):
+            git = e.get("git") if isinstance(e.get("git"), dict) else {}
+            out[e["code"]] = {"project": e.get("project"), "commit": git.get("commit"), "branch": git.get("branch"),
+                              "dirty": git.get("dirty"), "patch": e.get("patch"), "git": bool(git),
+                              "changes": e.get("changes"), "previous": e.get("previous")}
+    return out
+
+
+def _provenance(attempt, events: list[dict[str, Any]]) -> dict[str, Any]:
+    """The attempt's code snapshot and environment (rank 0 records it: job.provenance), and what changed in
+    the environment since the attempt before."""
+    env = next((e for e in reversed(events) if e.get("event") == "environment" and e.get("job_id") == attempt.job_id
+                and e.get("attempt") == attempt.number), None)
+    keys = ("python", "torch", "cuda", "nccl", "packages", "package_count", "executable", "node", "changed")
+    return {"code": attempt.code, "environment": {k: env.get(k) for k in keys if k in env} if env else None}
+
+
+def code_line(code: str | None, snapshots: dict[str, dict[str, Any]]) -> str:
+    """`code 3f9a... (git abc1234 on main + uncommitted changes: code/<diff>)`: what one attempt ran."""
+    if not code:
+        return "code not pinned (the working tree as it was)"
+    s = snapshots.get(code) or {}
+    if not s.get("git"):
+        return f"code {code}" + (" (not in git)" if s else "")
+    where = f"git {str(s.get('commit') or 'no commits yet')[:12]}" + (f" on {s['branch']}" if s.get("branch") else "")
+    dirty = f" + uncommitted changes ({'code/' + s['patch'] if s.get('patch') else 'untracked files'})" \
+        if s.get("dirty") else ", clean"
+    return f"code {code} ({where}{dirty})"
+
+
+def environment_line(env: dict[str, Any] | None) -> str | None:
+    if not env:
+        return None
+    parts = [f"python {env.get('python')}"] + [f"{k} {env[k]}" for k in ("torch", "cuda", "nccl") if env.get(k)]
+    return ", ".join(parts) + f", packages {env.get('packages')}"
 
 
 def _debugger(events: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -419,10 +462,23 @@ def format_status(s: dict[str, Any]) -> Iterator[str]:
     yield f"restarts         {s['restarts']}"
     # Slurm numbers attempts per job: a chain's (or a requeue fallback's) next job starts at 0 again.
     several_jobs = len({a.get("job_id") for a in s["attempts"]}) > 1
-    for a in s["attempts"]:
+    snapshots = s.get("code") or {}
+    if snapshots and not s["attempts"]:  # queued, not started yet: the code it will run
+        yield f"code             {code_line(list(snapshots)[-1], snapshots).removeprefix('code ')}"
+    previous_code = None
+    for n, a in enumerate(s["attempts"]):
         job = f" of job {a['job_id']}" if several_jobs and a.get("job_id") else ""
         yield f"  attempt {a['attempt']}{job}: started at checkpoint step {a['start_step']}, ended: {a['ended']}" + (
             f" (exit code {a['exit_code']})" if a["exit_code"] not in (None, 0) else "")
+        if a.get("code") or snapshots:
+            new = " (a new snapshot: resubmitted)" if n and a.get("code") != previous_code else ""
+            yield f"    {code_line(a.get('code'), snapshots)}{new}"
+        previous_code = a.get("code")
+        env = a.get("environment")
+        if env:
+            yield f"    {environment_line(env)} on {env.get('node')}"
+            for change in env.get("changed") or []:
+                yield f"    ! environment changed since the attempt before: {change}"
     for r in s["resumes"]:
         yield f"  resumed at step {r['step']} from {r['from']}"
     if s.get("debugger"):

@@ -573,5 +573,5 @@ def inspect_checkpoint(path: Path) -> dict[str, Any]:
         "batch_in_epoch": manifest.get("batch_in_epoch"),
         "model_sha256": state_sha256(loaded.payloads["model.pt"]),
         "files": manifest["files"], "verified": verify(target) is not None,
-        "fingerprint": manifest.get("fingerprint"),
+        "fingerprint": manifest.get("fingerprint"), "code": manifest.get("code"),
     }

@@ -393,6 +393,8 @@ class Session:
     def _meta(self, payloads: Mapping[str, Any], reason: str, model_hash: bool = True) -> dict[str, Any]:
         meta = {"epoch": self.progress.epoch, "batch_in_epoch": self.progress.batch_in_epoch, "reason": reason,
                 "fingerprint": self.fingerprint}
+        if os.environ.get("HPC_DDP_CODE_ID"):  # the code snapshot that made it (`hpc-ddp inspect` shows it)
+            meta["code"] = os.environ["HPC_DDP_CODE_ID"]
         if model_hash and "model.pt" in payloads:
             meta["model_sha256"] = state_sha256(payloads["model.pt"])
         return meta
