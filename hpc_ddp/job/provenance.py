@@ -83,8 +83,9 @@ def differences(before: Mapping[str, Any], after: Mapping[str, Any], before_pack
         if before_packages is None:
             out.append(f"installed packages changed (hash {before.get('packages')} -> {after.get('packages')})")
         else:
-            old = dict(p.split("==", 1) for p in before_packages)
-            new = dict(p.split("==", 1) for p in after_packages)
+            shown = ("torch", *_NCCL_PACKAGES)  # said above already
+            old = {n: v for n, v in (p.split("==", 1) for p in before_packages) if n not in shown}
+            new = {n: v for n, v in (p.split("==", 1) for p in after_packages) if n not in shown}
             changed = [f"{n} {old[n]} -> {new[n]}" for n in sorted(new) if n in old and old[n] != new[n]]
             changed += [f"{n} {new[n]} added" for n in sorted(new) if n not in old]
             changed += [f"{n} {old[n]} removed" for n in sorted(old) if n not in new]

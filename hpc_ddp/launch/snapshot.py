@@ -299,8 +299,10 @@ def _walk(root: Path, rule: _Rule, max_bytes: int | None) -> tuple[list[Item], l
             elif item is not None:
                 items.append(item)
                 size += item.size
-        if len(items) > MAX_FILES or (max_bytes is not None and size > max_bytes):
-            notes.append(_STOPPED)
+                if len(items) > MAX_FILES or (max_bytes is not None and size > max_bytes):
+                    notes.append(_STOPPED)
+                    break
+        if _STOPPED in notes:
             break
     names = {i.rel for i in items}
     return sorted([*items, *_live_items(root, live, names, notes)], key=_order), notes
