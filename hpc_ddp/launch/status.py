@@ -198,7 +198,8 @@ def run_status(run_dir: Path, job_id: str | None, executor: str | None, commands
         "scheduler": sched or None, "restarts": max(len(attempts) - 1, 0),
         "attempts": [{"attempt": a.number, "start_step": a.start_step, "ended": a.ended_cause if a.exit_code is not None
                       or a is not attempts[-1] else ("running" if state in ("RUNNING", "PENDING") else "killed"),
-                      "exit_code": a.exit_code, "job_id": a.job_id, **_provenance(a, events)} for a in attempts],
+                      "exit_code": a.exit_code, "job_id": a.job_id, "code": a.code, "environment": env}
+                     for a, env in zip(attempts, _environments(events))],
         "code": snapshots_of(events),
         "last_checkpoint_step": latest_checkpoint_step(run_dir), "step": step, "total_steps": total,
         "progress": round(step / total, 4) if step and total else None,
@@ -227,13 +228,22 @@ def snapshots_of(events: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _provenance(attempt, events: list[dict[str, Any]]) -> dict[str, Any]:
-    """The attempt's code snapshot and environment (rank 0 records it: job.provenance), and what changed in
-    the environment since the attempt before."""
-    env = next((e for e in reversed(events) if e.get("event") == "environment" and e.get("job_id") == attempt.job_id
-                and e.get("attempt") == attempt.number), None)
+def _environments(events: list[dict[str, Any]]) -> Iterator[dict[str, Any] | None]:
+    """Each attempt's environment (rank 0 records it after the attempt's start: job.provenance), in the order
+    of the attempts: the record between its attempt_start and the next one. With what changed in it since
+    the attempt before."""
     keys = ("python", "torch", "cuda", "nccl", "packages", "package_count", "executable", "node", "changed")
-    return {"code": attempt.code, "environment": {k: env.get(k) for k in keys if k in env} if env else None}
+    current: dict[str, Any] | None = None
+    started = False
+    for e in events:
+        if e.get("event") == "attempt_start":
+            if started:
+                yield current
+            started, current = True, None
+        elif e.get("event") == "environment" and started and current is None:
+            current = {k: e.get(k) for k in keys if k in e}
+    if started:
+        yield current
 
 
 def code_line(code: str | None, snapshots: dict[str, dict[str, Any]]) -> str:
