@@ -64,6 +64,7 @@ class AttemptRecord:
     start_step: int | None          # the newest checkpoint when it began
     resumed_from: str | None        # the checkpoint it loaded (a name in checkpoints/), from its resume record
     nodes: str | None               # Slurm's node list of the job
+    code: str | None = None         # the code snapshot it ran (launch.snapshot)
 
     @property
     def label(self) -> str:
@@ -95,7 +96,7 @@ def _record(group: Sequence[Mapping[str, Any]], attempt: Attempt) -> AttemptReco
     return AttemptRecord(job_id=str(start["job_id"]) if start.get("job_id") else None, number=attempt.number,
                          cause=attempt.ended_cause, exit_code=attempt.exit_code, start_step=attempt.start_step,
                          resumed_from=loaded if loaded and checkpoint_step(loaded) is not None else None,
-                         nodes=start.get("nodes"))
+                         nodes=start.get("nodes"), code=attempt.code)
 
 
 def choose_attempt(records: Sequence[AttemptRecord], number: int | None, job: str | None,
@@ -256,9 +257,28 @@ def plan_rerun(source: Path, *, attempt: int | None, job: str | None, any_outcom
                        tasks_per_node=tasks_per_node, cpus=cpus, gpus_here=gpus_here)
     target = _new_run_dir(source, record, run_dir, now)
     datasets, data_notes = _datasets(spec, source, record)
-    new_spec = dataclasses.replace(rerun_spec(spec, sizes, str(target)), datasets=datasets)
+    code, code_notes = attempt_code(spec, record)
+    new_spec = dataclasses.replace(rerun_spec(spec, sizes, str(target)), datasets=datasets, code=code)
     return RerunPlan(source, record, checkpoint, target, new_spec,
-                     (*sizes.notes, *data_notes, *fixed_notes(spec, record)))
+                     (*sizes.notes, *data_notes, *code_notes, *fixed_notes(spec, record)))
+
+
+def attempt_code(spec: JobSpec, record: AttemptRecord):
+    """The code snapshot the attempt ran, which the rerun runs too (the run dir may have been resubmitted
+    with newer code since); (its Code, notes)."""
+    from hpc_ddp.spec.code import Code
+
+    code = spec.code
+    if code is None:
+        return None, ["code: not pinned (the run had no snapshot): the working tree as it is now"]
+    if record.code and record.code != code.id:
+        copy = Path(code.dir).parent / record.code
+        if not copy.is_dir():
+            return code, [f"code: the snapshot {record.label} ran ({record.code}) is gone: the run dir's latest, "
+                          f"{code.id}, runs instead"]
+        script = str(copy / Path(code.script).relative_to(code.dir)) if code.script else None
+        code = Code(code.project, str(copy), record.code, script)
+    return code, [f"code: the snapshot {record.label} ran ({code.id}), not the working tree"]
 
 
 def _starting_checkpoint(source: Path, record: AttemptRecord) -> Path | None:

@@ -249,3 +249,28 @@ def test_data_comes_from_the_source_else_the_jobs_node_local_copy_still_here(tmp
     (copy.parent / "mnist.complete.json").write_text(json.dumps({"source": "/somewhere/else"}))
     with pytest.raises(UserError, match="its source .* is gone, and the job's node-local copy is not on this machine"):
         rr._datasets(with_data, run, record)
+
+
+def test_a_rerun_runs_the_code_snapshot_its_attempt_ran(tmp_path):
+    import sys
+
+    from hpc_ddp.launch.rerun import AttemptRecord, attempt_code
+    from hpc_ddp.spec.code import Code
+    from hpc_ddp.spec.jobspec import Target, build_spec
+
+    code_root = tmp_path / "run" / "code"
+    (code_root / "old").mkdir(parents=True)
+    latest = Code(str(tmp_path / "proj"), str(code_root / "new"), "new", str(code_root / "new" / "sub" / "t.py"))
+    spec = dataclasses.replace(build_spec([], target=Target("script", str(tmp_path / "proj" / "sub" / "t.py")),
+                                          workdir=str(tmp_path), python=sys.executable), code=latest)
+
+    def record(code):
+        return AttemptRecord("7", 0, "failed", 1, None, None, None, code)
+
+    code, notes = attempt_code(spec, record("old"))  # resubmitted since with newer code: the attempt's own
+    assert code == Code(latest.project, str(code_root / "old"), "old", str(code_root / "old" / "sub" / "t.py"))
+    assert notes == ["code: the snapshot attempt 0 of job 7 ran (old), not the working tree"]
+    code, notes = attempt_code(spec, record("gone"))
+    assert code == latest and "is gone" in notes[0]
+    assert attempt_code(spec, record("new"))[0] == latest
+    assert attempt_code(dataclasses.replace(spec, code=None), record(None))[0] is None
