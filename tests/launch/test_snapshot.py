@@ -1,6 +1,7 @@
 """The code snapshot submit takes (launch.snapshot): which files, what is left out and linked, the limits,
 the content id, the copy, and what changed since an earlier snapshot. Real git, real files; no Slurm."""
 
+import dataclasses
 import json
 import os
 import stat
@@ -239,3 +240,35 @@ def test_the_spec_keeps_the_code_through_its_json(repo, tmp_path):
     pinned_spec = dataclasses.replace(spec, code=code)
     back = JobSpec.from_dict(json.loads(json.dumps(pinned_spec.to_dict())))
     assert back == pinned_spec and back.program().startswith(str(tmp_path / "c" / "train.py"))
+
+
+def test_the_readme_shows_what_submit_and_status_print(tmp_path):
+    """The README's sample lines are what the code prints for the same snapshot and records."""
+    from hpc_ddp.launch.gitinfo import GitState
+    from hpc_ddp.launch.status import code_line, environment_line, snapshots_of
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    commit, later = "7f70d79121f2" + "0" * 28, "f2e14cbdd826" + "0" * 28
+    run = "/home/me/proj/runs/train-20261127-005424"
+    items = tuple(snapshot.Item(n, "file", s) for n, s in (("train.py", 38), ("model.py", 12), (".gitignore", 12)))
+    listing = snapshot.Listing("/home/me/proj", (*items, snapshot.Item("data", "live", target="/home/me/proj/data")),
+                               git=GitState(commit, "main", True, ("model.py",), (), b"diff"))
+    snap = snapshot.Snapshot(listing, "5af6266a1f87cee1", {}, f"{run}/code", "train.py")
+    assert f"hpc-ddp: {snap.describe()}\n" in readme
+    events = [{"event": "snapshot", "code": snap.id, "git": listing.git.to_json(),
+               "patch": f"{snap.id}-{commit[:12]}.diff"}]
+    assert f"    {code_line(snap.id, snapshots_of(events))}\n" in readme
+    env = {"python": "3.11.7", "torch": "2.14.1", "cuda": "13.0", "nccl": "2.30.7", "packages": "715272fa92383828"}
+    assert f"    {environment_line(env)} on hpcn1\n" in readme
+    # a resubmission: the line record() says, from the run dir's records
+    (tmp_path / "code").mkdir()
+    (tmp_path / "events.jsonl").write_text(json.dumps(events[0]) + "\n")
+    (tmp_path / "code" / f"{snap.id}.json").write_text(json.dumps({"items": {"model.py": "a", "train.py": "t",
+                                                                                         ".gitignore": "g"}}))
+    newer = snapshot.Snapshot(dataclasses.replace(listing, git=GitState(later, "main", False, (), (), b"")),
+                              "48ffe11b750f2cb0", {"model.py": "b", "train.py": "t", ".gitignore": "g"},
+                              str(tmp_path / "code"), "train.py")
+    newer = dataclasses.replace(newer, listing=dataclasses.replace(newer.listing, items=items))
+    lines = snapshot.record(newer, [tmp_path], Code("/home/me/proj", str(tmp_path / "code" / snap.id), snap.id))
+    said = [line for line in lines if "a new snapshot" in line]
+    assert said and f"  hpc-ddp: {said[0]}\n" in readme
