@@ -83,8 +83,8 @@ def host_paths(spec: JobSpec, run_dir: str) -> list[str]:
     wanted = [run_dir, spec.workdir]
     if spec.target.kind in ("script", "trainer"):
         wanted.append(str(PurePosixPath(spec.target.value).parent))
-    if spec.code is not None:  # the snapshot the ranks run (a sweep's is beside its tasks' run dirs)
-        wanted.append(spec.code.dir)
+    if spec.code is not None:  # the snapshot the ranks run (a sweep's is beside its tasks' run dirs), and
+        wanted += [spec.code.dir, spec.code.project]  # the project its left-out links point into
     wanted += [src for _, src in spec.datasets]
     if spec.train is not None and spec.train.data_dir:
         wanted.append(spec.train.data_dir)

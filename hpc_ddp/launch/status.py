@@ -198,8 +198,10 @@ def run_status(run_dir: Path, job_id: str | None, executor: str | None, commands
         "scheduler": sched or None, "restarts": max(len(attempts) - 1, 0),
         "attempts": [{"attempt": a.number, "start_step": a.start_step, "ended": a.ended_cause if a.exit_code is not None
                       or a is not attempts[-1] else ("running" if state in ("RUNNING", "PENDING") else "killed"),
-                      "exit_code": a.exit_code, "job_id": a.job_id, "code": a.code, "environment": env}
-                     for a, env in zip(attempts, _environments(events))],
+                      "exit_code": a.exit_code, "job_id": a.job_id, "code": a.code, "environment": env,
+                      "nodes": start.get("nodes")}
+                     for a, env, start in zip(attempts, _environments(events),
+                                              (e for e in events if e.get("event") == "attempt_start"))],
         "code": snapshots_of(events),
         "last_checkpoint_step": latest_checkpoint_step(run_dir), "step": step, "total_steps": total,
         "progress": round(step / total, 4) if step and total else None,
@@ -478,6 +480,7 @@ def format_status(s: dict[str, Any]) -> Iterator[str]:
     previous_code = None
     for n, a in enumerate(s["attempts"]):
         job = f" of job {a['job_id']}" if several_jobs and a.get("job_id") else ""
+        job += f" on {a['nodes']}" if a.get("nodes") else ""
         yield f"  attempt {a['attempt']}{job}: started at checkpoint step {a['start_step']}, ended: {a['ended']}" + (
             f" (exit code {a['exit_code']})" if a["exit_code"] not in (None, 0) else "")
         if a.get("code") or snapshots:

@@ -146,6 +146,19 @@ def test_the_paths_shown_inside_are_the_runs_own_and_none_twice():
     assert container.host_paths(spec, RUN_DIR) == ["/opt/code", "/home/ada/proj", RUN_DIR]
 
 
+def test_the_code_snapshot_and_its_project_are_seen_inside():
+    """A sweep's snapshot is beside its tasks' run dirs, and its left-out links point into the project."""
+    import dataclasses
+
+    from hpc_ddp.spec.code import Code
+
+    spec = spec_of({"container": "apptainer:" + SIF}, target=Target("script", "/home/ada/proj/src/train.py"))
+    sweep = "/scratch/ada/sweep"
+    spec = dataclasses.replace(spec, code=Code("/home/ada/proj", f"{sweep}/code/abc", "abc",
+                                               f"{sweep}/code/abc/src/train.py"))
+    assert container.host_paths(spec, f"{sweep}/task-0") == ["/home/ada/proj", f"{sweep}/task-0", f"{sweep}/code/abc"]
+
+
 def test_a_path_that_would_break_a_bind_list_is_refused():
     with pytest.raises(SpecError, match="contains ',' or ':', which apptainer's bind list cannot hold"):
         render(spec_of({"container": "apptainer:" + SIF}), run_dir="/scratch/a,b/run")
