@@ -23,12 +23,12 @@ from hpc_ddp.common.machine import physical_gpus
 from hpc_ddp.common.rundir import RunDir
 from hpc_ddp.job import devicescan
 from hpc_ddp.job.distenv import DistEnv, from_environ
+from hpc_ddp.job.exitsite.hpc_ddp_code import DIR_VARIABLE as CODE_DIR_VARIABLE
+from hpc_ddp.job.exitsite.hpc_ddp_code import PROJECT_VARIABLE as CODE_PROJECT_VARIABLE
 from hpc_ddp.job.exitsite.hpc_ddp_warned import EVENTS_VARIABLE
 from hpc_ddp.job.exitsite.hpc_ddp_warned import SIGNAL_VARIABLE as WARNED_VARIABLE
 from hpc_ddp.job.gpubind import BINDING_VARIABLE, DEVICE_VARIABLE, NO_GPU, bind_gpus, entries
 from hpc_ddp.job.ports import PORT_HINT, port_in_use, taken_port_message
-from hpc_ddp.job.exitsite.hpc_ddp_code import DIR_VARIABLE as CODE_DIR_VARIABLE
-from hpc_ddp.job.exitsite.hpc_ddp_code import PROJECT_VARIABLE as CODE_PROJECT_VARIABLE
 from hpc_ddp.spec.code import pinned
 from hpc_ddp.spec.jobspec import JobSpec, load_spec
 from hpc_ddp.spec.siteenv import expand

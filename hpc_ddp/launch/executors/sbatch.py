@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from collections.abc import Mapping
 from pathlib import Path
 
 from hpc_ddp.common.errors import HpcDdpError, SubmitError, UserError
