@@ -51,6 +51,7 @@ from hpc_ddp.common.durable import fsync_dir as _fsync_dir
 from hpc_ddp.common.durable import replace_durable
 from hpc_ddp.common.errors import HpcDdpError, UserError
 from hpc_ddp.common.rundir import RANK_LOGS_GLOB
+from hpc_ddp.common.units import human_bytes
 
 __all__ = ["stage", "wait_for_stage", "download_once", "is_archive", "StagingError", "source_manifest",
            "ARCHIVE_SUFFIXES", "StageResult", "StageRefused", "ScratchUnusable", "TargetOccupied", "BadArchive",
@@ -475,20 +476,12 @@ def _check_space(root: Path, sizes: list[int], dirs: int, name: str) -> None:
     needed, free = blocks_needed(sizes, dirs, block), fs.f_bavail * block
     hint = "choose another scratch directory (profile `scratch`, or --dest) or read the data in place"
     if needed * SPACE_MARGIN > free:
-        raise StagingError(f"not enough space to stage {name} in {root}: needs {_size(needed)} "
-                           f"({len(sizes)} files in {block} B blocks), {_size(free)} free", hint=hint)
+        raise StagingError(f"not enough space to stage {name} in {root}: needs {human_bytes(needed)} "
+                           f"({len(sizes)} files in {block} B blocks), {human_bytes(free)} free", hint=hint)
     inodes = len(sizes) + dirs
     if fs.f_files and inodes > fs.f_favail:  # f_files 0: a filesystem without an inode limit
         raise StagingError(f"not enough inodes to stage {name} in {root}: needs {inodes}, {fs.f_favail} free",
                            hint=hint)
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "kB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} TB"
 
 
 def _verify(tmp: Path, manifest: dict[str, dict], checksums: bool) -> tuple[int, int]:

@@ -38,6 +38,7 @@ from typing import Any
 from hpc_ddp.common.durable import NotRegularFile, read_regular
 from hpc_ddp.common.errors import UserError
 from hpc_ddp.common.rundir import CHECKPOINTS, CODE, SPEC, SUBMISSIONS, SWEEP
+from hpc_ddp.common.units import MB, human_bytes
 from hpc_ddp.launch.gitinfo import Git, GitError, GitState
 from hpc_ddp.spec.code import Code
 from hpc_ddp.spec.jobspec import JobSpec
@@ -59,7 +60,6 @@ DROPPED = ("__pycache__", "*.pyc", "*.pyo")
 MAX_FILES = 100_000
 MAX_LINKS = 2_000
 _STOPPED = "the walk stopped early: the folder holds more than a snapshot may"
-_MB = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +111,7 @@ class Snapshot:
 
     def describe(self) -> str:
         size = self.listing.size
-        what = (f"{len(self.listing.files)} files, {_human(size)}"
+        what = (f"{len(self.listing.files)} files, {human_bytes(size)}"
                 + (f", {sum(i.kind == 'live' for i in self.listing.items)} left out" if any(
                     i.kind == "live" for i in self.listing.items) else ""))
         where = self.listing.git.describe() if self.listing.git else "not in git"
@@ -361,16 +361,16 @@ def _order(item: Item) -> list[str]:
 def check_limits(listing: Listing, max_mb: int) -> None:
     """Refuse a project too big to copy onto the shared filesystem at every submit, before a byte is read."""
     files, size = listing.files, listing.size
-    if size <= max_mb * _MB and len(files) <= MAX_FILES and _STOPPED not in listing.notes:
+    if size <= max_mb * MB and len(files) <= MAX_FILES and _STOPPED not in listing.notes:
         return
     more = "more than " if _STOPPED in listing.notes else ""
     tops: dict[str, int] = {}
     for item in files:
         top = item.rel.split("/")[0] + ("/" if "/" in item.rel else "")
         tops[top] = tops.get(top, 0) + item.size
-    biggest = ", ".join(f"{_shown(name)} {_human(n)}" for name, n in sorted(tops.items(), key=lambda t: -t[1])[:3])
+    biggest = ", ".join(f"{_shown(name)} {human_bytes(n)}" for name, n in sorted(tops.items(), key=lambda t: -t[1])[:3])
     over = (f"{more}{len(files):,} files, more than the {MAX_FILES:,} a snapshot holds" if len(files) > MAX_FILES
-            else f"{more}{_human(size)} in {len(files):,} files, over the snapshot limit of {max_mb} MB")
+            else f"{more}{human_bytes(size)} in {len(files):,} files, over the snapshot limit of {max_mb} MB")
     raise UserError(f"the project {listing.project} is {over} (biggest: {biggest})",
                     hint="leave out what is not code (--snapshot-exclude NAME, or snapshot_exclude in the job "
                          "file), raise --snapshot-max-mb, or run the working tree as it is (--no-snapshot)")
@@ -445,7 +445,7 @@ def plan(spec: JobSpec, code_root: str, git: Git | None = None) -> Snapshot | No
     if found is None:
         return None
     root, script = found
-    listing = list_project(root, spec.snapshot_exclude, git, max_bytes=spec.snapshot_max_mb * _MB)
+    listing = list_project(root, spec.snapshot_exclude, git, max_bytes=spec.snapshot_max_mb * MB)
     check_limits(listing, spec.snapshot_max_mb)
     hashes = {item.rel: hashlib.sha256(data).hexdigest() for item, data in _each_file(listing)}
     return Snapshot(listing, _content_id(listing, hashes), hashes, code_root, script)
@@ -526,7 +526,7 @@ def _write_manifest(snap: Snapshot) -> None:
 
 def manifest_of(code_root: str | Path, snapshot_id: str) -> dict[str, Any] | None:
     try:
-        data = json.loads(read_regular(manifest_path(code_root, snapshot_id), limit=256 * _MB))
+        data = json.loads(read_regular(manifest_path(code_root, snapshot_id), limit=256 * MB))
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) and isinstance(data.get("items"), dict) else None
@@ -572,14 +572,6 @@ def _shown(name: str | None) -> str:
     byte that is not UTF-8."""
     text = str(name)
     return text if text.isprintable() and not any(0xDC80 <= ord(c) <= 0xDCFF for c in text) else repr(text)
-
-
-def _human(n: int) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TB"
 
 
 def record(snap: Snapshot, run_dirs: Sequence[str | Path], previous: Code | None) -> list[str]:

@@ -136,7 +136,7 @@ def test_symlinks_stay_links_and_one_out_of_the_project_is_noted(repo, tmp_path)
 
 def test_a_project_over_the_limit_is_refused_naming_its_biggest_folders(repo):
     (repo / "blobs").mkdir()
-    (repo / "blobs" / "a.bin").write_bytes(b"\0" * (3 << 20))
+    (repo / "blobs" / "a.bin").write_bytes(b"\0" * 3_000_000)
     git(repo, "add", "blobs")
     listing = snapshot.list_project(repo)
     with pytest.raises(UserError) as err:
@@ -150,8 +150,8 @@ def test_a_walk_stops_early_in_a_huge_folder(tmp_path):
     root = tmp_path / "home"
     root.mkdir()
     for n in range(30):
-        (root / f"f{n}.bin").write_bytes(b"\0" * (100 << 10))
-    listing = snapshot.list_project(root, git=Git(executable=""), max_bytes=1 << 20)
+        (root / f"f{n}.bin").write_bytes(b"\0" * 100_000)
+    listing = snapshot.list_project(root, git=Git(executable=""), max_bytes=1_000_000)
     assert len(listing.files) < 30
     with pytest.raises(UserError, match="is more than"):
         snapshot.check_limits(listing, max_mb=1)
