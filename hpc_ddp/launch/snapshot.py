@@ -111,7 +111,8 @@ class Snapshot:
 
     def describe(self) -> str:
         size = self.listing.size
-        what = (f"{len(self.listing.files)} files, {human_bytes(size)}"
+        count = len(self.listing.files)
+        what = (f"{count} file{'s' if count != 1 else ''}, {human_bytes(size)}"
                 + (f", {sum(i.kind == 'live' for i in self.listing.items)} left out" if any(
                     i.kind == "live" for i in self.listing.items) else ""))
         where = self.listing.git.describe() if self.listing.git else "not in git"

@@ -623,9 +623,11 @@ def test_submit_says_what_a_framework_script_needs_to_resume(project, source, sa
         assert says in line and "HINT:" in line
 
 
-def test_the_readme_shows_the_lines_submit_really_prints(project):
-    """The README's examples of the GPU-binding refusal and the Lightning note, as submit prints them."""
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+def test_the_docs_show_the_lines_submit_really_prints(project):
+    """docs/gpus.md's example of the GPU-binding refusal and docs/frameworks.md's Lightning note, as submit
+    prints them."""
+    docs = Path(__file__).resolve().parents[2] / "docs"
+    readme = (docs / "gpus.md").read_text() + (docs / "frameworks.md").read_text()
     (project / "train.py").write_text("import os, torch\nlocal_rank = int(os.environ['LOCAL_RANK'])\n"
                                       "torch.cuda.set_device(local_rank)\n")
     result = CliRunner().invoke(cli, ["submit", "--nodes", "2", "--gpus", "2", "--gpu-bind", "rank", "train.py"])

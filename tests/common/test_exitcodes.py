@@ -1,4 +1,4 @@
-"""One table of exit codes: the README's is generated from `common.exitcodes`, and the constants the
+"""One table of exit codes: docs/cli.md's is generated from `common.exitcodes`, and the constants the
 code exits with are the table's, so neither can drift."""
 
 from __future__ import annotations
@@ -8,13 +8,13 @@ from pathlib import Path
 from hpc_ddp.common import exitcodes
 from hpc_ddp.common.errors import EnvError, HpcDdpError, SpecError, SubmitError, UserError
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "cli.md"
 MARKER = "<!-- generated from hpc_ddp/common/exitcodes.py (markdown_table); tests/common/test_exitcodes.py compares -->"
 
 
 def test_the_readme_table_is_the_codes_table():
-    text = README.read_text()
-    assert MARKER in text, f"README.md has no exit code table under the line {MARKER}"
+    text = PAGE.read_text()
+    assert MARKER in text, f"docs/cli.md has no exit code table under the line {MARKER}"
     after = text[text.index(MARKER) + len(MARKER):].lstrip("\n")
     table = after[:after.index("\n\n") + 1] if "\n\n" in after else after
     assert table == exitcodes.markdown_table()

@@ -109,7 +109,7 @@ def test_save_on_one_rank_only_names_the_rank_that_did_not_call_it(workspace):
 
 
 def test_the_examples_differ_little_from_the_seeds():
-    """The README shows these diffs: adopting the API is a few lines, not a rewrite."""
+    """docs/session-api.md shows these diffs: adopting the API is a few lines, not a rewrite."""
     if not SEEDS.is_dir():
         pytest.skip("../shared/seeds is not beside this checkout")
     for name, most in (("managed_platform_mnist.py", 24), ("linear_regression.py", 28), ("spawn_mnist.py", 50)):

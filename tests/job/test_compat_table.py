@@ -1,10 +1,10 @@
-"""The README's compatibility table (issue 27), checked cell by cell.
+"""docs/frameworks.md's compatibility table (issue 27), checked cell by cell.
 
 Each framework or script shape leaves in its own way when a stop reaches it (the exit code below, as the
 e2e runs in tests/e2e/test_frameworks.py recorded it). For every column, that exit code and Slurm's state
 at the attempt's end, as measured on Slurm 22.05 (test_attempts.SHOW_JOB), go through the real requeue
-policy (`attempts.finish`); the README's symbol must be what it decides. Cells proven end to end on the test
-Slurm name their test; the README may not claim an e2e test that does not exist.
+policy (`attempts.finish`); the page's symbol must be what it decides. Cells proven end to end on the test
+Slurm name their test; the page may not claim an e2e test that does not exist.
 """
 
 import json
@@ -22,7 +22,7 @@ from hpc_ddp.job import attempts
 from hpc_ddp.spec.jobspec import Layer, Target, build_spec
 
 REPO = Path(__file__).resolve().parents[2]
-README = REPO / "README.md"
+PAGE = REPO / "docs" / "frameworks.md"
 MARKER = "<!-- every cell checked by tests/job/test_compat_table.py -->"
 
 # row -> exit code when SIGTERM reaches it at preemption / at the hard limit / at scancel; and at Slurm's
@@ -71,8 +71,8 @@ def _decide(tmp_path: Path, exit_code: int, state: str, warned: bool = False) ->
 
 
 def _table() -> dict[str, dict[str, str]]:
-    text = README.read_text()
-    assert MARKER in text, f"README.md has no compatibility table under {MARKER}"
+    text = PAGE.read_text()
+    assert MARKER in text, f"docs/frameworks.md has no compatibility table under {MARKER}"
     lines = text.split(MARKER, 1)[1].strip().split("\n\n", 1)[0].splitlines()
     header = [c.strip() for c in lines[0].strip("|").split("|")]
     rows = {}
@@ -97,7 +97,7 @@ def test_every_cell_is_what_the_policy_decides(tmp_path):
 
 
 def test_the_e2e_tests_the_table_names_exist():
-    section = README.read_text().split(MARKER, 1)[1]
+    section = PAGE.read_text().split(MARKER, 1)[1]
     named = set(re.findall(r"\[(e\d)\]", section.split("\n\n", 1)[0]))
     notes = {key: (path, test) for key, path, test in
              re.findall(r"^\[(e\d)\]: `(tests/e2e/\S+\.py)::(\w+)`", section, re.M)}

@@ -175,9 +175,9 @@ def test_the_cuda_model(visible, physical, shown):
     assert cuda_devices(visible, physical) == shown
 
 
-README = Path(__file__).resolve().parents[2] / "README.md"
-README_MARKER = "<!-- checked against the oracle by tests/job/test_gpu_oracle.py (4 GPUs per node) -->"
-README_ROWS = {  # the README's row -> the patterns it stands for
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "gpus.md"
+PAGE_MARKER = "<!-- checked against the oracle by tests/job/test_gpu_oracle.py (4 GPUs per node) -->"
+PAGE_ROWS = {  # the PAGE's row -> the patterns it stands for
     "`torch.cuda.set_device(LOCAL_RANK)`": ["set_device(LOCAL_RANK)"],
     "`cuda:{LOCAL_RANK}`, `device_ids=[local_rank]`, `--local_rank`":
         ["cuda:LOCAL_RANK", "device_ids=[local_rank]", "--local_rank (seed 003)"],
@@ -190,12 +190,12 @@ CELL = {"distinct": ("own GPU", "own GPUs"), "refused at submit": ("refused at s
 
 
 def test_the_readme_table_says_what_the_oracle_finds(tmp_path):
-    text = README.read_text()
-    assert README_MARKER in text
-    table = text.split(README_MARKER, 1)[1].strip().split("\n\n", 1)[0].splitlines()[2:]
+    text = PAGE.read_text()
+    assert PAGE_MARKER in text
+    table = text.split(PAGE_MARKER, 1)[1].strip().split("\n\n", 1)[0].splitlines()[2:]
     rows = {cells[0]: cells[1:] for cells in ([c.strip() for c in line.strip("|").split(" | ")] for line in table)}
-    assert set(rows) == set(README_ROWS)
-    for row, patterns in README_ROWS.items():
+    assert set(rows) == set(PAGE_ROWS)
+    for row, patterns in PAGE_ROWS.items():
         per_task = 2 if "2 GPUs per rank" in row else 1
         for pattern in patterns:
             for exposure, cell in zip(("node", "per task"), rows[row]):

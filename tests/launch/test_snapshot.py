@@ -243,11 +243,11 @@ def test_the_spec_keeps_the_code_through_its_json(repo, tmp_path):
 
 
 def test_the_readme_shows_what_submit_and_status_print(tmp_path):
-    """The README's sample lines are what the code prints for the same snapshot and records."""
+    """docs/snapshots.md's sample lines are what the code prints for the same snapshot and records."""
     from hpc_ddp.launch.gitinfo import GitState
     from hpc_ddp.launch.status import code_line, environment_line, snapshots_of
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "docs" / "snapshots.md").read_text()
     commit, later = "7f70d79121f2" + "0" * 28, "f2e14cbdd826" + "0" * 28
     run = "/home/me/proj/runs/train-20261127-005424"
     items = tuple(snapshot.Item(n, "file", s) for n, s in (("train.py", 38), ("model.py", 12), (".gitignore", 12)))
@@ -259,7 +259,7 @@ def test_the_readme_shows_what_submit_and_status_print(tmp_path):
                "patch": f"{snap.id}-{commit[:12]}.diff"}]
     assert f"    {code_line(snap.id, snapshots_of(events))}\n" in readme
     env = {"python": "3.11.7", "torch": "2.14.1", "cuda": "13.0", "nccl": "2.30.7", "packages": "715272fa92383828"}
-    assert f"    {environment_line(env)} on hpcn1\n" in readme
+    assert f"    {environment_line(env)} on node001\n" in readme
     # a resubmission: the line record() says, from the run dir's records
     (tmp_path / "code").mkdir()
     (tmp_path / "events.jsonl").write_text(json.dumps(events[0]) + "\n")

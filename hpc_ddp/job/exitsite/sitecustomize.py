@@ -37,8 +37,12 @@ def _release_ddp_modules():
     if ddp is None:
         return
     import gc
+    import warnings
 
-    with contextlib.suppress(Exception):  # leaving must not fail because of this
+    # leaving must not fail because of this, nor print anything: isinstance() on every object touches
+    # deprecated ones (torch.distributed.reduce_op warns through its ABC's instance check)
+    with contextlib.suppress(Exception), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
         for obj in gc.get_objects():
             if isinstance(obj, ddp):
                 for name in ("reducer", "process_group"):
