@@ -135,13 +135,42 @@ def test_installed_options_asks_once_and_says_none_without_the_tool(monkeypatch)
     assert installed_options("srun", fake, slurm_conf="/c") is None
 
 
-def test_a_help_that_fails_or_lists_nothing_is_no_answer(monkeypatch):
+def test_a_help_that_fails_or_lists_nothing_is_a_broken_tool(monkeypatch):
+    """A failing --help is a failing sbatch: one line saying so, not "no sbatch on PATH" and a submission."""
     monkeypatch.setattr(helptext, "_CACHE", {})
     fake = FakeCommands({"/x/sbatch": lambda argv: Completed(tuple(argv), 1, "", "boom"),
                          "/x/srun": lambda argv: Completed(tuple(argv), 0, "4711;cluster\n")})
     fake.which = lambda name: f"/x/{name}"
-    assert installed_options("sbatch", fake, slurm_conf="") is None
-    assert installed_options("srun", fake, slurm_conf="") is None
+    with pytest.raises(helptext.BrokenTool, match=r"sbatch is on PATH \(/x/sbatch\) but `sbatch --help` fails "
+                                                  r"\(exit code 1: boom\)") as err:
+        installed_options("sbatch", fake, slurm_conf="")
+    assert err.value.exit_code == 2 and "sbatch --version" in err.value.hint
+    with pytest.raises(helptext.BrokenTool, match="it lists no options: 4711;cluster"):
+        installed_options("srun", fake, slurm_conf="")
+    fake.which = lambda name: None
+    assert installed_options("sbatch", fake, slurm_conf="") is None  # not there at all: nothing to ask
+
+
+def test_submit_with_a_broken_sbatch_says_so_and_writes_nothing(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from hpc_ddp.cli import cli
+
+    monkeypatch.setattr(helptext, "_CACHE", {})
+    (tmp_path / "bin").mkdir()
+    calls = tmp_path / "calls"
+    fake = tmp_path / "bin" / "sbatch"
+    fake.write_text(f"#!/bin/bash\necho \"$*\" >> {calls}\n[ \"$1\" = --help ] && {{ echo 'sbatch: error: "
+                    f"resolve_ctls_from_dns_srv: res_nsearch error' >&2; exit 1; }}\necho 1\n")
+    fake.chmod(0o755)
+    (tmp_path / "train.py").write_text("print(1)\n")
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:/usr/bin:/bin")
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(cli, ["submit", "--sbatch-arg=--exclusiv", "train.py"])
+    assert result.exit_code == 2
+    errors = [line for line in result.output.splitlines() if "error" in line]
+    assert len(errors) == 1 and "`sbatch --help` fails" in errors[0] and "no sbatch on PATH" not in result.output
+    assert calls.read_text().split() == ["--help"] and not (tmp_path / "runs").exists()
 
 
 def test_the_real_test_slurm_is_the_oracle(slurm_conf, monkeypatch):
