@@ -126,8 +126,10 @@ def test_the_readme_is_a_short_start_in_the_promised_order():
     assert places == sorted(places)
 
 
-def test_the_readmes_script_is_the_example_file_whole():
-    text = (REPO / "README.md").read_text()
+@pytest.mark.parametrize("page", ["README.md", "docs/session-api.md"])
+def test_the_session_api_script_shown_is_the_example_file_whole(page):
+    """The script shown runs as shown: it is examples/preemptible.py (tests/e2e/test_examples.py runs it)."""
+    text = (REPO / page).read_text()
     shown = next(body for lang, body, _ in _blocks(text) if lang == "python")
     example = (REPO / "examples" / "preemptible.py").read_text()
     code = "\n".join(line for line in example.splitlines() if not line.startswith("#")).strip()

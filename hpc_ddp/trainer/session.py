@@ -434,7 +434,8 @@ class Session:
         self.progress = Progress(**session["progress"])
         self.progress.restarts += 1
         restore_rng(session["rng"][self.rank])
-        self.log(f"hpc-ddp: resumed from {loaded.path} (step {self.progress.step}, epoch {self.progress.epoch}, "
+        # epochs counted from 1, as the step lines count them ("epoch 2/3"); the records keep the index
+        self.log(f"hpc-ddp: resumed from {loaded.path} (step {self.progress.step}, epoch {self.progress.epoch + 1}, "
                  f"batch {self.progress.batch_in_epoch} of the epoch)")
         self.events.write({"event": "resume", "step": self.progress.step, "epoch": self.progress.epoch,
                            "batch_in_epoch": self.progress.batch_in_epoch, "path": str(loaded.path),
