@@ -164,18 +164,24 @@ def _run_blocks() -> list[tuple[str, str]]:
 
 @pytest.fixture
 def docs_project(tmp_path, monkeypatch):
-    """The project the docs show: train.py (the README's example), no Slurm on PATH but a fake sbatch."""
+    """The project the docs show: train.py (the README's example) and the repo's jobs/; Slurm's sbatch and
+    srun answer --help as the test Slurm's do (what hpc-ddp reads to check extra options), and queue nothing."""
     project = tmp_path / "proj"
     project.mkdir()
     shutil.copy(REPO / "examples" / "preemptible.py", project / "train.py")
+    shutil.copytree(REPO / "jobs", project / "jobs")
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    fake = bin_dir / "sbatch"
-    fake.write_text("#!/bin/bash\necho '81734;cluster'\n")
-    fake.chmod(0o755)
+    helptext = REPO / "tests" / "spec" / "helptext"
+    for tool in ("sbatch", "srun"):
+        fake = bin_dir / tool
+        fake.write_text(f"#!/bin/bash\nif [ \"$1\" = --help ]; then cat {helptext / f'{tool}-22.05.txt'}; exit 0; fi\n"
+                        "echo '81734;cluster'\n")
+        fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}:{Path(sys.executable).parent}:/usr/bin:/bin")
     monkeypatch.setenv("HPC_DDP_PROFILES", str(tmp_path / "profiles.toml"))
-    monkeypatch.delenv("SLURM_CONF", raising=False)
+    for name in ("SLURM_CONF", "SLURM_JOB_ID", "VIRTUAL_ENV", "CONDA_PREFIX"):
+        monkeypatch.delenv(name, raising=False)
     return project
 
 
@@ -189,9 +195,8 @@ def test_documented_output_is_what_the_command_prints(name, body, docs_project):
             chunks[-1][1].append(line)
     assert chunks, name
     for command, shown in chunks:
-        words = shlex.split(command, comments=True)
-        done = subprocess.run([sys.executable, "-m", "hpc_ddp", *words[1:]], cwd=docs_project, capture_output=True,
-                              text=True, timeout=120)
+        assert command.startswith("hpc-ddp "), command
+        done = subprocess.run(["bash", "-c", command], cwd=docs_project, capture_output=True, text=True, timeout=120)
         printed = [_normalised(x, docs_project) for x in (done.stdout + done.stderr).splitlines()]
         want = [_normalised(x, docs_project) for x in shown]
         position = 0
