@@ -93,3 +93,26 @@ def test_cancelling_a_run_also_cancels_its_later_jobs_still_queued(tmp_path):
     assert fake.calls[-1][0] == ("scancel", "41", "42", "44")
     events = RunDir(tmp_path).events.read_text()
     assert all(f'"job_id": "{j}"' in events for j in ("41", "42", "44")) and '"43"' not in events
+
+
+def test_the_local_executors_node_scratch_is_private_and_gone_after_the_job(tmp_path, monkeypatch):
+    """/tmp/hpc-ddp-local-<hash>/node-<k>: made 0700, someone else's (or a link) refused, removed at the
+    job's end when this job made it."""
+    import os
+    import stat
+
+    from hpc_ddp.common.errors import EnvError
+    from hpc_ddp.launch.executors import local
+
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    run_dir = str(tmp_path / "run")
+    node = local.node_scratch(run_dir, 0)
+    local._own_scratch(node)
+    assert stat.S_IMODE(node.stat().st_mode) == 0o700 and stat.S_IMODE(node.parent.stat().st_mode) == 0o700
+    other = local.node_scratch(str(tmp_path / "other"), 0)
+    other.parent.parent.mkdir(exist_ok=True)
+    other.parent.symlink_to(tmp_path / "elsewhere")
+    (tmp_path / "elsewhere").mkdir()
+    with pytest.raises(EnvError, match="is not a folder of yours"):
+        local._own_scratch(other)
+    assert os.listdir(tmp_path / "elsewhere") == []

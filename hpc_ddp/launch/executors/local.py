@@ -20,6 +20,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -27,7 +28,7 @@ import time
 from pathlib import Path
 
 from hpc_ddp.common import rundir, secrets
-from hpc_ddp.common.errors import UserError
+from hpc_ddp.common.errors import EnvError, UserError
 from hpc_ddp.common.exitcodes import REQUEUE_EXIT_CODE
 from hpc_ddp.common.machine import physical_gpus
 from hpc_ddp.common.procs import die_with_parent_preexec
@@ -66,6 +67,19 @@ def node_scratch(run_dir: str, node: int) -> Path:
 
     tag = hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:10]
     return Path(tempfile.gettempdir()) / f"hpc-ddp-local-{tag}" / f"node-{node}"
+
+
+def _own_scratch(path: Path) -> None:
+    """Make a simulated node's local disk (in the shared /tmp, under a name anyone can work out): the
+    user's alone, and refused where someone else's folder or link is already there."""
+    for folder in (path.parent, path):  # each checked before anything is made inside it
+        folder.mkdir(mode=0o700, exist_ok=True)
+        st = os.lstat(folder)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+            raise EnvError(f"{folder} (the local executor's node-local scratch) is not a folder of yours",
+                           hint="remove it, or run with another --run-dir (its name follows from the run dir)")
+        if st.st_mode & 0o077:  # made by an older hpc-ddp, readable by all
+            os.chmod(folder, 0o700)
 
 
 def rank_envs(spec: JobSpec, job_id: str, port: int, physical_gpus: int, attempt: int = 0,
@@ -209,7 +223,13 @@ class LocalExecutor(ForegroundControl):
         spec = plan.spec
         if spec.container is not None:
             ensure_source(run_dir)
-        return self.run_here(run_dir, lambda: self._attempts(spec, run_dir))
+        scratch = node_scratch(str(run_dir), 0).parent
+        ours = not os.path.lexists(scratch)
+        try:
+            return self.run_here(run_dir, lambda: self._attempts(spec, run_dir))
+        finally:
+            if ours:  # the simulated nodes' local disks end with the job, as a real node's job dir does
+                shutil.rmtree(scratch, ignore_errors=True)
 
     def _attempts(self, spec: JobSpec, run_dir: Path) -> int:
         argv = runner_command(spec, str(run_dir))
@@ -232,7 +252,7 @@ class LocalExecutor(ForegroundControl):
             if spec.container is not None:
                 envs = [{**env, **container.runtime_environment(os.environ)} for env in envs]
             for env in envs:
-                Path(env["TMPDIR"]).mkdir(parents=True, exist_ok=True)
+                _own_scratch(Path(env["TMPDIR"]))
             received: list[str] = []
             rc = node_setup(spec, str(run_dir), envs, echo=self.echo) or \
                 _run_ranks(argv, envs, log_dir, echo=self.echo, cwd=spec.workdir,
