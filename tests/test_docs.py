@@ -205,3 +205,25 @@ def test_documented_output_is_what_the_command_prints(name, body, docs_project):
                 continue
             assert line in printed[position:], (command, line, printed)
             position = printed.index(line, position) + 1
+
+
+def test_the_script_shown_is_the_script_submit_renders(docs_project):
+    """docs/cli.md's sbatch script: what `submit --dry-run` prints for the command above it, line by line
+    ("..." for lines left out), the Python and paths made alike."""
+    text = (REPO / "docs" / "cli.md").read_text()
+    marker = "<!-- checked by tests/test_docs.py (the script submit renders) -->"
+    shown = text.split(marker, 1)[1].split("```bash\n", 1)[1].split("```", 1)[0].splitlines()
+    command = re.search(r"`(hpc-ddp submit --dry-run [^`]*)`:\n\n" + re.escape(marker), text).group(1)
+    done = subprocess.run(["bash", "-c", command], cwd=docs_project, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+
+    def alike(line: str) -> str:
+        return _normalised(line.replace(sys.executable, "/home/ada/proj/.venv/bin/python"), docs_project)
+
+    printed = [alike(line) for line in done.stdout.splitlines()]
+    position = 0
+    for line in (alike(x) for x in shown):
+        if line == "...":
+            continue
+        assert line in printed[position:], (line, printed)
+        position = printed.index(line, position) + 1
