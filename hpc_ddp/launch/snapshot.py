@@ -446,6 +446,10 @@ def plan(spec: JobSpec, code_root: str, git: Git | None = None) -> Snapshot | No
     if found is None:
         return None
     root, script = found
+    if root == Path(root.anchor):
+        raise UserError(f"the script's project would be the whole filesystem ({root}): {spec.target.value} is in no "
+                        "repo and in no folder of its own", hint="move the script into a project folder, or submit "
+                                                                  "with --no-snapshot")
     listing = list_project(root, spec.snapshot_exclude, git, max_bytes=spec.snapshot_max_mb * MB)
     check_limits(listing, spec.snapshot_max_mb)
     hashes = {item.rel: hashlib.sha256(data).hexdigest() for item, data in _each_file(listing)}
@@ -463,11 +467,14 @@ def take(snap: Snapshot) -> Snapshot:
         hashes = _copy(snap.listing, tmp)
         taken = dataclasses.replace(snap, hashes=hashes, id=_content_id(snap.listing, hashes))
         final = Path(taken.dir)
-        if final.is_dir() and not final.is_symlink():
+        if final.is_dir() and not final.is_symlink() and manifest_path(taken.code_root, taken.id).is_file():
             shutil.rmtree(tmp)  # the same content, copied before: ours to remove, theirs to keep
+        elif os.path.lexists(final):
+            raise UserError(f"{final} is in the way of the code snapshot (it is not one hpc-ddp took: no manifest "
+                            "beside it, or not a folder)", hint="move it away, or submit with another --run-dir")
         else:
+            _write_manifest(taken)  # first: a copy in its place always has its manifest beside it
             os.rename(tmp, final)
-        _write_manifest(taken)
         return taken
     except BaseException:
         if tmp.exists():
