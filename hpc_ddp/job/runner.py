@@ -8,6 +8,7 @@ user's program (exec), so signals from Slurm go straight to it. Everything but `
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import signal
@@ -183,6 +184,10 @@ def _under_debugger(spec: JobSpec, dist: DistEnv, argv: list[str], env: dict[str
     from hpc_ddp.job import debugger
 
     argv, record = debugger.wrap(spec, dist.rank, argv, env, say=lambda m: print(m, flush=True))
+    if record is not None and spec.code is not None and spec.debugger == "debugpy":
+        # The rank runs the snapshot's copy; your editor sets breakpoints in the working tree's files.
+        # debugpy (pydevd) translates between the two, both ways, so breakpoints hit and frames name your files.
+        env.setdefault("PATHS_FROM_ECLIPSE_TO_PYTHON", json.dumps([[spec.code.project, spec.code.dir]]))
     if record is not None:
         JsonLines(Path(run_dir) / rundir.EVENTS).write({**record, "job_id": dist.job_id})
     return argv
