@@ -17,7 +17,7 @@ import click
 from hpc_ddp.common import verbosity
 from hpc_ddp.common.procs import SubprocessCommands
 from hpc_ddp.launch.executors import NAMES, get_executor, resolve_executor
-from hpc_ddp.slurm.helptext import installed_options
+from hpc_ddp.slurm.helptext import BrokenTool, installed_options
 from hpc_ddp.spec.config import spec_from_command
 from hpc_ddp.spec.interpreter import choose
 from hpc_ddp.spec.jobspec import JobSpec, Layer, Target
@@ -110,10 +110,26 @@ def build(params: dict, default_target: Target | None = None, extra: Sequence[La
         flags["debugger"] = "pdb"
     spec = spec_from_command(tuple(params["argv"]), params["module"], flags, cwd=Path.cwd(), environ=os.environ,
                              python=choose(os.environ, sys.executable).path, default_target=default_target,
-                             extra=extra, options=installed_options)
+                             extra=extra, options=lambda tool: _options(tool, flags.get("executor")))
     _warn_unchecked(spec)
     _say_debug(spec)
     return spec
+
+
+# Executors that never call the tool: its failing --help is no reason to stop them (its options are ignored
+# there, as they are inside an allocation).
+_UNUSED = {"sbatch": ("local", "srun"), "srun": ("local",)}
+
+
+def _options(tool: str, executor: str | None) -> frozenset[str] | None:
+    """What `tool` accepts here, for checking extra options. A tool on PATH whose --help fails stops the
+    submission (BrokenTool), unless the executor asked for never runs it."""
+    try:
+        return installed_options(tool)
+    except BrokenTool:
+        if executor in _UNUSED[tool]:
+            return None
+        raise
 
 
 def _say_debug(spec: JobSpec) -> None:
@@ -129,7 +145,7 @@ def _warn_unchecked(spec: JobSpec) -> None:
     matter on this machine, and on the cluster sbatch refuses an unknown option before it queues anything."""
     for tool, flag, args in ((SBATCH, "--sbatch-arg", spec.sbatch_args), (SRUN, "--srun-arg", spec.srun_args)):
         unchecked = unlisted(args, tool)
-        if unchecked and installed_options(tool) is None:
+        if unchecked and _options(tool, spec.executor) is None and not SubprocessCommands().which(tool):
             warn(f"warning: {flag} {' '.join(unchecked)}: not checked, there is no {tool} on PATH here to ask "
                  "which options this cluster (and its plugins) accepts")
 

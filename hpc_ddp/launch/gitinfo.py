@@ -93,6 +93,10 @@ class Git:
             return None
         done = self._git(folder, "rev-parse", "--show-toplevel", ok=(0, 128))
         out = done.stdout.decode(errors="surrogateescape").rstrip("\n")
+        if done.returncode == 128 and b"not a git repository" not in done.stderr:
+            # a repo git refuses to read (another user's: "dubious ownership"): not "no repo"
+            said = done.stderr.decode(errors="replace").strip().splitlines()
+            raise GitError(f"git refuses the repo: {said[0] if said else 'exit code 128'}")
         return Path(out) if done.returncode == 0 and out else None
 
     def files(self, root: Path, *, untracked_only: bool = False) -> list[str]:
@@ -106,6 +110,13 @@ class Git:
         return _split(self._git(root, "ls-files", "-z", "--others", "--ignored", "--exclude-standard",
                                 "--directory").stdout)
 
+    def _filters_off(self, root: Path) -> list[str]:
+        """`-c` options that turn off every filter driver the configuration names (a program it would run)."""
+        done = self._git(root, "config", "--name-only", "--get-regexp", r"^filter\.", ok=(0, 1))
+        names = {line.rsplit(".", 1)[0] for line in done.stdout.decode(errors="replace").split()}
+        return [w for name in sorted(names) for key in ("clean", "smudge", "process")
+                for w in ("-c", f"{name}.{key}=")] + [w for name in sorted(names) for w in ("-c", f"{name}.required=false")]
+
     def state(self, root: Path, untracked: list[str]) -> GitState:
         head = self._git(root, "rev-parse", "--verify", "-q", "HEAD", ok=(0, 1)).stdout.decode().strip() or None
         branch_out = self._git(root, "symbolic-ref", "-q", "--short", "HEAD", ok=(0, 1))
@@ -114,9 +125,11 @@ class Git:
             changed = _split(self._git(root, "ls-files", "-z", "--cached").stdout)
             patch = b""
         else:
-            changed = _split(self._git(root, "diff", "--name-only", "-z", "--no-ext-diff", "HEAD").stdout)
-            patch = self._git(root, "diff", "--binary", "--no-ext-diff", "--no-textconv", "HEAD").stdout if changed \
-                else b""
+            # comparing the working tree runs the repo's clean filters (.gitattributes filter=NAME): none of them
+            off = self._filters_off(root)
+            changed = _split(self._git(root, *off, "diff", "--name-only", "-z", "--no-ext-diff", "HEAD").stdout)
+            patch = self._git(root, *off, "diff", "--binary", "--no-ext-diff", "--no-textconv", "HEAD").stdout \
+                if changed else b""
         return GitState(head, branch, bool(changed or untracked), tuple(changed[:MAX_LISTED]),
                         tuple(untracked[:MAX_LISTED]), patch)
 

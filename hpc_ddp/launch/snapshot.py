@@ -8,7 +8,7 @@ data, and outputs written there still land in the working tree): what git ignore
 virtual environments, run dirs, caches, logs, data and weights folders (`LEFT_OUT`), and the user's
 `snapshot_exclude` patterns. `__pycache__` and `*.pyc` are dropped. Symbolic links stay links: one out of the
 project is named in a note (it is not pinned); nothing is ever read through one. FIFOs, sockets and devices
-are skipped with a note; an unreadable file is refused. A project over `snapshot_max_mb` is refused in one
+are skipped with a note; an unreadable file is left out as a link (the ranks could not read it either). A project over `snapshot_max_mb` is refused in one
 line that names its biggest folders, never copied.
 
     RUN_DIR/code/<id>/          the copy (files read-only): the project's layout, its id the content's hash
@@ -22,6 +22,7 @@ run the run dir's spec, which names the copy. `plan` reads (for --dry-run: the i
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fnmatch
 import hashlib
@@ -35,9 +36,9 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from hpc_ddp.common.durable import NotRegularFile, read_regular
+from hpc_ddp.common.durable import NotRegularFile, TooLarge, read_regular
 from hpc_ddp.common.errors import UserError
-from hpc_ddp.common.rundir import CHECKPOINTS, CODE, SPEC, SUBMISSIONS, SWEEP
+from hpc_ddp.common.rundir import CHECKPOINTS, CODE, EVENTS, SCRIPT, SPEC, SUBMISSIONS, SWEEP
 from hpc_ddp.common.units import MB, human_bytes
 from hpc_ddp.launch.gitinfo import Git, GitError, GitState
 from hpc_ddp.spec.code import Code
@@ -47,6 +48,8 @@ __all__ = ["Item", "Listing", "Snapshot", "LEFT_OUT", "project_root", "list_proj
            "take", "changes", "manifest_of", "CODE_DIR"]
 
 CODE_DIR = CODE
+# A folder with spec.json and one of these is an hpc-ddp run dir (a rendered one has no submissions yet).
+_RUN_DIR_FILES = (SUBMISSIONS, EVENTS, SCRIPT, CODE)
 # Folders of an untracked tree (or of a project outside git) that are not code: kept out of the copy and
 # reached through a link instead. Tracked files are always copied unless snapshot_exclude names them.
 LEFT_OUT = frozenset({
@@ -100,6 +103,7 @@ class Snapshot:
     hashes: dict[str, str]           # rel -> sha256 of each file
     code_root: str                   # RUN_DIR/code (a sweep's: SWEEP_DIR/code)
     script: str | None               # the script, relative to the project
+    max_bytes: int | None = None     # the limit the copy is held to too (a file may grow after the plan)
 
     @property
     def dir(self) -> str:
@@ -116,7 +120,8 @@ class Snapshot:
                 + (f", {sum(i.kind == 'live' for i in self.listing.items)} left out" if any(
                     i.kind == "live" for i in self.listing.items) else ""))
         where = self.listing.git.describe() if self.listing.git else "not in git"
-        return f"code: snapshot {self.id} of {self.listing.project} ({where}; {what}) in {self.dir}"
+        return (f"code: snapshot {self.id} of {_shown(self.listing.project)} ({where}; {what}) in "
+                f"{_shown(self.dir)}")
 
 
 # ----------------------------------------------------------------------------------------------- listing
@@ -127,14 +132,17 @@ def project_root(spec: JobSpec, git: Git) -> tuple[Path, str | None] | None:
     directory; None for the built-in trainer and for a module that is not the user's (an installed one)."""
     if spec.target.kind == "script":
         script = Path(os.path.realpath(spec.target.value))
-        root = _git_root(script.parent, git) or script.parent
+        root = _git_root(script.parent, git)
+        if root is None or not script.is_relative_to(root):  # a repo whose core.worktree is elsewhere
+            root = script.parent
         return root, script.relative_to(root).as_posix()
     if spec.target.kind == "module":
         workdir = Path(os.path.realpath(spec.workdir))
         top = spec.target.value.split(".")[0]
         if not ((workdir / top).is_dir() or (workdir / f"{top}.py").is_file()):
             return None
-        return (_git_root(workdir, git) or workdir), None
+        root = _git_root(workdir, git)
+        return (root if root is not None and workdir.is_relative_to(root) else workdir), None
     return None
 
 
@@ -147,20 +155,43 @@ def _git_root(folder: Path, git: Git) -> Path | None:
 
 
 def list_project(root: Path, excludes: Sequence[str] = (), git: Git | None = None,
-                 max_bytes: int | None = None) -> Listing:
+                 max_bytes: int | None = None, script: str | None = None) -> Listing:
     """Every file and link the copy of `root` will hold. Reads names and metadata only; a walk stops once
     it passed `max_bytes` (check_limits then refuses)."""
     root = Path(os.path.realpath(root))
     git = git or Git()
     rule = _Rule(root, excludes)
     error = None
-    if _git_root(root, git) == root:
-        try:
-            return _from_git(root, git, rule)
-        except GitError as exc:
-            error = str(exc)
+    try:
+        top = git.toplevel(root)
+        if top is not None and Path(os.path.realpath(top)) == root:
+            return _with_script(_from_git(root, git, rule), script)
+    except GitError as exc:
+        error = str(exc)
     items, notes = _walk(root, rule, max_bytes)
-    return Listing(str(root), tuple(items), tuple(notes), None, error)
+    return _with_script(Listing(str(root), tuple(items), tuple(notes), None, error), script)
+
+
+def _with_script(listing: Listing, script: str | None) -> Listing:
+    """The submitted script is always copied, even where git ignores it or it sits in a left-out folder:
+    it is the code the run is about. Said in a note."""
+    if script is None or any(i.rel == script and i.kind == "file" for i in listing.items):
+        return listing
+    root = Path(listing.project)
+    notes = list(listing.notes)
+    item = _item(root, script, notes)
+    if item is None or item.kind != "file":
+        return dataclasses.replace(listing, notes=tuple(notes))
+    covering = [i for i in listing.items if i.kind == "live" and (script == i.rel or script.startswith(i.rel + "/"))]
+    items = [i for i in listing.items if i not in covering]
+    for cover in covering:  # the left-out folder around it: its other entries are linked one by one
+        if cover.rel != script:
+            items += [Item(f"{cover.rel}/{n}", "live", target=str(root / cover.rel / n))
+                      for n in sorted(os.listdir(root / cover.rel))
+                      if f"{cover.rel}/{n}" != script and not script.startswith(f"{cover.rel}/{n}/")]
+    notes.append(f"{_shown(script)} is left out by git or the snapshot's rules, but it is the script you submit: "
+                 "copied anyway")
+    return dataclasses.replace(listing, items=tuple(sorted([*items, item], key=_order)), notes=tuple(notes))
 
 
 class _Rule:
@@ -185,7 +216,7 @@ class _Rule:
         return (name in LEFT_OUT or name.endswith(".egg-info") or os.path.lexists(path / "pyvenv.cfg")
                 or os.path.lexists(path / "conda-meta")
                 or os.path.lexists(path / SWEEP)
-                or (os.path.lexists(path / SPEC) and os.path.lexists(path / SUBMISSIONS)))
+                or (os.path.lexists(path / SPEC) and any(os.path.lexists(path / n) for n in _RUN_DIR_FILES)))
 
     def not_code_file(self, rel: str) -> bool:
         name = rel.rsplit("/", 1)[-1]
@@ -213,7 +244,8 @@ def _from_git(root: Path, git: Git, rule: _Rule) -> Listing:
     items: dict[str, Item] = {}
     live: dict[str, list[str]] = {}   # a left-out folder (or file) -> the listed files it stands for
     notes: list[str] = []
-    for rel, is_untracked in _with_submodules(root, git, listed, untracked, notes):
+    inner_ignored: list[str] = []
+    for rel, is_untracked in _with_submodules(root, git, listed, untracked, notes, inner_ignored):
         out = rule.left_out_above(rel, is_untracked)
         if out is not None:
             if not rule.dropped(out):
@@ -230,20 +262,27 @@ def _from_git(root: Path, git: Git, rule: _Rule) -> Listing:
         # a left-out folder that also holds copied files (tracked ones) is a folder of the copy: its
         # left-out files get a link each instead
         links.update(under if out in folders else [out])
-    for rel in git.ignored(root):
+    for rel in [*git.ignored(root), *inner_ignored]:
         rel = rel.rstrip("/")
         if rel and rel not in folders and not rule.dropped(rel) and not any(rel.startswith(p + "/") for p in links):
             links.add(rel)
     # untracked files the copy holds (not those left out): with the commit and the diff, they are the code
-    state = git.state(root, sorted(r for r in untracked if r in items))
+    copied_untracked = sorted(r for r in untracked if r in items)
+    try:
+        state = git.state(root, copied_untracked)
+    except GitError as exc:  # a tracked path that is now a FIFO or unreadable: the listing stands
+        notes.append(f"the uncommitted changes are not known ({exc}); the copy holds them all the same")
+        state = GitState(None, None, True, (), tuple(copied_untracked[:50]), b"")
     return Listing(str(root), tuple(sorted([*items.values(), *_live_items(root, links, set(items), notes)],
                                            key=_order)), tuple(notes), state)
 
 
-def _with_submodules(root: Path, git: Git, listed: list[str], untracked: set[str],
-                     notes: list[str]) -> Iterator[tuple[str, bool]]:
-    """git's list, with a submodule's (a folder in the list) own files in its place."""
-    for rel in listed:
+def _with_submodules(root: Path, git: Git, listed: list[str], untracked: set[str], notes: list[str],
+                     ignored: list[str]) -> Iterator[tuple[str, bool]]:
+    """git's list, with a submodule's (a folder in the list) or an untracked nested repo's ('vendor/') own
+    files in its place; what such a repo ignores goes into `ignored`."""
+    for listed_rel in listed:
+        rel = listed_rel.rstrip("/")
         path = root / rel
         if os.path.isdir(path) and not os.path.islink(path):
             if not os.path.lexists(path / ".git"):
@@ -251,10 +290,12 @@ def _with_submodules(root: Path, git: Git, listed: list[str], untracked: set[str
             try:
                 inner = git.files(path)
                 inner_untracked = set(git.files(path, untracked_only=True))
+                ignored.extend(f"{rel}/{sub}" for sub in git.ignored(path))
             except GitError as exc:
                 notes.append(f"submodule {_shown(rel)} skipped: {exc}")
                 continue
-            yield from ((f"{rel}/{sub}", sub in inner_untracked) for sub in inner)
+            nested = listed_rel in untracked  # a clone inside the project: all of it untracked here
+            yield from ((f"{rel}/{sub}", nested or sub in inner_untracked) for sub in inner)
         else:
             yield rel, rel in untracked
 
@@ -337,9 +378,13 @@ def _link(root: Path, rel: str, notes: list[str]) -> Item:
     absolute path, and is named in a note: what it reaches is not pinned. Never followed."""
     path = root / rel
     target = os.readlink(path)
-    where = os.path.normpath(os.path.join(path.parent, target))
+    # where it really leads: through any other link on the way (names only; nothing is read)
+    where = os.path.realpath(os.path.join(os.path.realpath(path.parent), target))
     if where == str(root) or where.startswith(str(root) + os.sep):
-        return Item(rel, "link", target=os.path.relpath(where, path.parent) if os.path.isabs(target) else target)
+        lexical = os.path.normpath(os.path.join(path.parent, target))
+        stays = lexical == os.path.realpath(lexical) or not os.path.isabs(target) and lexical == where
+        return Item(rel, "link", target=target if stays and not os.path.isabs(target)
+                    else os.path.relpath(where, path.parent))
     notes.append(f"{_shown(rel)} links out of the project (to {_shown(where)}): the run sees it live, not pinned")
     return Item(rel, "link", target=where)
 
@@ -372,7 +417,7 @@ def check_limits(listing: Listing, max_mb: int) -> None:
     biggest = ", ".join(f"{_shown(name)} {human_bytes(n)}" for name, n in sorted(tops.items(), key=lambda t: -t[1])[:3])
     over = (f"{more}{len(files):,} files, more than the {MAX_FILES:,} a snapshot holds" if len(files) > MAX_FILES
             else f"{more}{human_bytes(size)} in {len(files):,} files, over the snapshot limit of {max_mb} MB")
-    raise UserError(f"the project {listing.project} is {over} (biggest: {biggest})",
+    raise UserError(f"the project {_shown(listing.project)} is {over} (biggest: {biggest})",
                     hint="leave out what is not code (--snapshot-exclude NAME, or snapshot_exclude in the job "
                          "file), raise --snapshot-max-mb, or run the working tree as it is (--no-snapshot)")
 
@@ -388,10 +433,14 @@ class _Tree:
         self.root = root
         self._fds: dict[str, int] = {}
 
-    def read(self, rel: str) -> bytes:
+    def read(self, rel: str, limit: int | None = None) -> bytes:
         folder, _, name = rel.rpartition("/")
         try:
-            return read_regular(name, dir_fd=self._dir(folder))
+            return read_regular(name, dir_fd=self._dir(folder), limit=limit)
+        except TooLarge:
+            raise UserError(f"{_shown(rel)} in the project {_shown(self.root)} grew past the snapshot limit while it "
+                            "was read", hint="leave it out (--snapshot-exclude NAME), or raise --snapshot-max-mb") \
+                from None
         except NotRegularFile:
             raise UserError(f"{_shown(rel)} in the project {self.root} changed while it was copied (it is no longer "
                             "a regular file)", hint="submit again") from None
@@ -423,17 +472,25 @@ class _Tree:
 def _content_id(listing: Listing, hashes: dict[str, str]) -> str:
     h = hashlib.sha256()
     for item in listing.items:
+        if item.kind == "live":  # links to the working tree: where the project is, not what the code is
+            continue
         detail = hashes[item.rel] if item.kind == "file" else item.target
         h.update(f"{item.kind}\0{item.rel}\0{detail}\0{'x' if item.executable else '-'}\n".encode(
             errors="surrogateescape"))
     return h.hexdigest()[:16]
 
 
-def _each_file(listing: Listing) -> Iterator[tuple[Item, bytes]]:
+def _each_file(listing: Listing, limit: int | None = None) -> Iterator[tuple[Item, bytes]]:
+    """Each file's bytes, read once; more than `limit` bytes in all (a file grew since it was listed: a log
+    being written) is refused, never copied."""
     tree = _Tree(listing.project)
+    left = limit
     try:
         for item in listing.files:
-            yield item, tree.read(item.rel)
+            data = tree.read(item.rel, left)
+            if left is not None:
+                left -= len(data)
+            yield item, data
     finally:
         tree.close()
 
@@ -450,10 +507,11 @@ def plan(spec: JobSpec, code_root: str, git: Git | None = None) -> Snapshot | No
         raise UserError(f"the script's project would be the whole filesystem ({root}): {spec.target.value} is in no "
                         "repo and in no folder of its own", hint="move the script into a project folder, or submit "
                                                                   "with --no-snapshot")
-    listing = list_project(root, spec.snapshot_exclude, git, max_bytes=spec.snapshot_max_mb * MB)
+    listing = list_project(root, spec.snapshot_exclude, git, max_bytes=spec.snapshot_max_mb * MB, script=script)
     check_limits(listing, spec.snapshot_max_mb)
-    hashes = {item.rel: hashlib.sha256(data).hexdigest() for item, data in _each_file(listing)}
-    return Snapshot(listing, _content_id(listing, hashes), hashes, code_root, script)
+    limit = spec.snapshot_max_mb * MB
+    hashes = {item.rel: hashlib.sha256(data).hexdigest() for item, data in _each_file(listing, limit)}
+    return Snapshot(listing, _content_id(listing, hashes), hashes, code_root, script, limit)
 
 
 def take(snap: Snapshot) -> Snapshot:
@@ -461,13 +519,17 @@ def take(snap: Snapshot) -> Snapshot:
     differs from the plan's where a file changed in between). A copy with the same id is reused as it is."""
     root = Path(snap.code_root)
     root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    st = os.lstat(root)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():  # a link there would send the copy elsewhere
+        raise UserError(f"{_shown(str(root))} is not a folder of yours: the code snapshot does not go there",
+                        hint="move it away, or submit with another --run-dir")
     tmp = root / f".tmp-{os.getpid()}-{secrets.token_hex(4)}"
     tmp.mkdir(mode=0o700)
     try:
-        hashes = _copy(snap.listing, tmp)
+        hashes = _copy(snap.listing, tmp, snap.max_bytes)
         taken = dataclasses.replace(snap, hashes=hashes, id=_content_id(snap.listing, hashes))
         final = Path(taken.dir)
-        if final.is_dir() and not final.is_symlink() and manifest_path(taken.code_root, taken.id).is_file():
+        if _is_our_copy(taken):
             shutil.rmtree(tmp)  # the same content, copied before: ours to remove, theirs to keep
         elif os.path.lexists(final):
             raise UserError(f"{final} is in the way of the code snapshot (it is not one hpc-ddp took: no manifest "
@@ -482,7 +544,17 @@ def take(snap: Snapshot) -> Snapshot:
         raise
 
 
-def _copy(listing: Listing, dest: Path) -> dict[str, str]:
+def _is_our_copy(snap: Snapshot) -> bool:
+    """A folder at the snapshot's place that hpc-ddp took with this content: a real folder, its manifest
+    beside it naming this id, and every file and link of the manifest in it."""
+    final = Path(snap.dir)
+    manifest = manifest_of(snap.code_root, snap.id)
+    if manifest is None or manifest.get("id") != snap.id or final.is_symlink() or not final.is_dir():
+        return False
+    return all(os.path.lexists(final / rel) for rel in manifest["items"])
+
+
+def _copy(listing: Listing, dest: Path, limit: int | None = None) -> dict[str, str]:
     hashes: dict[str, str] = {}
     made = {""}
     for item in listing.items:
@@ -492,7 +564,7 @@ def _copy(listing: Listing, dest: Path) -> dict[str, str]:
             made.update(_parents(parent))
         if item.kind != "file":
             os.symlink(item.target, dest / item.rel)
-    for item, data in _each_file(listing):
+    for item, data in _each_file(listing, limit):
         hashes[item.rel] = hashlib.sha256(data).hexdigest()
         fd = os.open(dest / item.rel, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         with open(fd, "wb") as fh:
@@ -527,9 +599,22 @@ def _write_manifest(snap: Snapshot) -> None:
                       if i.kind != "live"},
             "left_out": {i.rel: i.target for i in snap.listing.items if i.kind == "live"},
             "notes": list(snap.listing.notes)}
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    os.replace(tmp, path)
+    _write_new(path, (json.dumps(data, indent=1) + "\n").encode())
+
+
+def _write_new(path: Path, data: bytes) -> None:
+    """`path`'s content, through a temp file of a random name made here and now (O_EXCL, never through a
+    link planted in its place), renamed into place."""
+    tmp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(6)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        with open(fd, "wb") as fh:
+            fh.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def manifest_of(code_root: str | Path, snapshot_id: str) -> dict[str, Any] | None:
@@ -547,10 +632,8 @@ def write_patch(snap: Snapshot) -> str | None:
         return None
     name = f"{snap.id}-{(state.commit or 'none')[:12]}.diff"
     path = Path(snap.code_root) / name
-    if not path.exists():
-        tmp = path.with_name(f".{name}.tmp-{os.getpid()}")
-        tmp.write_bytes(state.patch)
-        os.replace(tmp, path)
+    if not os.path.lexists(path):
+        _write_new(path, state.patch)
     return name
 
 

@@ -40,6 +40,9 @@ def pinned(code: Code | None, path: str) -> str:
     if code is None:
         return path
     real = os.path.realpath(path)
+    copy = os.path.realpath(code.dir)
+    if real == copy or real.startswith(copy.rstrip(os.sep) + os.sep):
+        return path  # in the copy already (a run dir inside the project holds it)
     if real == code.project:
         return code.dir
     if real.startswith(code.project.rstrip(os.sep) + os.sep):

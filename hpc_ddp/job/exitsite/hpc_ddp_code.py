@@ -28,6 +28,9 @@ def pinned_entry(entry, project, copy, cwd):
     real = os.path.realpath(os.path.join(cwd, entry))
     if real != project and not real.startswith(project.rstrip(os.sep) + os.sep):
         return entry
+    real_copy = os.path.realpath(copy)
+    if real == real_copy or real.startswith(real_copy.rstrip(os.sep) + os.sep):
+        return entry  # in the copy already (a run dir inside the project holds it)
     mapped = copy if real == project else os.path.join(copy, os.path.relpath(real, project))
     return mapped if os.path.exists(mapped) else entry
 
