@@ -48,7 +48,7 @@ def submit(**params) -> None:
     _chains_need_support(spec, executor)
     run_dir = new_run_dir(spec, now)
     check_kind(run_dir, sweep=False)
-    snap = _plan_snapshot(spec, run_dir)
+    snap = _plan_snapshot(spec, run_dir, read=params["dry_run"])
     plan = executor.plan(_pinned(spec, snap), run_dir)
     if not params["as_json"] or not spec.executor:
         warn(which)
@@ -68,7 +68,7 @@ def submit(**params) -> None:
     executor.check(plan)  # what the executor refuses, before the snapshot writes anything
     if snap is not None:
         snap = _take_snapshot(snap, run_dir, [run_dir])
-        if snap.id != plan.spec.code.id:  # a file changed since the plan: the spec names the copy as taken
+        if snap.id != plan.spec.code.id:  # known once the files are read (or one changed since the dry plan)
             plan = executor.plan(_pinned(spec, snap), run_dir)
     else:
         _say_snapshot_plan(spec, None)
@@ -113,7 +113,7 @@ def _submit_sweep(params: dict, spec, sweep) -> None:
     executor, now, which = executor_for(spec)
     sweep_dir = new_run_dir(spec, now)
     check_kind(sweep_dir, sweep=True)
-    snap = _plan_snapshot(spec, sweep_dir)  # one copy for every task
+    snap = _plan_snapshot(spec, sweep_dir, read=params["dry_run"])  # one copy for every task
 
     def planned(snap):
         return plan_sweep(executor, sweep, sweep_dir, lambda values, index: _pinned(
@@ -173,11 +173,12 @@ def _submit_sweep(params: dict, spec, sweep) -> None:
         sys.exit(1)
 
 
-def _plan_snapshot(spec, where: str):
-    """The snapshot of the spec's project that goes into `where`/code (None: nothing to pin). Reads only."""
+def _plan_snapshot(spec, where: str, read: bool):
+    """The snapshot of the spec's project that goes into `where`/code (None: nothing to pin). Writes nothing;
+    `read`: hash the files now (a dry run shows the id), else they are read once, as they are copied."""
     from hpc_ddp.launch.snapshot import CODE_DIR, plan
 
-    return plan(spec, str(Path(where) / CODE_DIR))
+    return plan(spec, str(Path(where) / CODE_DIR), read=read)
 
 
 def _pinned(spec, snap):
@@ -287,7 +288,7 @@ def render(to_stdout: bool, **params) -> None:
     spec = build({**params, "executor": "sbatch"})
     executor, now, _ = executor_for(spec)
     run_dir = new_run_dir(spec, now)
-    snap = _plan_snapshot(spec, run_dir)
+    snap = _plan_snapshot(spec, run_dir, read=to_stdout)
     plan = executor.plan(_pinned(spec, snap), run_dir)
     if to_stdout:
         click.echo(plan.script, nl=False)

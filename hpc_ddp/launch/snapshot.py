@@ -22,6 +22,7 @@ run the run dir's spec, which names the copy. `plan` reads (for --dry-run: the i
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import fnmatch
@@ -62,6 +63,7 @@ LEFT_OUT_FILES = ("*.pt", "*.pth", "*.ckpt", "*.safetensors", "*.npz", "*.h5", "
 DROPPED = ("__pycache__", "*.pyc", "*.pyo")
 MAX_FILES = 100_000
 MAX_LINKS = 2_000
+_WRITERS = 8
 _STOPPED = "the walk stopped early: the folder holds more than a snapshot may"
 
 
@@ -495,9 +497,13 @@ def _each_file(listing: Listing, limit: int | None = None) -> Iterator[tuple[Ite
         tree.close()
 
 
-def plan(spec: JobSpec, code_root: str, git: Git | None = None) -> Snapshot | None:
+PENDING = "pending"  # the id of a snapshot planned without reading its files: `take` gives it its own
+
+
+def plan(spec: JobSpec, code_root: str, git: Git | None = None, *, read: bool = True) -> Snapshot | None:
     """The snapshot submit will take of the spec's project (None: nothing to pin, or snapshot = false).
-    Reads the project, writes nothing."""
+    Writes nothing. With `read` every file is read and hashed, so the id is known (--dry-run shows it);
+    without, only names and sizes are (a submit reads each file once, as it copies it)."""
     git = git or Git()
     found = project_root(spec, git) if spec.snapshot else None
     if found is None:
@@ -510,6 +516,8 @@ def plan(spec: JobSpec, code_root: str, git: Git | None = None) -> Snapshot | No
     listing = list_project(root, spec.snapshot_exclude, git, max_bytes=spec.snapshot_max_mb * MB, script=script)
     check_limits(listing, spec.snapshot_max_mb)
     limit = spec.snapshot_max_mb * MB
+    if not read:
+        return Snapshot(listing, PENDING, {}, code_root, script, limit)
     hashes = {item.rel: hashlib.sha256(data).hexdigest() for item, data in _each_file(listing, limit)}
     return Snapshot(listing, _content_id(listing, hashes), hashes, code_root, script, limit)
 
@@ -564,13 +572,23 @@ def _copy(listing: Listing, dest: Path, limit: int | None = None) -> dict[str, s
             made.update(_parents(parent))
         if item.kind != "file":
             os.symlink(item.target, dest / item.rel)
-    for item, data in _each_file(listing, limit):
-        hashes[item.rel] = hashlib.sha256(data).hexdigest()
-        fd = os.open(dest / item.rel, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    def write(item: Item, data: bytes) -> None:
+        target = os.path.join(dest, item.rel)
+        # read-only from the start: a traceback's file opened in an editor is the copy, and an edit there
+        # would be lost
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o555 if item.executable else 0o444)
         with open(fd, "wb") as fh:
             fh.write(data)
-        # read-only: a traceback's file opened in an editor is the copy, and an edit there would be lost
-        os.chmod(dest / item.rel, 0o555 if item.executable else 0o444)
+
+    # Creating files is most of the time (on a network filesystem above all): a few threads create them
+    # while this one reads and hashes the next (the reads stay in order, through one descriptor walk).
+    with concurrent.futures.ThreadPoolExecutor(max_workers=_WRITERS) as pool:
+        pending = []
+        for item, data in _each_file(listing, limit):
+            hashes[item.rel] = hashlib.sha256(data).hexdigest()
+            pending.append(pool.submit(write, item, data))
+        for done in pending:
+            done.result()
     return hashes
 
 
