@@ -26,21 +26,31 @@ def classify_failure(texts: Iterable[str]) -> tuple[str, str] | None:
     """(kind, the line that shows it) for the first rule that matches any text; None if nothing does."""
     texts = list(texts)
     for kind, pattern in _RULES:
-        for text in texts:
-            match = pattern.search(text)
-            if match:
-                return kind, _detail(kind, text, match)
+        found = [(text, match) for text in texts for match in [pattern.search(text)] if match]
+        if kind == "user_code_exception":
+            # a rank killed while it printed its traceback (srun's --kill-on-bad-exit, after another rank's
+            # crash) leaves one without its exception line: the complete one says what happened
+            found.sort(key=lambda tm: _exception_line(tm[0], tm[1]) is None)
+        if found:
+            return kind, _detail(kind, *found[0])
+    return None
+
+
+def _exception_line(text: str, match: re.Match) -> str | None:
+    """The exception line of the traceback at `match`: the first non-indented line after its frames.
+    torch's elastic error handler prefixes every line of a rank's traceback with "[rankN]: "."""
+    tail = [_RANK_PREFIX.sub("", line) for line in text[match.start():].splitlines()]
+    for line in tail[1:]:
+        if line and not line.startswith((" ", "\t", "Traceback")):
+            return line.strip()[:300]
     return None
 
 
 def _detail(kind: str, text: str, match: re.Match) -> str:
     if kind == "user_code_exception":
-        # The exception line is the first non-indented line after the traceback's frames. torch's elastic
-        # error handler prefixes every line of a rank's traceback with "[rankN]: ".
-        tail = [_RANK_PREFIX.sub("", line) for line in text[match.start():].splitlines()]
-        for line in tail[1:]:
-            if line and not line.startswith((" ", "\t", "Traceback")):
-                return line.strip()[:300]
+        line = _exception_line(text, match)
+        if line is not None:
+            return line
     line_start = text.rfind("\n", 0, match.start()) + 1
     line_end = text.find("\n", match.end())
     return text[line_start:line_end if line_end != -1 else None].strip()[:300]

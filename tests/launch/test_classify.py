@@ -20,3 +20,11 @@ def test_specific_causes_come_before_a_traceback():
     text = "Traceback (most recent call last):\ntorch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2 GiB\n"
     assert classify_failure([text])[0] == "out_of_memory"
     assert classify_failure(["all fine"]) is None
+
+
+def test_a_traceback_cut_short_by_a_kill_does_not_hide_the_complete_one():
+    """Rank 1 killed mid-traceback (srun --kill-on-bad-exit after rank 0's crash): rank 0's says what happened."""
+    cut = "Traceback (most recent call last):\n  File \"/run/code/x/crash.py\", line 1, in <module>\n"
+    whole = "Traceback (most recent call last):\n  File \"crash.py\", line 1, in <module>\nRuntimeError: bad config\n"
+    assert classify_failure([cut, whole]) == ("user_code_exception", "RuntimeError: bad config")
+    assert classify_failure([cut]) == ("user_code_exception", "Traceback (most recent call last):")
