@@ -8,8 +8,8 @@ bench/results.png and prints the table.
     python bench/run.py --only gpu --update   # re-take sections, keep the other rows of results.json
     python bench/run.py --only gpu --set gpu_repeats=2 --set gpu_steps=80   # other settings (recorded)
 
-Sections: training, startup, resume, checkpoint, async_checkpoint, staging, gpu (skipped without a GPU). A section that
-fails becomes an error row; the others still run, and the exit code is 1.
+Sections: training, startup, resume, checkpoint, async_checkpoint, staging, snapshot, gpu (skipped without a GPU).
+A section that fails becomes an error row; the others still run, and the exit code is 1.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from bench import (
     gpu_bench,
     report,
     resume_bench,
+    snapshot_bench,
     stage_bench,
     startup_bench,
     train_bench,
@@ -40,7 +41,8 @@ from bench import (
 from bench.common import REPO, Row, Settings, Workspace, say, settings
 
 SECTIONS = {"training": train_bench.run, "startup": startup_bench.run, "resume": resume_bench.run,
-            "checkpoint": ckpt_bench.run, "async_checkpoint": async_ckpt_bench.run, "staging": stage_bench.run, "gpu": gpu_bench.run}
+            "checkpoint": ckpt_bench.run, "async_checkpoint": async_ckpt_bench.run, "staging": stage_bench.run,
+            "snapshot": snapshot_bench.run, "gpu": gpu_bench.run}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

@@ -113,8 +113,16 @@ def read_regular(path: str | os.PathLike, *, limit: int | None = None, dir_fd: i
                                  os.fspath(path)) from None
         raise
     with open(fd, "rb", closefd=True) as fh:
-        _check(path, os.fstat(fd), limit)
-        data = fh.read() if limit is None else fh.read(limit + 1)
+        st = os.fstat(fd)
+        _check(path, st, limit)
+        if limit is None:
+            data = fh.read()
+        else:
+            # read what the file holds (+1 to see it grew), not a buffer of `limit` bytes for every file
+            want = min(st.st_size, limit) + 1
+            data = fh.read(want)
+            if len(data) == want and want <= limit:  # it grew since the fstat: read on, up to the limit
+                data += fh.read(limit + 1 - want)
     if limit is not None and len(data) > limit:  # grew while we read it
         raise TooLarge(errno.EFBIG, f"is more than the {limit:,} bytes it can be (not read)", os.fspath(path))
     return data

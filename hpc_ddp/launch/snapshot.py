@@ -22,7 +22,6 @@ run the run dir's spec, which names the copy. `plan` reads (for --dry-run: the i
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import dataclasses
 import fnmatch
@@ -63,7 +62,6 @@ LEFT_OUT_FILES = ("*.pt", "*.pth", "*.ckpt", "*.safetensors", "*.npz", "*.h5", "
 DROPPED = ("__pycache__", "*.pyc", "*.pyo")
 MAX_FILES = 100_000
 MAX_LINKS = 2_000
-_WRITERS = 8
 _STOPPED = "the walk stopped early: the folder holds more than a snapshot may"
 
 
@@ -572,23 +570,18 @@ def _copy(listing: Listing, dest: Path, limit: int | None = None) -> dict[str, s
             made.update(_parents(parent))
         if item.kind != "file":
             os.symlink(item.target, dest / item.rel)
-    def write(item: Item, data: bytes) -> None:
-        target = os.path.join(dest, item.rel)
+    for item, data in _each_file(listing, limit):
+        hashes[item.rel] = hashlib.sha256(data).hexdigest()
         # read-only from the start: a traceback's file opened in an editor is the copy, and an edit there
         # would be lost
-        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o555 if item.executable else 0o444)
-        with open(fd, "wb") as fh:
-            fh.write(data)
-
-    # Creating files is most of the time (on a network filesystem above all): a few threads create them
-    # while this one reads and hashes the next (the reads stay in order, through one descriptor walk).
-    with concurrent.futures.ThreadPoolExecutor(max_workers=_WRITERS) as pool:
-        pending = []
-        for item, data in _each_file(listing, limit):
-            hashes[item.rel] = hashlib.sha256(data).hexdigest()
-            pending.append(pool.submit(write, item, data))
-        for done in pending:
-            done.result()
+        fd = os.open(os.path.join(dest, item.rel), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
+                     0o555 if item.executable else 0o444)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)
     return hashes
 
 
