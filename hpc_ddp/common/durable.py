@@ -96,14 +96,31 @@ def _check(path: str | os.PathLike, st: os.stat_result, limit: int | None) -> No
                        os.fspath(path))
 
 
-def read_regular(path: str | os.PathLike, *, limit: int | None = None, dir_fd: int | None = None) -> bytes:
+def _read_upto(fd: int, n: int | None) -> bytes:
+    """Up to `n` bytes (None: all) from `fd`, to its end."""
+    parts: list[bytes] = []
+    got = 0
+    while n is None or got < n:
+        chunk = os.read(fd, 1 << 20 if n is None else min(n - got, 1 << 20))
+        if not chunk:
+            break
+        parts.append(chunk)
+        got += len(chunk)
+    return b"".join(parts)
+
+
+def read_regular(path: str | os.PathLike, *, limit: int | None = None, dir_fd: int | None = None,
+                 listed: bool = False) -> bytes:
     """The bytes of the regular file at `path` (relative to `dir_fd` if given).
 
     Raises NotRegularFile for anything else (a symlink in the last component included: it is never
     followed), TooLarge when the file has more than `limit` bytes, and OSError when it cannot be read.
     The type is checked before opening (so no FIFO or device is ever opened) and again on the open file
-    descriptor (so a swap in between is caught); O_NONBLOCK keeps even that race from blocking."""
-    _check(path, os.stat(path, dir_fd=dir_fd, follow_symlinks=False), limit)
+    descriptor (so a swap in between is caught); O_NONBLOCK keeps even that race from blocking.
+    `listed`: the caller lstat'ed the path a moment ago and saw a regular file (a snapshot's listing), so
+    the check before opening is skipped; the one on the descriptor still refuses anything swapped in."""
+    if not listed:
+        _check(path, os.stat(path, dir_fd=dir_fd, follow_symlinks=False), limit)
     flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEXEC
     try:
         fd = os.open(path, flags, dir_fd=dir_fd)
@@ -112,17 +129,18 @@ def read_regular(path: str | os.PathLike, *, limit: int | None = None, dir_fd: i
             raise NotRegularFile(errno.ELOOP, "is a symbolic link, not a regular file (not followed)",
                                  os.fspath(path)) from None
         raise
-    with open(fd, "rb", closefd=True) as fh:
+    try:
         st = os.fstat(fd)
         _check(path, st, limit)
-        if limit is None:
-            data = fh.read()
-        else:
-            # read what the file holds (+1 to see it grew), not a buffer of `limit` bytes for every file
-            want = min(st.st_size, limit) + 1
-            data = fh.read(want)
-            if len(data) == want and want <= limit:  # it grew since the fstat: read on, up to the limit
-                data += fh.read(limit + 1 - want)
+        # what the file holds, +1 byte to see it grew (its size is within `limit`: _check): one read
+        want = st.st_size + 1
+        data = os.read(fd, want)
+        if len(data) < st.st_size:  # a short read (a signal, a network filesystem): read on
+            data += _read_upto(fd, want - len(data))
+        if len(data) == want and (limit is None or want <= limit):  # it grew since the fstat: read on
+            data += _read_upto(fd, None if limit is None else limit + 1 - want)
+    finally:
+        os.close(fd)
     if limit is not None and len(data) > limit:  # grew while we read it
         raise TooLarge(errno.EFBIG, f"is more than the {limit:,} bytes it can be (not read)", os.fspath(path))
     return data

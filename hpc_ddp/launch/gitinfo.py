@@ -12,7 +12,8 @@ import dataclasses
 import os
 import shutil
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 __all__ = ["Git", "GitState", "GitError"]
@@ -72,6 +73,7 @@ class Git:
     def __init__(self, run: Runner | None = None, executable: str | None = None) -> None:
         self._run = run or _subprocess
         self.executable = executable if executable is not None else (shutil.which("git") or "")
+        self._toplevels: dict[str, Path | None] = {}
 
     @property
     def available(self) -> bool:
@@ -87,10 +89,28 @@ class Git:
             raise GitError(f"git {args[0]} failed: {said[-1] if said else f'exit code {done.returncode}'}")
         return done
 
+    def _all(self, cwd: str | Path, commands: Sequence[tuple[tuple[str, ...], tuple[int, ...]]]
+             ) -> list["subprocess.CompletedProcess[bytes]"]:
+        """Several independent git commands (args, ok exit codes), run at the same time; their results in
+        order, or the first one's GitError. Each is a few milliseconds of starting git: together they cost
+        about one."""
+        if len(commands) == 1:
+            return [self._git(cwd, *commands[0][0], ok=commands[0][1])]
+        with ThreadPoolExecutor(len(commands)) as pool:
+            futures = [pool.submit(self._git, cwd, *args, ok=ok) for args, ok in commands]
+            return [f.result() for f in futures]
+
     def toplevel(self, folder: str | Path) -> Path | None:
-        """The root of the repo `folder` is in; None where it is in none (or git is not installed)."""
+        """The root of the repo `folder` is in; None where it is in none (or git is not installed).
+        Asked once per folder (plan and list_project both ask)."""
         if not self.available:
             return None
+        key = os.path.abspath(folder)
+        if key not in self._toplevels:
+            self._toplevels[key] = self._toplevel(folder)
+        return self._toplevels[key]
+
+    def _toplevel(self, folder: str | Path) -> Path | None:
         done = self._git(folder, "rev-parse", "--show-toplevel", ok=(0, 128))
         out = done.stdout.decode(errors="surrogateescape").rstrip("\n")
         if done.returncode == 128 and b"not a git repository" not in done.stderr:
@@ -105,33 +125,47 @@ class Git:
         which = ["--others"] if untracked_only else ["--cached", "--others"]
         return _split(self._git(root, "ls-files", "-z", *which, "--exclude-standard").stdout)
 
+    def listing(self, root: Path) -> tuple[list[str], list[str], list[str]]:
+        """(tracked, untracked and not ignored, ignored) of the repo at `root`, as `files` and `ignored` say,
+        asked at the same time."""
+        base = ("ls-files", "-z")
+        done = self._all(root, [((*base, "--cached"), (0,)), ((*base, "--others", "--exclude-standard"), (0,)),
+                                ((*base, "--others", "--ignored", "--exclude-standard", "--directory"), (0,))])
+        return _split(done[0].stdout), _split(done[1].stdout), _split(done[2].stdout)
+
     def ignored(self, root: Path) -> list[str]:
         """What the repo ignores, a whole ignored folder as one entry ending in '/'."""
         return _split(self._git(root, "ls-files", "-z", "--others", "--ignored", "--exclude-standard",
                                 "--directory").stdout)
 
-    def _filters_off(self, root: Path) -> list[str]:
-        """`-c` options that turn off every filter driver the configuration names (a program it would run)."""
-        done = self._git(root, "config", "--name-only", "--get-regexp", r"^filter\.", ok=(0, 1))
-        names = {line.rsplit(".", 1)[0] for line in done.stdout.decode(errors="replace").split()}
-        return [w for name in sorted(names) for key in ("clean", "smudge", "process")
-                for w in ("-c", f"{name}.{key}=")] + [w for name in sorted(names) for w in ("-c", f"{name}.required=false")]
-
     def state(self, root: Path, untracked: list[str]) -> GitState:
-        head = self._git(root, "rev-parse", "--verify", "-q", "HEAD", ok=(0, 1)).stdout.decode().strip() or None
-        branch_out = self._git(root, "symbolic-ref", "-q", "--short", "HEAD", ok=(0, 1))
-        branch = branch_out.stdout.decode(errors="replace").strip() or None if branch_out.returncode == 0 else None
+        """The commit, branch and uncommitted changes; `untracked` (the untracked files the snapshot copies)
+        is recorded as given. In two rounds of commands run together."""
+        done = self._all(root, [(("rev-parse", "--verify", "-q", "HEAD"), (0, 1)),
+                                (("symbolic-ref", "-q", "--short", "HEAD"), (0, 1)),
+                                (("config", "--name-only", "--get-regexp", r"^filter\."), (0, 1))])
+        head = done[0].stdout.decode().strip() or None
+        branch = done[1].stdout.decode(errors="replace").strip() or None if done[1].returncode == 0 else None
         if head is None:
             changed = _split(self._git(root, "ls-files", "-z", "--cached").stdout)
             patch = b""
         else:
             # comparing the working tree runs the repo's clean filters (.gitattributes filter=NAME): none of them
-            off = self._filters_off(root)
-            changed = _split(self._git(root, *off, "diff", "--name-only", "-z", "--no-ext-diff", "HEAD").stdout)
-            patch = self._git(root, *off, "diff", "--binary", "--no-ext-diff", "--no-textconv", "HEAD").stdout \
-                if changed else b""
+            off = _filters_off(done[2].stdout)
+            diffs = self._all(root, [((*off, "diff", "--name-only", "-z", "--no-ext-diff", "HEAD"), (0,)),
+                                     ((*off, "diff", "--binary", "--no-ext-diff", "--no-textconv", "HEAD"), (0,))])
+            changed = _split(diffs[0].stdout)
+            patch = diffs[1].stdout if changed else b""
         return GitState(head, branch, bool(changed or untracked), tuple(changed[:MAX_LISTED]),
                         tuple(untracked[:MAX_LISTED]), patch)
+
+
+def _filters_off(config: bytes) -> list[str]:
+    """`-c` options that turn off every filter driver the configuration names (a program it would run),
+    from `git config --name-only --get-regexp '^filter\\.'`."""
+    names = {line.rsplit(".", 1)[0] for line in config.decode(errors="replace").split()}
+    return [w for name in sorted(names) for key in ("clean", "smudge", "process")
+            for w in ("-c", f"{name}.{key}=")] + [w for name in sorted(names) for w in ("-c", f"{name}.required=false")]
 
 
 def _split(out: bytes) -> list[str]:

@@ -2,11 +2,13 @@
 the content id, the copy, and what changed since an earlier snapshot. Real git, real files; no Slurm."""
 
 import dataclasses
+import hashlib
 import json
 import os
 import stat
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -272,3 +274,59 @@ def test_the_readme_shows_what_submit_and_status_print(tmp_path):
     lines = snapshot.record(newer, [tmp_path], Code("/home/me/proj", str(tmp_path / "code" / snap.id), snap.id))
     said = [line for line in lines if "a new snapshot" in line]
     assert said and f"  hpc-ddp: {said[0]}\n" in readme
+
+
+# ------------------------------------------------------------------------- the copy in two processes
+
+
+@pytest.fixture
+def many(tmp_path):
+    """A project of 300 files in 12 folders (one executable, one empty, a few of 200 KB)."""
+    root = tmp_path / "many"
+    for n in range(300):
+        path = root / f"pkg{n % 12}" / f"mod{n}.py"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(os.urandom(200_000) if n % 50 == 7 else f"N = {n}\n".encode() * (n % 9))
+    (root / "pkg0" / "run.sh").write_text("#!/bin/sh\n")
+    (root / "pkg0" / "run.sh").chmod(0o755)
+    (root / "train.py").write_text("x\n")
+    return root
+
+
+def test_two_processes_copy_the_same_files_as_one(many, tmp_path, monkeypatch):
+    spec = spec_for(many / "train.py")
+    one = snapshot.take(snapshot.plan(spec, str(tmp_path / "one"), git=Git(executable="")))
+    monkeypatch.setattr(snapshot, "FORK_FROM_FILES", 0)
+    two = snapshot.take(snapshot.plan(spec, str(tmp_path / "two"), git=Git(executable=""), read=False))
+    assert two.id == one.id and two.hashes == one.hashes and len(two.hashes) == 302
+    for rel, digest in one.hashes.items():
+        copied = Path(two.dir, rel)
+        assert hashlib.sha256(copied.read_bytes()).hexdigest() == digest
+        assert stat.S_IMODE(copied.stat().st_mode) == (0o555 if rel.endswith(".sh") else 0o444)
+    with pytest.raises(ChildProcessError):
+        os.waitpid(-1, os.WNOHANG)
+
+
+@pytest.mark.parametrize("half", ["first", "second"])
+def test_a_file_that_grew_in_either_half_is_refused_and_nothing_is_left(many, tmp_path, monkeypatch, half):
+    monkeypatch.setattr(snapshot, "FORK_FROM_FILES", 0)
+    snap = snapshot.plan(spec_for(many / "train.py", snapshot_max_mb=2), str(tmp_path / "code"),
+                         git=Git(executable=""), read=False)
+    files = snap.listing.files
+    grown = files[1] if half == "first" else files[-2]
+    with open(many / grown.rel, "r+b") as fh:
+        fh.truncate(3 * 10**6)
+    with pytest.raises(UserError) as err:
+        snapshot.take(snap)
+    assert "grew past the snapshot limit" in err.value.message and grown.rel in err.value.message
+    assert list((tmp_path / "code").iterdir()) == []  # the half-made copy is gone, both halves stopped
+    with pytest.raises(ChildProcessError):
+        os.waitpid(-1, os.WNOHANG)
+
+
+def test_no_fork_while_another_thread_runs(many, tmp_path, monkeypatch):
+    monkeypatch.setattr(snapshot, "FORK_FROM_FILES", 0)
+    monkeypatch.setattr(os, "fork", lambda: pytest.fail("forked"))
+    monkeypatch.setattr(threading, "active_count", lambda: 2)
+    taken = snapshot.take(snapshot.plan(spec_for(many / "train.py"), str(tmp_path / "code"), git=Git(executable="")))
+    assert len(taken.hashes) == 302
