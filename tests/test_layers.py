@@ -8,13 +8,14 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "hpc_ddp"
 # package -> the packages above it, which it must not import
 ABOVE = {
-    "common": ("hpc_ddp.launch", "hpc_ddp.cli", "hpc_ddp.job", "hpc_ddp.trainer", "hpc_ddp.data"),
-    "slurm": ("hpc_ddp.launch", "hpc_ddp.cli", "hpc_ddp.job", "hpc_ddp.trainer", "hpc_ddp.data"),
-    "spec": ("hpc_ddp.launch", "hpc_ddp.cli", "hpc_ddp.job", "hpc_ddp.trainer"),
-    "job": ("hpc_ddp.launch", "hpc_ddp.cli"),
-    "trainer": ("hpc_ddp.launch", "hpc_ddp.cli"),
-    "data": ("hpc_ddp.launch", "hpc_ddp.cli"),
-    "launch": ("hpc_ddp.cli",),
+    "common": ("hpc_ddp.launch", "hpc_ddp.cli", "hpc_ddp.remote", "hpc_ddp.job", "hpc_ddp.trainer", "hpc_ddp.data"),
+    "slurm": ("hpc_ddp.launch", "hpc_ddp.cli", "hpc_ddp.remote", "hpc_ddp.job", "hpc_ddp.trainer", "hpc_ddp.data"),
+    "spec": ("hpc_ddp.launch", "hpc_ddp.cli", "hpc_ddp.remote", "hpc_ddp.job", "hpc_ddp.trainer"),
+    "job": ("hpc_ddp.launch", "hpc_ddp.cli", "hpc_ddp.remote"),
+    "trainer": ("hpc_ddp.launch", "hpc_ddp.cli", "hpc_ddp.remote"),
+    "data": ("hpc_ddp.launch", "hpc_ddp.cli", "hpc_ddp.remote"),
+    "launch": ("hpc_ddp.cli", "hpc_ddp.remote"),
+    "remote": ("hpc_ddp.cli",),
 }
 
 

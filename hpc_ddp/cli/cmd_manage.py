@@ -15,6 +15,7 @@ import json
 
 import click
 
+from hpc_ddp.cli.remote import over_ssh
 from hpc_ddp.common.errors import UserError
 from hpc_ddp.common.procs import SubprocessCommands
 from hpc_ddp.common.rundir import is_sweep_dir
@@ -25,6 +26,7 @@ from hpc_ddp.launch.registry import resolve
 @click.command()
 @click.argument("job")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object.")
+@over_ssh()
 def cancel(job: str, as_json: bool) -> None:
     """Cancel JOB (a job id or a run dir): scancel on Slurm, or stop the local executor (its ranks
     checkpoint first; it is not restarted)."""
@@ -45,6 +47,7 @@ def cancel(job: str, as_json: bool) -> None:
 @click.argument("job")
 @click.option("--signal", "sig", help="Signal to send [default: the job's warning signal, e.g. USR2].")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object.")
+@over_ssh()
 def preempt(job: str, sig: str | None, as_json: bool) -> None:
     """Rehearse a preemption: send the warning signal to every rank of JOB (local or Slurm). The ranks
     checkpoint at the next step and the job requeues itself."""

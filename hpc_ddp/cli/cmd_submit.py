@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as _dt
 import json
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -29,7 +30,13 @@ from hpc_ddp.spec.interpreter import explain
                    "array under sbatch). KEY: lr, epochs, batch_size, a [train] key, or args.NAME (your script "
                    "gets --NAME=V). Repeat for a grid. A job file's [sweep] table does the same.")
 @click.option("--max-running", metavar="N", help="At most N tasks of the sweep run at once (Slurm's %N).")
-def submit(**params) -> None:
+@click.option("--ssh", metavar="HOST",
+              help="Submit on HOST's cluster from here: the project is copied there (rsync) and the job submitted "
+                   "there by its hpc-ddp; status, logs, cancel... then work from here too. A profile's ssh = "
+                   "\"HOST\" does the same.")
+@click.option("--shipped", hidden=True, help="(The cluster's side of --ssh: the manifest of the shipped project.)")
+@click.pass_context
+def submit(ctx: click.Context, **params) -> None:
     """Submit TARGET (a script, -m module, or a job file) on N nodes x G GPUs.
 
     \b
@@ -39,6 +46,15 @@ def submit(**params) -> None:
     """
     from hpc_ddp.launch.registry import record_run
 
+    if params["shipped"] is None:
+        from hpc_ddp.remote.site import site_for
+
+        site = site_for(params["ssh"], params["profile"])
+        if site is not None:
+            from hpc_ddp.remote.argv import words_of
+            from hpc_ddp.remote.submit import submit_over_ssh
+
+            sys.exit(submit_over_ssh(site, params, words_of(ctx.command, params, drop=("ssh", "shipped", "as_json"))))
     spec = build(params)
     sweep = _sweep(params, spec)
     if sweep is not None:
@@ -48,7 +64,7 @@ def submit(**params) -> None:
     _chains_need_support(spec, executor)
     run_dir = new_run_dir(spec, now)
     check_kind(run_dir, sweep=False)
-    snap = _plan_snapshot(spec, run_dir, read=params["dry_run"])
+    snap = _plan_snapshot(spec, run_dir, read=params["dry_run"], shipped=params["shipped"])
     plan = executor.plan(_pinned(spec, snap), run_dir)
     if not params["as_json"] or not spec.executor:
         warn(which)
@@ -113,7 +129,7 @@ def _submit_sweep(params: dict, spec, sweep) -> None:
     executor, now, which = executor_for(spec)
     sweep_dir = new_run_dir(spec, now)
     check_kind(sweep_dir, sweep=True)
-    snap = _plan_snapshot(spec, sweep_dir, read=params["dry_run"])  # one copy for every task
+    snap = _plan_snapshot(spec, sweep_dir, read=params["dry_run"], shipped=params["shipped"])  # one copy for all tasks
 
     def planned(snap):
         return plan_sweep(executor, sweep, sweep_dir, lambda values, index: _pinned(
@@ -173,12 +189,30 @@ def _submit_sweep(params: dict, spec, sweep) -> None:
         sys.exit(1)
 
 
-def _plan_snapshot(spec, where: str, read: bool):
+def _plan_snapshot(spec, where: str, read: bool, shipped: str | None = None):
     """The snapshot of the spec's project that goes into `where`/code (None: nothing to pin). Writes nothing;
-    `read`: hash the files now (a dry run shows the id), else they are read once, as they are copied."""
+    `read`: hash the files now (a dry run shows the id), else they are read once, as they are copied.
+    `shipped`: the manifest of a project a laptop shipped here (submit --ssh), which lists the files."""
     from hpc_ddp.launch.snapshot import CODE_DIR, plan
 
-    return plan(spec, str(Path(where) / CODE_DIR), read=read)
+    return plan(spec, str(Path(where) / CODE_DIR), read=read, shipped=_shipped(shipped) if shipped else None)
+
+
+def _shipped(path: str):
+    """The listing and hashes of the manifest at MIRROR/.hpc-ddp-mirror/shipped/ID.json."""
+    from hpc_ddp.common.errors import UserError
+    from hpc_ddp.launch import shipped
+    from hpc_ddp.remote.submit import MARK
+
+    manifest = Path(os.path.realpath(path))
+    if manifest.parent.name != "shipped" or manifest.parent.parent.name != MARK:
+        raise UserError(f"--shipped {path}: not a manifest of a shipped project",
+                        hint="--shipped is hpc-ddp's own, for submit --ssh")
+    try:
+        data = json.loads(manifest.read_bytes())
+    except (OSError, ValueError) as exc:
+        raise UserError(f"cannot read the shipped manifest {path}: {exc}", hint="submit again from the laptop") from None
+    return shipped.listing(data, manifest.parent.parent.parent)
 
 
 def _pinned(spec, snap):

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import click
 
+from hpc_ddp.cli.remote import over_ssh
 from hpc_ddp.common.errors import UserError
 from hpc_ddp.common.procs import SubprocessCommands
 from hpc_ddp.common.rundir import is_sweep_dir
@@ -24,6 +25,7 @@ from hpc_ddp.launch.rundirs import on_kernel_fs
                                                   "the job ends (Ctrl-C stops watching, not the job).")
 @click.option("--interval", type=click.FloatRange(0.2, 3600), default=5.0, show_default=True,
               help="Seconds between --watch lines.")
+@over_ssh()
 def status(job: str | None, as_json: bool, watch: bool, interval: float) -> None:
     """State, restarts, last checkpoint, progress, ETA, where the time went and last event of JOB (a job
     id or a run dir); without JOB, the most recent run."""
@@ -91,19 +93,38 @@ _FOLLOWED = ("RUNNING", "PENDING", "CONFIGURING", "COMPLETING")
 @click.option("-f", "--follow", is_flag=True, help="Keep printing new lines while the job runs.")
 @click.option("--json", "as_json", is_flag=True,
               help='One JSON object per line: {"attempt": A, "rank": R, "line": TEXT}.')
-def logs(job: str | None, rank: int | None, follow: bool, as_json: bool) -> None:
+@click.option("--from", "start", hidden=True,
+              help="(For logs -f from a laptop: JSON {log path: byte offset} to start from; each JSON line then "
+                   "also says where it ends: path, end, part, parts.)")
+@over_ssh(how="follow")
+def logs(job: str | None, rank: int | None, follow: bool, as_json: bool, start: str | None) -> None:
     """Every rank's log across all attempts, each line prefixed by attempt and rank."""
-    from hpc_ddp.launch.status import new_log_lines
+    from hpc_ddp.launch.status import new_log_entries
 
     run = _one_run(job)
-    offsets: dict[str, int] = {}
+    offsets: dict[str, int] = _offsets(start) if start is not None else {}
     while True:
         running = follow and _status(run)["state"] in _FOLLOWED
-        for line in new_log_lines(run.run_dir, rank, offsets, whole_lines=running):  # srun wrote these: mask
-            click.echo(json.dumps(_log_record(line)) if as_json else line)
+        for entry in new_log_entries(run.run_dir, rank, offsets, whole_lines=running):  # srun wrote these: mask
+            if start is not None:
+                record = {**_log_record(entry.text), "path": entry.path, "end": entry.end, "part": entry.part,
+                          "parts": entry.parts}
+                click.echo(json.dumps(record))
+            else:
+                click.echo(json.dumps(_log_record(entry.text)) if as_json else entry.text)
         if not running:
             return
         time.sleep(1)
+
+
+def _offsets(text: str) -> dict[str, int]:
+    try:
+        offsets = json.loads(text)
+    except ValueError:
+        offsets = None
+    if not isinstance(offsets, dict) or not all(isinstance(v, int) and v >= 0 for v in offsets.values()):
+        raise UserError("--from must be a JSON object of log paths and byte offsets")
+    return {str(k): v for k, v in offsets.items()}
 
 
 # The prefix `new_log_lines` puts on every line.
@@ -127,6 +148,10 @@ def list_runs(as_json: bool, limit: int) -> None:
     from hpc_ddp.launch.status import format_runs, with_accounting
 
     records = with_accounting([r for r in runs() if isinstance(r, dict)][-limit:], SubprocessCommands())
+    if any(r.get("host") for r in records):  # submitted from here over ssh: their clusters say their state
+        from hpc_ddp.remote.forward import with_remote_accounting
+
+        records = with_remote_accounting(records)
     if as_json:
         click.echo(json.dumps(records, indent=2))
         return
@@ -137,6 +162,7 @@ def list_runs(as_json: bool, limit: int) -> None:
 @click.command()
 @click.argument("job", required=False)
 @click.option("-o", "--output", help="PNG to write [default: RUN_DIR/timeline.png].")
+@over_ssh(how="picture")
 def timeline(job: str | None, output: str | None) -> None:
     """Draw where JOB's wall-clock time went (a job id or a run dir; without JOB, the most recent run):
     queue waits, each attempt on its nodes, checkpoints, stops, requeues, resumes, steps redone, samples/s."""

@@ -101,7 +101,7 @@ def spec_options(fn):
     return fn
 
 
-_NOT_SPEC = ("argv", "module", "dry_run", "as_json", "no_preflight", "sweep", "max_running")
+_NOT_SPEC = ("argv", "module", "dry_run", "as_json", "no_preflight", "sweep", "max_running", "ssh", "shipped")
 
 
 def build(params: dict, default_target: Target | None = None, extra: Sequence[Layer] = ()) -> JobSpec:

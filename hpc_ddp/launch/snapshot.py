@@ -49,7 +49,7 @@ from hpc_ddp.launch.gitinfo import MAX_LISTED, Git, GitError, GitState
 from hpc_ddp.spec.code import Code
 from hpc_ddp.spec.jobspec import JobSpec
 
-__all__ = ["Item", "Listing", "Snapshot", "LEFT_OUT", "project_root", "list_project", "check_limits", "plan",
+__all__ = ["Item", "Listing", "Snapshot", "LEFT_OUT", "project_root", "list_project", "check_limits", "plan", "hashed",
            "take", "changes", "manifest_of", "CODE_DIR"]
 
 CODE_DIR = CODE
@@ -109,6 +109,7 @@ class Snapshot:
     code_root: str                   # RUN_DIR/code (a sweep's: SWEEP_DIR/code)
     script: str | None               # the script, relative to the project
     max_bytes: int | None = None     # the limit the copy is held to too (a file may grow after the plan)
+    expected: dict[str, str] | None = None  # a shipped snapshot: the hash each file must have (launch.shipped)
 
     @property
     def dir(self) -> str:
@@ -566,27 +567,79 @@ def _each_file(project: str, files: Iterable[Item], budget: _Budget) -> Iterator
 PENDING = "pending"  # the id of a snapshot planned without reading its files: `take` gives it its own
 
 
-def plan(spec: JobSpec, code_root: str, git: Git | None = None, *, read: bool = True) -> Snapshot | None:
+def plan(spec: JobSpec, code_root: str, git: Git | None = None, *, read: bool = True,
+         shipped: tuple[Listing, dict[str, str]] | None = None) -> Snapshot | None:
     """The snapshot submit will take of the spec's project (None: nothing to pin, or snapshot = false).
     Writes nothing. With `read` every file is read and hashed, so the id is known (--dry-run shows it);
-    without, only names and sizes are (a submit reads each file once, as it copies it)."""
-    git = git or Git()
-    found = project_root(spec, git) if spec.snapshot else None
-    if found is None:
+    without, only names and sizes are (a submit reads each file once, as it copies it). `shipped`: the
+    listing and hashes of a project shipped from a laptop (launch.shipped), used instead of listing it."""
+    if not spec.snapshot:
         return None
-    root, script = found
-    if root == Path(root.anchor):
-        raise UserError(f"the script's project would be the whole filesystem ({root}): {spec.target.value} is in no "
-                        "repo and in no folder of its own", hint="move the script into a project folder, or submit "
-                                                                  "with --no-snapshot")
-    listing = list_project(root, spec.snapshot_exclude, git, max_bytes=spec.snapshot_max_mb * MB, script=script)
+    expected = None
+    if shipped is not None:
+        listing, expected = shipped
+        script = None
+        if spec.target.kind == "script":
+            path = Path(os.path.realpath(spec.target.value))
+            if not path.is_relative_to(listing.project):
+                raise UserError(f"the script {spec.target.value} is not in the shipped project {listing.project}",
+                                hint="give the script's path inside the project")
+            script = path.relative_to(listing.project).as_posix()
+        _check_shipped(listing)
+    else:
+        git = git or Git()
+        found = project_root(spec, git)
+        if found is None:
+            return None
+        root, script = found
+        if root == Path(root.anchor):
+            raise UserError(f"the script's project would be the whole filesystem ({root}): {spec.target.value} is "
+                            "in no repo and in no folder of its own",
+                            hint="move the script into a project folder, or submit with --no-snapshot")
+        listing = list_project(root, spec.snapshot_exclude, git, max_bytes=spec.snapshot_max_mb * MB, script=script)
     check_limits(listing, spec.snapshot_max_mb)
     limit = spec.snapshot_max_mb * MB
     if not read:
-        return Snapshot(listing, PENDING, {}, code_root, script, limit)
+        return Snapshot(listing, PENDING, {}, code_root, script, limit, expected)
+    snapshot_id, hashes = hashed(listing, limit)
+    _check_expected(hashes, expected)
+    return Snapshot(listing, snapshot_id, hashes, code_root, script, limit, expected)
+
+
+def hashed(listing: Listing, max_bytes: int | None) -> tuple[str, dict[str, str]]:
+    """(id, each file's sha256) of a listing, every file read once (what a laptop ships: launch.shipped)."""
     hashes = {item.rel: hashlib.sha256(data).hexdigest()
-              for item, data in _each_file(listing.project, listing.files, _Budget(limit))}
-    return Snapshot(listing, _content_id(listing, hashes), hashes, code_root, script, limit)
+              for item, data in _each_file(listing.project, listing.files, _Budget(max_bytes))}
+    return _content_id(listing, hashes), hashes
+
+
+INCOMPLETE = "the code shipped to this cluster is incomplete"
+
+
+def _check_shipped(listing: Listing) -> None:
+    """Before anything is read: every shipped file is there, with its size (a transfer cut short)."""
+    root = listing.project
+    for item in listing.files:
+        try:
+            st = os.lstat(f"{root}/{item.rel}")
+            whole = stat.S_ISREG(st.st_mode) and st.st_size == item.size
+        except OSError:
+            whole = False
+        if not whole:
+            raise UserError(f"{INCOMPLETE} (e.g. {_shown(item.rel)} is missing or of another size than the laptop's): "
+                            "no job runs on it", hint="submit again from the laptop: the copy is finished first")
+
+
+def _check_expected(hashes: dict[str, str], expected: dict[str, str] | None) -> None:
+    """A shipped snapshot's files must be the laptop's, byte for byte: a connection dropped mid-copy left
+    some old, and no job may run on that."""
+    if expected is None:
+        return
+    differ = sorted(rel for rel, digest in expected.items() if hashes.get(rel) != digest)
+    if differ:
+        raise UserError(f"{INCOMPLETE} ({len(differ)} file"
+                        f"{'s' if len(differ) != 1 else ''} differ from the laptop's, e.g. {_shown(differ[0])}): "
+                        "no job runs on it", hint="submit again from the laptop: the copy is finished first")
 
 
 def take(snap: Snapshot) -> Snapshot:
@@ -602,6 +655,7 @@ def take(snap: Snapshot) -> Snapshot:
     tmp.mkdir(mode=0o700)
     try:
         hashes = _copy(snap.listing, tmp, snap.max_bytes)
+        _check_expected(hashes, snap.expected)
         taken = dataclasses.replace(snap, hashes=hashes, id=_content_id(snap.listing, hashes))
         final = Path(taken.dir)
         if _is_our_copy(taken):

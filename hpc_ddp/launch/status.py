@@ -142,17 +142,51 @@ def new_log_lines(run_dir: Path, rank: int | None, offsets: dict[str, int], *,
     """`[attempt A rank R] line` for every line written since `offsets` (updated), secrets masked.
     `whole_lines` (while following a running job): leave a line still being written for the next call,
     so a token split across two reads is masked whole."""
+    for entry in new_log_entries(run_dir, rank, offsets, whole_lines=whole_lines):
+        yield entry.text
+
+
+@dataclasses.dataclass(frozen=True)
+class LogEntry:
+    """One line of a rank's log: `text` as `logs` prints it, and where it ends in `path`. A line the
+    terminal would show as several (a progress bar's carriage returns) is `parts` entries, `part` 0..n-1,
+    all ending where its newline does: a reader that stopped after part k resumes at the line's start
+    and skips k+1 parts (`logs -f` over a connection that dropped)."""
+
+    path: str
+    end: int
+    part: int
+    parts: int
+    text: str
+
+
+def new_log_entries(run_dir: Path, rank: int | None, offsets: dict[str, int], *,
+                    whole_lines: bool = False) -> Iterator[LogEntry]:
+    """The entries of `new_log_lines`, with where each ends (`offsets` updated as they are read)."""
     scrub = secrets.current()
     for attempt, r, path in log_files(run_dir, rank):
+        key = str(path)
         with open(path, "rb") as fh:
-            start = offsets.get(str(path), 0)
+            start = offsets.get(key, 0)
             fh.seek(start)
             data = fh.read()
         if whole_lines:
             data = data[:data.rfind(b"\n") + 1]
-        offsets[str(path)] = start + len(data)
-        for line in scrub.lines(data.decode(errors="replace").splitlines()):
-            yield f"[attempt {attempt} rank {r}] {line}"
+        offsets[key] = start + len(data)
+        if not data:
+            continue
+        chunks = data.split(b"\n")
+        if chunks[-1] == b"":
+            chunks.pop()
+        ends, at = [], start
+        texts: list[str] = []
+        for chunk in chunks:
+            at += len(chunk) + 1
+            lines = chunk.decode(errors="replace").splitlines() or [""]
+            ends += [(min(at, start + len(data)), k, len(lines)) for k in range(len(lines))]
+            texts += lines
+        for (end, part, parts), line in zip(ends, scrub.lines(texts)):
+            yield LogEntry(key, end, part, parts, f"[attempt {attempt} rank {r}] {line}")
 
 
 def _failure(run_dir: Path, events: list[dict[str, Any]]) -> dict[str, str] | None:
@@ -510,7 +544,8 @@ def with_accounting(runs: list[dict[str, Any]], commands: CommandRunner) -> list
     code) under "slurm", in one sacct call; unchanged without accounting."""
     from hpc_ddp.launch.executors import executor_for_run
 
-    ids = [str(r["job_id"]) for r in runs if _queued(r, executor_for_run) and _JOB_ID.fullmatch(str(r.get("job_id")))]
+    ids = [str(r["job_id"]) for r in runs if _queued(r, executor_for_run) and _JOB_ID.fullmatch(str(r.get("job_id")))
+           and not r.get("host")]  # a run submitted over ssh: its cluster's accounting (hpc_ddp.remote) says
     acct = accounting(ids, commands)
     for r in runs:
         last = (acct.get(str(r.get("job_id"))) or [None])[-1]
@@ -540,5 +575,7 @@ def format_runs(runs: list[dict[str, Any]]) -> Iterator[str]:
             yield f"sweep {r['sweep']}" + (f" (array job {r['array_job_id']})" if r.get("array_job_id") else "")
         sweep = r.get("sweep")
         what = f"  task {r.get('task')}: {describe(r.get('values') or {})}" if sweep else r.get("run_dir")
+        if r.get("host") and not sweep:
+            what = f"{r['host']}:{what}"
         yield (f"{str(r.get('job_id')):28} {r.get('executor', '?'):8} {slurm.get('state', '-'):10} "
                f"{slurm.get('elapsed', '-'):>10} {r.get('name', ''):20} {what}")

@@ -32,7 +32,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-__all__ = ["read_toml", "job_file_layer", "profile_layer", "profiles_path", "resolve_target", "spec_from_command"]
+__all__ = ["read_toml", "job_file_layer", "profile_layer", "profiles_path", "REMOTE_KEYS", "resolve_target", "spec_from_command"]
 
 JOB_FILE_SUFFIXES = (".toml",)
 
@@ -57,6 +57,10 @@ def read_toml(path: Path, what: str) -> dict[str, Any]:
         raise SpecError(f"{what} {str(path)!r} is not valid TOML: {exc}") from None
 
 
+# Profile keys that say how the laptop reaches the cluster (hpc_ddp.remote), not what the job is.
+REMOTE_KEYS = ("ssh", "remote_dir", "remote_hpc_ddp")
+
+
 def profiles_path(env: Mapping[str, str]) -> Path:
     if env.get("HPC_DDP_PROFILES"):
         return Path(env["HPC_DDP_PROFILES"]).expanduser()
@@ -76,6 +80,7 @@ def profile_layer(name: str, path: Path) -> Layer:
     table = profiles[name]
     if not isinstance(table, dict):
         raise SpecError(f"profile {name!r} in {str(path)!r} is not a table")
+    table = {k: v for k, v in table.items() if k not in REMOTE_KEYS}  # the laptop's: how to reach the cluster
     return Layer(f"profile {name!r}", _resolve_paths(table, path.parent, ("template", "container")),
                  allowed=frozenset(PROFILE_KEYS))
 

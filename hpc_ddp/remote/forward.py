@@ -1,0 +1,213 @@
+"""Commands on a run submitted from this laptop over ssh: `status`, `logs`, `cancel`, `preempt` and
+`timeline` find it in the registry (host, remote run dir), the cluster's hpc-ddp runs them over the shared
+connection, and the answer is printed here as the local command prints it (its exit code too).
+
+`logs -f` survives a dropped connection: the cluster says where each line ends in its log file, and a
+reconnect asks for what follows, so no line is printed twice and none is missed. `timeline` draws on the
+cluster and fetches the picture.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import click
+
+from hpc_ddp.common.errors import UserError
+from hpc_ddp.common.events import read_jsonl
+from hpc_ddp.common.registryfile import registry_path
+from hpc_ddp.remote.argv import words_of
+from hpc_ddp.remote.ssh import SSH_FAILED, Ssh, classify
+
+__all__ = ["remote_run", "forward", "with_remote_accounting", "RECONNECTS"]
+
+RECONNECTS = 30        # logs -f: tries to reconnect before giving up (a few seconds apart)
+_RECONNECT_S = 2.0
+
+
+def remote_run(ref: str | None, env: Mapping[str, str] = os.environ) -> dict[str, Any] | None:
+    """The registry's record of a run submitted over ssh that `ref` names (a job id, the remote run dir,
+    HOST:RUN_DIR; None: the most recent run, if that one is remote); None where `ref` names no such run."""
+    records = [r for r in read_jsonl(registry_path(env)) if isinstance(r, dict)]
+    if ref is None:
+        return records[-1] if records and records[-1].get("host") else None
+    for record in reversed(records):
+        if not record.get("host"):
+            if str(record.get("job_id")) == ref or record.get("run_dir") == ref:
+                return None  # a local run of that name, more recent
+            continue
+        names = (str(record.get("job_id")), record.get("run_dir"), f"{record['host']}:{record.get('run_dir')}")
+        if ref in names and not (ref == record.get("run_dir") and os.path.isdir(ref)):
+            return record
+    return None
+
+
+def forward(command: click.Command, params: dict[str, Any], record: dict[str, Any], job_param: str,
+            how: str = "plain", env: Mapping[str, str] = os.environ) -> int:
+    """Run `command` with `params` on the record's host, for its remote run dir; its exit code. `how`:
+    "plain", "follow" (a log that reconnects while --follow) or "picture" (drawn there, fetched here)."""
+    ssh = Ssh(record["host"], env)
+    hpc_ddp = record.get("remote_hpc_ddp") or "hpc-ddp"
+    if how == "follow" and params.get("follow"):
+        return _follow_logs(ssh, hpc_ddp, command, params, record)
+    if how == "picture":
+        return _timeline(ssh, hpc_ddp, command, params, record)
+    words = words_of(command, {**params, job_param: record["run_dir"]})
+    return _pass_through(ssh, f"exec {hpc_ddp} {command.name} {shlex.join(words)}\n")
+
+
+def _pass_through(ssh: Ssh, script: str) -> int:
+    """Run the script there, its output shown here as it comes; ssh's own failure is one line."""
+    proc = ssh.stream(script)
+    said = _Tee(proc.stderr)
+    assert proc.stdout is not None
+    try:
+        for line in proc.stdout:
+            sys.stdout.write(line.decode(errors="replace"))
+            sys.stdout.flush()
+    except KeyboardInterrupt:
+        proc.terminate()
+        raise
+    code = proc.wait()
+    said.join()
+    if code == SSH_FAILED:  # hpc-ddp never exits 255: ssh could not connect, or the connection dropped
+        raise classify(ssh.host, said.text())
+    return code
+
+
+class _Tee(threading.Thread):
+    """The remote stderr, shown as it comes and kept (ssh's own words among it tell why it failed)."""
+
+    def __init__(self, stream) -> None:
+        super().__init__(daemon=True)
+        self.stream, self.lines = stream, []
+        self.start()
+
+    def run(self) -> None:
+        for raw in self.stream:
+            line = raw.decode(errors="replace")
+            self.lines.append(line)
+            if not _is_ssh_noise(line):
+                sys.stderr.write(line)
+                sys.stderr.flush()
+
+    def text(self) -> str:
+        return "".join(self.lines)
+
+
+def _is_ssh_noise(line: str) -> bool:
+    """ssh's own messages (kept for `classify`, not shown): a dropped connection is said in our words."""
+    return line.startswith(("ssh: ", "Connection to ", "client_loop: ", "Timeout, server ", "mux_client_",
+                            "ControlSocket ", "kex_exchange_identification", "Warning: Permanently added"))
+
+
+class LogCursor:
+    """Where `logs -f` is in each log file: `offsets` (the end of the last line shown whole) is what a
+    reconnect asks to start from; `take` says whether an entry is new (a line shown in part before the
+    drop comes again whole: its parts already shown are skipped)."""
+
+    def __init__(self) -> None:
+        self.offsets: dict[str, int] = {}
+        self._parts: dict[str, int] = {}   # a line shown in part: how many of its parts were shown
+
+    def take(self, path: str, end: int, part: int, parts: int) -> bool:
+        new = part >= self._parts.get(path, 0)
+        if part + 1 == parts:
+            self.offsets[path], self._parts[path] = end, 0
+        elif new:
+            self._parts[path] = part + 1
+        return new
+
+
+def _follow_logs(ssh: Ssh, hpc_ddp: str, command: click.Command, params: dict[str, Any], record: dict[str, Any]) -> int:
+    """logs -f, reconnecting where the connection drops, from where each file was read to."""
+    cursor = LogCursor()
+    words = [str(command.name), "-f", record["run_dir"]] + (["--rank", str(params["rank"])] if params.get("rank") is not None else [])
+    tries = 0
+    while True:
+        script = f"exec {hpc_ddp} {shlex.join(words)} --from {shlex.quote(json.dumps(cursor.offsets))}\n"
+        proc = ssh.stream(script)
+        said = _Tee(proc.stderr)
+        assert proc.stdout is not None
+        try:
+            for raw in proc.stdout:
+                try:
+                    entry = json.loads(raw)
+                except ValueError:
+                    continue
+                if not cursor.take(entry["path"], entry["end"], entry["part"], entry["parts"]):
+                    continue  # shown before the connection dropped
+                shown = entry["line"] if entry.get("attempt") is None else \
+                    f"[attempt {entry['attempt']} rank {entry['rank']}] {entry['line']}"
+                click.echo(json.dumps({k: entry[k] for k in ("attempt", "rank", "line")}) if params.get("as_json")
+                           else shown)
+                tries = 0
+        except KeyboardInterrupt:
+            proc.terminate()
+            raise
+        code = proc.wait()
+        said.join()
+        if code != SSH_FAILED:
+            return code
+        tries += 1
+        if tries > RECONNECTS:
+            raise classify(ssh.host, said.text())
+        click.echo(f"hpc-ddp: the connection to {ssh.host} dropped; reconnecting ({tries}/{RECONNECTS})", err=True)
+        time.sleep(_RECONNECT_S)
+
+
+def _timeline(ssh: Ssh, hpc_ddp: str, command: click.Command, params: dict[str, Any], record: dict[str, Any]) -> int:
+    """Draw on the cluster (into the run dir), fetch the picture here: -o, or ./timeline-JOB.png."""
+    out = Path(params.get("output") or f"timeline-{record.get('job_id') or 'run'}.png")
+    words = words_of(command, {**params, "job": record["run_dir"], "output": None})
+    done = ssh.run(f"exec {hpc_ddp} {command.name} {shlex.join(words)}\n", check=False)
+    sys.stderr.write(done.stderr.decode(errors="replace"))
+    if done.returncode != 0:
+        return done.returncode
+    lines = done.text.splitlines()
+    drawn = next((ln[len("Wrote "):] for ln in lines if ln.startswith("Wrote ")), None)
+    if drawn is None:
+        raise UserError(f"the cluster's timeline wrote no picture: {done.text.strip()[:200]!r}")
+    picture = ssh.run(f"exec cat {shlex.quote(drawn)}\n")
+    try:
+        out.write_bytes(picture.stdout)
+    except OSError as exc:
+        raise UserError(f"cannot write {str(out)!r}: {exc.strerror or exc}", hint="give -o PNG") from None
+    for line in lines:
+        if not line.startswith("Wrote "):
+            click.echo(line)
+    click.echo(f"Wrote {out} (drawn on {ssh.host}: {drawn})")
+    return 0
+
+
+def with_remote_accounting(records: list[dict[str, Any]], env: Mapping[str, str] = os.environ) -> list[dict[str, Any]]:
+    """`list`: the state of each run submitted over ssh, from its cluster's `hpc-ddp list` (one call per
+    host); a host that cannot be reached leaves its runs' state unknown, with a warning."""
+    hosts: dict[str, list[dict[str, Any]]] = {}
+    for record in records:
+        if record.get("host"):
+            hosts.setdefault(record["host"], []).append(record)
+    for host, mine in hosts.items():
+        hpc_ddp = mine[-1].get("remote_hpc_ddp") or "hpc-ddp"
+        try:
+            done = Ssh(host, env).run(f"exec {hpc_ddp} list --json -n 1000\n", timeout=60)
+            theirs = {str(r.get("job_id")): r for r in json.loads(done.stdout) if isinstance(r, dict)}
+        except (UserError, ValueError) as exc:
+            click.echo(f"warning: the state of the runs on {host} is not known: {exc}", err=True)
+            continue
+        except Exception as exc:  # noqa: BLE001 - one host's failure never hides the list
+            click.echo(f"warning: the state of the runs on {host} is not known: {exc}", err=True)
+            continue
+        for record in mine:
+            found = theirs.get(str(record.get("job_id")))
+            if found and found.get("slurm"):
+                record["slurm"] = found["slurm"]
+    return records

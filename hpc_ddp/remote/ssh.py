@@ -1,0 +1,165 @@
+"""One cluster reached over the system's OpenSSH, with the user's own ~/.ssh/config (ProxyJump, keys,
+agent): every command of a session shares one connection (ControlMaster, its socket in a private folder of
+ours), so a site that asks for a password and a one-time code asks once, not once per command.
+
+What ssh says when it cannot connect becomes one line with the fix (`classify`): the host unknown or
+unreachable, authentication refused, a changed host key. `Ssh.run` is the one edge; tests fake it or
+point it at a real sshd on a loopback port (HPC_DDP_SSH_CONFIG: an ssh_config file instead of
+~/.ssh/config).
+
+A remote command is a POSIX sh script sent on ssh's standard input to `sh -s`, so the cluster account's
+login shell (bash, zsh, tcsh) never parses our quoting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shlex
+import stat
+import subprocess
+from collections.abc import Mapping
+from pathlib import Path
+
+from hpc_ddp.common.errors import HpcDdpError, UserError
+
+__all__ = ["Ssh", "Done", "check_host", "classify", "control_dir", "SSH_FAILED"]
+
+SSH_FAILED = 255           # ssh's own exit code: it could not connect (or the remote command exited 255)
+PERSIST_S = 600            # the shared connection stays this long after its last command
+_HOST = re.compile(r"[A-Za-z0-9_.:\[][A-Za-z0-9_.@%+:\[\]-]{0,252}")
+
+
+def check_host(host: str) -> str:
+    """A host as ssh takes it (an alias of ~/.ssh/config, host, user@host); never one that ssh would read
+    as an option (`-oProxyCommand=...`) or that holds a space or a quote."""
+    if not _HOST.fullmatch(host or ""):
+        raise UserError(f"{host!r} is not a host name ssh can be given",
+                        hint="give a Host alias of ~/.ssh/config, or user@host.example.org")
+    return host
+
+
+def control_dir(env: Mapping[str, str] = os.environ) -> Path:
+    """The private folder of the shared connections' sockets: $XDG_RUNTIME_DIR/hpc-ddp-ssh, else
+    ~/.ssh/hpc-ddp (short paths: a socket's path must fit 108 bytes). Made 0700; one that is not ours, or
+    a link, or open to others is refused (another user's socket there would carry our commands)."""
+    base = env.get("HPC_DDP_SSH_CONTROL_DIR")
+    if base:
+        path = Path(base)
+    elif env.get("XDG_RUNTIME_DIR") and os.path.isdir(env["XDG_RUNTIME_DIR"]):
+        path = Path(env["XDG_RUNTIME_DIR"]) / "hpc-ddp-ssh"
+    else:
+        path = Path.home() / ".ssh" / "hpc-ddp"
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    try:
+        path.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise UserError(f"{path} is not a private folder of yours (it holds the ssh connection hpc-ddp shares)",
+                        hint="remove it (hpc-ddp makes it again, mode 0700), or set HPC_DDP_SSH_CONTROL_DIR")
+    return path
+
+
+@dataclasses.dataclass(frozen=True)
+class Done:
+    returncode: int
+    stdout: bytes
+    stderr: bytes
+
+    @property
+    def text(self) -> str:
+        return self.stdout.decode(errors="replace")
+
+
+class Ssh:
+    """ssh to one host, every command through the same shared connection."""
+
+    def __init__(self, host: str, env: Mapping[str, str] = os.environ) -> None:
+        self.host = check_host(host)
+        self.config = env.get("HPC_DDP_SSH_CONFIG") or None
+        self.sockets = control_dir(env)
+
+    def options(self) -> list[str]:
+        """ssh's options, also for rsync's -e: the shared connection; keep-alives so a dropped link is
+        noticed within a minute instead of hanging."""
+        opts = ["-o", "ControlMaster=auto", "-o", f"ControlPath={self.sockets}/%C",
+                "-o", f"ControlPersist={PERSIST_S}", "-o", "ServerAliveInterval=15", "-o", "ServerAliveCountMax=4"]
+        return (["-F", self.config] if self.config else []) + opts
+
+    def argv(self, remote: str = "sh -s") -> list[str]:
+        return ["ssh", *self.options(), "--", self.host, remote]
+
+    def rsh(self) -> str:
+        """rsync's -e: the same ssh, the same connection."""
+        return shlex.join(["ssh", *self.options()])
+
+    def run(self, script: str, *, check: bool = True, timeout: float | None = None) -> Done:
+        """Run a POSIX sh script on the host; its output, captured. A failure to connect is one line
+        (`classify`); with `check`, so is a script that fails."""
+        try:
+            done = subprocess.run(self.argv(), input=script.encode(), capture_output=True, timeout=timeout,
+                                  check=False)
+        except FileNotFoundError:
+            raise UserError("there is no ssh on this machine", hint="install OpenSSH's client") from None
+        except subprocess.TimeoutExpired:
+            raise UserError(f"{self.host} did not answer within {timeout:.0f} s over ssh",
+                            hint=f"check the connection (ssh {self.host}), then run the command again") from None
+        result = Done(done.returncode, done.stdout, done.stderr)
+        if done.returncode == SSH_FAILED:
+            raise classify(self.host, done.stderr.decode(errors="replace"))
+        if check and done.returncode != 0:
+            said = done.stderr.decode(errors="replace").strip().splitlines()
+            raise HpcDdpError(f"on {self.host}: {said[-1] if said else f'exit code {done.returncode}'}")
+        return result
+
+    def stream(self, script: str) -> subprocess.Popen:
+        """Start a script whose output the caller reads as it comes (logs -f); its stderr passes through."""
+        proc = subprocess.Popen(self.argv(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert proc.stdin is not None
+        proc.stdin.write(script.encode())
+        proc.stdin.close()
+        return proc
+
+    def close(self) -> None:
+        """End the shared connection now (its commands are done)."""
+        subprocess.run(["ssh", *self.options(), "-O", "exit", "--", self.host], capture_output=True, check=False)
+
+
+# ssh's words (OpenSSH 7-9) -> what went wrong, and the fix.
+_FAILURES = (
+    ("REMOTE HOST IDENTIFICATION HAS CHANGED", "the host key of {host} changed since you last connected: ssh "
+     "refuses to connect (the cluster's key was replaced, or someone is in the middle)",
+     "if the cluster's admins announced a new key, remove the old one (ssh-keygen -R HOST) and connect once "
+     "by hand (ssh {host}) to check and accept the new one; otherwise do not connect"),
+    ("Host key verification failed", "ssh could not verify the host key of {host}",
+     "connect once by hand (ssh {host}) to check and accept its key"),
+    ("Could not resolve hostname", "ssh cannot resolve the host {host}",
+     "check the name, or add a Host block for it to ~/.ssh/config"),
+    ("Permission denied", "{host} refused the login (ssh: permission denied)",
+     "check that ssh {host} works by hand: the user name (user@host or User in ~/.ssh/config), the key "
+     "(ssh-add -l) or the password"),
+    ("Too many authentication failures", "{host} refused the login (too many authentication failures)",
+     "name the key for it (IdentityFile and IdentitiesOnly yes in ~/.ssh/config)"),
+    ("Connection refused", "{host} refused the connection (no ssh server listens there, or not on that port)",
+     "check the host and port (Port in ~/.ssh/config), or the VPN"),
+    ("Connection timed out", "{host} did not answer (connection timed out)",
+     "check the network or VPN, and ProxyJump in ~/.ssh/config if the cluster sits behind a gateway"),
+    ("No route to host", "{host} cannot be reached (no route to host)", "check the network or VPN"),
+    ("Network is unreachable", "{host} cannot be reached (network unreachable)", "check the network or VPN"),
+    ("Connection closed by", "{host} closed the connection before the login ended",
+     "check that ssh {host} works by hand"),
+    ("Connection reset by", "{host} reset the connection", "check that ssh {host} works by hand"),
+)
+
+
+def classify(host: str, stderr: str) -> UserError:
+    """ssh's failure to connect (exit 255) as one line with its fix."""
+    for needle, message, hint in _FAILURES:
+        if needle in stderr:
+            return UserError(message.format(host=host), hint=hint.format(host=host))
+    lines = [ln.strip() for ln in stderr.strip().splitlines() if ln.strip()]
+    last = lines[-1] if lines else "ssh exited with 255"
+    return UserError(f"ssh to {host} failed: {last}", hint=f"check that ssh {host} works by hand")
