@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from hpc_ddp.cli.options import build
+from hpc_ddp.cli.remote import over_ssh
 from hpc_ddp.common.errors import SpecError, UserError
 from hpc_ddp.job.distenv import from_environ
 from hpc_ddp.launch.rundirs import usable_run_dir
@@ -72,13 +73,18 @@ def stage_cmd(src: str, dest: str | None, name: str | None, checksums: bool) -> 
 
 
 @click.command()
-@click.argument("checkpoint", type=click.Path(exists=True))
+@click.argument("checkpoint")
 @click.option("--json", "as_json", is_flag=True)
+@over_ssh("checkpoint")
 def inspect(checkpoint: str, as_json: bool) -> None:
-    """Verify a checkpoint (a step-N dir, a checkpoints dir or a run dir) and show step, epoch, model hash."""
+    """Verify a checkpoint (a step-N dir, a checkpoints dir or a run dir; or the job id of a run submitted
+    from here over ssh) and show step, epoch, model hash."""
     from hpc_ddp.trainer.checkpoint import CheckpointError, inspect_checkpoint
 
     path = Path(checkpoint)
+    if not os.path.lexists(path):
+        raise UserError(f"{checkpoint!r} does not exist",
+                        hint="give a run dir, its checkpoints/ dir or one step-N dir in it")
     try:
         info = inspect_checkpoint(path)
     except CheckpointError:

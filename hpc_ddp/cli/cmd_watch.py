@@ -25,8 +25,12 @@ from hpc_ddp.launch.rundirs import on_kernel_fs
                                                   "the job ends (Ctrl-C stops watching, not the job).")
 @click.option("--interval", type=click.FloatRange(0.2, 3600), default=5.0, show_default=True,
               help="Seconds between --watch lines.")
+@click.option("--tunnel", is_flag=True,
+              help="For a rank waiting for a debugger (--debug-rank): a job submitted from here over ssh gets its "
+                   "tunnel opened, through the shared connection (attach to the localhost port it prints); "
+                   "another prints the ssh command to run on your laptop.")
 @over_ssh()
-def status(job: str | None, as_json: bool, watch: bool, interval: float) -> None:
+def status(job: str | None, as_json: bool, watch: bool, interval: float, tunnel: bool) -> None:
     """State, restarts, last checkpoint, progress, ETA, where the time went and last event of JOB (a job
     id or a run dir); without JOB, the most recent run."""
     from hpc_ddp.launch.status import LIVE, format_status, progress_line
@@ -36,6 +40,12 @@ def status(job: str | None, as_json: bool, watch: bool, interval: float) -> None
         _sweep_status(run, as_json)
         return
     info = _status(run)
+    if tunnel:
+        if not info.get("debugger") or not info["debugger"].get("tunnel"):
+            raise UserError(f"no rank of job {run.job_id or run.run_dir} waits for a debugger now",
+                            hint="submit with --debug-rank R; `hpc-ddp status` shows the rank once it waits")
+        click.echo(info["debugger"]["tunnel"])
+        return
     try:
         while watch and info["state"] in LIVE:
             click.echo(progress_line(info, time.time()))
@@ -188,11 +198,17 @@ def timeline(job: str | None, output: str | None) -> None:
 
 
 @click.command()
-@click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
+@click.argument("run_dir")
 @click.option("-o", "--output", help="PNG to write [default: RUN_DIR/training.png].")
+@over_ssh("run_dir", how="picture")
 def plot(run_dir: str, output: str | None) -> None:
-    """Plot loss and accuracy over steps, with every stop and resume marked."""
+    """Plot loss and accuracy over steps, with every stop and resume marked (RUN_DIR: a run dir, or the job id
+    of a run submitted from here over ssh)."""
     from hpc_ddp.launch.plot import plot_run
+
+    if not os.path.isdir(run_dir):
+        why = "does not exist" if not os.path.lexists(run_dir) else "is a file, not a run dir"
+        raise UserError(f"{run_dir!r} {why}", hint="give the run dir of a job (the path `hpc-ddp list` shows)")
 
     path = plot_run(Path(run_dir), _png_output(output))
     click.echo(f"Wrote {path}")

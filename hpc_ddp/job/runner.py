@@ -187,7 +187,9 @@ def _under_debugger(spec: JobSpec, dist: DistEnv, argv: list[str], env: dict[str
     if record is not None and spec.code is not None and spec.debugger == "debugpy":
         # The rank runs the snapshot's copy; your editor sets breakpoints in the working tree's files.
         # debugpy (pydevd) translates between the two, both ways, so breakpoints hit and frames name your files.
-        env.setdefault("PATHS_FROM_ECLIPSE_TO_PYTHON", json.dumps([[spec.code.project, spec.code.dir]]))
+        # A copy shipped from a laptop (submit --ssh): the laptop's paths first, so frames name its files there.
+        pairs = [[spec.code.origin, spec.code.dir]] if spec.code.origin else []
+        env.setdefault("PATHS_FROM_ECLIPSE_TO_PYTHON", json.dumps([*pairs, [spec.code.project, spec.code.dir]]))
     if record is not None:
         JsonLines(Path(run_dir) / rundir.EVENTS).write({**record, "job_id": dist.job_id})
     return argv

@@ -277,7 +277,7 @@ def attempt_code(spec: JobSpec, record: AttemptRecord):
             return code, [f"code: the snapshot {record.label} ran ({record.code}) is gone: the run dir's latest, "
                           f"{code.id}, runs instead"]
         script = str(copy / Path(code.script).relative_to(code.dir)) if code.script else None
-        code = Code(code.project, str(copy), record.code, script)
+        code = Code(code.project, str(copy), record.code, script, code.origin)
     return code, [f"code: the snapshot {record.label} ran ({code.id}), not the working tree"]
 
 

@@ -77,4 +77,5 @@ def listing(data: dict[str, Any], mirror: str | Path) -> tuple[Listing, dict[str
         raise UserError(f"the shipped manifest is damaged ({type(exc).__name__}: {exc})",
                         hint="submit again from the laptop") from None
     origin = f"{data.get('origin', '?')}:{data.get('project', '?')}"
-    return Listing(root, tuple(items), (*notes, f"shipped from {origin}"), state), hashes
+    laptop = data.get("project") if isinstance(data.get("project"), str) else None
+    return Listing(root, tuple(items), (*notes, f"shipped from {origin}"), state, origin=laptop), hashes

@@ -89,6 +89,7 @@ class Listing:
     notes: tuple[str, ...] = ()      # links out of the project, special files skipped, links not made
     git: GitState | None = None
     git_error: str | None = None     # git was there but failed: the project was walked instead
+    origin: str | None = None        # shipped from a laptop (submit --ssh): the project's path there
 
     @property
     def files(self) -> list[Item]:
@@ -117,7 +118,7 @@ class Snapshot:
 
     def code(self) -> Code:
         return Code(self.listing.project, self.dir, self.id,
-                    os.path.join(self.dir, self.script) if self.script is not None else None)
+                    os.path.join(self.dir, self.script) if self.script is not None else None, self.listing.origin)
 
     def describe(self) -> str:
         size = self.listing.size

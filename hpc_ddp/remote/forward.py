@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import socket
+import subprocess
 import sys
 import threading
 import time
@@ -59,7 +61,9 @@ def forward(command: click.Command, params: dict[str, Any], record: dict[str, An
     if how == "follow" and params.get("follow"):
         return _follow_logs(ssh, hpc_ddp, command, params, record)
     if how == "picture":
-        return _timeline(ssh, hpc_ddp, command, params, record)
+        return _picture(ssh, hpc_ddp, command, params, record, job_param)
+    if params.get("tunnel"):
+        return _tunnel(ssh, hpc_ddp, record)
     words = words_of(command, {**params, job_param: record["run_dir"]})
     return _pass_through(ssh, f"exec {hpc_ddp} {command.name} {shlex.join(words)}\n")
 
@@ -164,10 +168,11 @@ def _follow_logs(ssh: Ssh, hpc_ddp: str, command: click.Command, params: dict[st
         time.sleep(_RECONNECT_S)
 
 
-def _timeline(ssh: Ssh, hpc_ddp: str, command: click.Command, params: dict[str, Any], record: dict[str, Any]) -> int:
-    """Draw on the cluster (into the run dir), fetch the picture here: -o, or ./timeline-JOB.png."""
-    out = Path(params.get("output") or f"timeline-{record.get('job_id') or 'run'}.png")
-    words = words_of(command, {**params, "job": record["run_dir"], "output": None})
+def _picture(ssh: Ssh, hpc_ddp: str, command: click.Command, params: dict[str, Any], record: dict[str, Any],
+             job_param: str) -> int:
+    """Draw on the cluster (into the run dir), fetch the picture here: -o, or ./COMMAND-JOB.png."""
+    out = Path(params.get("output") or f"{command.name}-{record.get('job_id') or 'run'}.png")
+    words = words_of(command, {**params, job_param: record["run_dir"], "output": None})
     done = ssh.run(f"exec {hpc_ddp} {command.name} {shlex.join(words)}\n", check=False)
     sys.stderr.write(done.stderr.decode(errors="replace"))
     if done.returncode != 0:
@@ -186,6 +191,42 @@ def _timeline(ssh: Ssh, hpc_ddp: str, command: click.Command, params: dict[str, 
             click.echo(line)
     click.echo(f"Wrote {out} (drawn on {ssh.host}: {drawn})")
     return 0
+
+
+def _tunnel(ssh: Ssh, hpc_ddp: str, record: dict[str, Any]) -> int:
+    """Open localhost:PORT -> the debug rank's node:PORT through the shared connection (`ssh -O forward`:
+    no new login); it lasts as long as that connection. Another port here where PORT is taken."""
+    done = ssh.run(f"exec {hpc_ddp} status --json {shlex.quote(record['run_dir'])}\n")
+    try:
+        debug = json.loads(done.stdout).get("debugger") or {}
+    except ValueError:
+        debug = {}
+    node, port = debug.get("node"), debug.get("port")
+    if not node or not isinstance(port, int):
+        raise UserError(f"no rank of job {record.get('job_id')} on {ssh.host} waits for a debugger now",
+                        hint="submit with --debug-rank R; `hpc-ddp status` shows the rank once it waits")
+    local = _free(port) or _free(0)
+    # the status call above made (or reused) the shared connection: the forward goes through it
+    opened = subprocess.run(["ssh", *ssh.options(), "-O", "forward", "-L", f"127.0.0.1:{local}:{node}:{port}",
+                             "--", ssh.host], capture_output=True, check=False)
+    if opened.returncode != 0:
+        raise UserError(f"could not open the tunnel to {node}:{port} through {ssh.host}: "
+                        f"{opened.stderr.decode(errors='replace').strip() or opened.returncode}",
+                        hint=f"open it by hand: ssh -N -L {local}:{node}:{port} {ssh.host}")
+    click.echo(f"tunnel open: localhost:{local} -> {node}:{port} through {ssh.host} (rank {debug.get('rank')} "
+               f"waits there); attach VS Code or PyCharm to localhost:{local}; your project's paths are mapped "
+               "to the run's copy")
+    return 0
+
+
+def _free(port: int) -> int:
+    """`port` where nothing here listens on it (0: any free port), else 0."""
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return 0
+        return probe.getsockname()[1]
 
 
 def with_remote_accounting(records: list[dict[str, Any]], env: Mapping[str, str] = os.environ) -> list[dict[str, Any]]:

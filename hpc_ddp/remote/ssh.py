@@ -40,10 +40,16 @@ def check_host(host: str) -> str:
     return host
 
 
+# A socket's path must fit 104 bytes (macOS; 108 on Linux); ssh names it FOLDER/<40 hex digits> and first
+# makes it as that name + a 17-character temporary suffix.
+_SOCKET_ROOM = 104 - 1 - 40 - 17
+
+
 def control_dir(env: Mapping[str, str] = os.environ) -> Path:
-    """The private folder of the shared connections' sockets: $XDG_RUNTIME_DIR/hpc-ddp-ssh, else
-    ~/.ssh/hpc-ddp (short paths: a socket's path must fit 108 bytes). Made 0700; one that is not ours, or
-    a link, or open to others is refused (another user's socket there would carry our commands)."""
+    """The private folder of the shared connections' sockets: $HPC_DDP_SSH_CONTROL_DIR, else
+    $XDG_RUNTIME_DIR/hpc-ddp-ssh, else ~/.ssh/hpc-ddp; where that path is too long for a socket,
+    /tmp/hpc-ddp-ssh-UID. Made 0700; one that is not ours, or a link, or open to others is refused
+    (another user's socket there would carry our commands)."""
     base = env.get("HPC_DDP_SSH_CONTROL_DIR")
     if base:
         path = Path(base)
@@ -51,6 +57,11 @@ def control_dir(env: Mapping[str, str] = os.environ) -> Path:
         path = Path(env["XDG_RUNTIME_DIR"]) / "hpc-ddp-ssh"
     else:
         path = Path.home() / ".ssh" / "hpc-ddp"
+    if len(os.fsencode(str(path))) > _SOCKET_ROOM:
+        if base:
+            raise UserError(f"HPC_DDP_SSH_CONTROL_DIR={base} is too long a path for ssh's socket in it",
+                            hint=f"give a folder of at most {_SOCKET_ROOM} bytes, e.g. /tmp/hpc-ddp-ssh-{os.getuid()}")
+        path = Path(f"/tmp/hpc-ddp-ssh-{os.getuid()}")
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     try:
         path.mkdir(mode=0o700)

@@ -141,6 +141,9 @@ def _report(site: Site, answer: dict[str, Any], params: dict[str, Any], env) -> 
         click.echo(json.dumps({**answer, "host": host}, indent=2))
     else:
         click.echo(f"Submitted job {job_id} ({answer.get('executor')} on {host}); run dir {host}:{run_dir}")
+    if params.get("debug_rank") is not None and job_id:
+        click.echo(f"hpc-ddp: rank {params['debug_rank']} will wait for a debugger once the job runs: "
+                   f"`hpc-ddp status --tunnel {job_id}` then opens the tunnel from here", err=True)
     return int(answer.get("returncode") or 0)
 
 
@@ -173,6 +176,7 @@ elif [ -e "$D" ]; then echo state=foreign
 else echo state=absent; fi
 P=$D; while [ ! -e "$P" ]; do P=$(dirname "$P"); done
 printf 'free_kb=%s\\n' "$(df -Pk "$P" 2>/dev/null | awk 'NR==2 {{print $4}}')"
+if [ -d "$P" ] && [ -w "$P" ] && [ -x "$P" ]; then echo writable=yes; else printf 'writable=no\\nblocked=%s\\n' "$P"; fi
 """
     out = ssh.run(script).text
     said = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
@@ -190,6 +194,10 @@ printf 'free_kb=%s\\n' "$(df -Pk "$P" 2>/dev/null | awk 'NR==2 {{print $4}}')"
         raise UserError(f"{ssh.host}:{mirror} exists and is not a folder hpc-ddp made (no {MARK} in it): "
                         "the project is not shipped over it", hint="set remote_dir = \"~/another/folder\" in the "
                         "profile, or move that folder away on the cluster")
+    if said.get("writable") == "no":
+        raise UserError(f"{ssh.host}:{said.get('blocked', mirror)} is not a folder you can write to, so the project "
+                        f"cannot go to {mirror}", hint="set remote_dir = \"~/projects\" (a folder of yours on the "
+                                                     "cluster) in the profile")
     free = said.get("free_kb", "")
     if free.isdigit() and int(free) * 1024 < size * _ROOM + 10 * MB:
         raise UserError(f"{ssh.host} has {human_bytes(int(free) * 1024)} free where the project goes ({mirror}); "

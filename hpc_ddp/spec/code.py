@@ -23,12 +23,14 @@ MAX_PATTERNS = 200
 class Code:
     """A snapshot: `project` (the project's root in the working tree, resolved), `dir` (its copy, read-only
     files) and `id` (the hash of its content). `script`: the copy of the script the ranks run (None for
-    `-m`: the module is found through the copy on sys.path, see job/exitsite/hpc_ddp_code.py)."""
+    `-m`: the module is found through the copy on sys.path, see job/exitsite/hpc_ddp_code.py). `origin`: the
+    laptop's project a shipped copy came from (submit --ssh), where a debugger there sets its breakpoints."""
 
     project: str
     dir: str
     id: str
     script: str | None = None
+    origin: str | None = None
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> "Code | None":

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -16,10 +17,12 @@ from pathlib import Path
 
 import pytest
 
+from hpc_ddp.common.events import read_jsonl
+from hpc_ddp.data.datagen import write_mnist
 from hpc_ddp.launch import snapshot
 from hpc_ddp.launch.gitinfo import Git
 
-from .helpers import hpc_ddp, job_field, wait_until
+from .helpers import SLOW_MODEL, hpc_ddp, job_field, last_step, release_when_requeued, wait_until
 from .test_frameworks import _preempt_all, _wait_done
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slurm]
@@ -91,7 +94,7 @@ def cluster(tmp_path_factory):
     home = Path(os.path.expanduser(f"~{user}"))
     tag = f"hpcddp-tests/{uuid.uuid4().hex[:8]}"
     laptop = tmp_path_factory.mktemp("laptop")
-    control = laptop / "ctl"
+    control = Path(f"/tmp/hpcddp-ctl-{uuid.uuid4().hex[:8]}")   # a short path: a socket's must fit 104 bytes
     control.mkdir(mode=0o700)
     profiles = laptop / "profiles.toml"
     hpc = f"{sys.prefix}/bin/hpc-ddp"
@@ -105,6 +108,7 @@ def cluster(tmp_path_factory):
                     "cluster"], capture_output=True)
     subprocess.run(["scancel", "-u", user], capture_output=True)
     shutil.rmtree(home / tag.split("/")[0] / tag.split("/")[1], ignore_errors=True)
+    shutil.rmtree(control, ignore_errors=True)
 
 
 def _logins(cluster) -> int:
@@ -199,6 +203,114 @@ def test_logs_follow_across_a_killed_connection_then_cancel(cluster):
     assert wait_until(lambda: job_field(long_job, "JobState") in ("CANCELLED", None), 60, "the cancel")
 
 
+TRAINER_JOB = """
+nodes = 1
+gpus = 2
+[train]
+dataset = "mnist"
+data_dir = "{data}"
+model = "slowmodel:make"
+epochs = 2
+batch_size = 16
+lr = 0.05
+num_workers = 0
+log_every = 1
+checkpoint_every_steps = 4
+"""
+TRAINER_STEPS = 2 * 512 // 2 // 16
+
+
+def test_the_trainer_preempted_from_the_laptop_then_inspected_and_plotted_there(cluster):
+    """The built-in trainer on data that lives on the cluster: `preempt` from the laptop (its warning
+    signal: checkpoint, requeue, resume), then `inspect` and `plot` of the remote run from the laptop."""
+    data = cluster["home"] / cluster["tag"] / "mnist-data"
+    write_mnist(data, train=512, test=64)
+    subprocess.run(["chown", "-R", cluster["user"], str(cluster["home"] / cluster["tag"].split("/")[0])], check=True)
+    project = _project(cluster["laptop"] / "trainer", {"job.toml": TRAINER_JOB.format(data=data),
+                                                       "slowmodel.py": SLOW_MODEL})
+    done = _laptop(cluster, "submit", "--profile", "cluster", "--partition", "debug", "--json", "job.toml", cwd=project)
+    assert done.returncode == 0, done.stdout + done.stderr
+    answer = json.loads(done.stdout)
+    job, run_dir = answer["job_id"], Path(answer["run_dir"])
+    wait_until(lambda: last_step(run_dir) >= 8, 180, "step 8")
+    sent = _laptop(cluster, "preempt", job, cwd=project)
+    assert sent.returncode == 0 and "Sent SIGUSR2" in sent.stdout, sent.stdout + sent.stderr
+    release_when_requeued(job)
+    assert _wait_done(job, 240) == "COMPLETED"
+    inspected = _laptop(cluster, "inspect", "--json", job, cwd=project)
+    assert inspected.returncode == 0, inspected.stderr
+    assert json.loads(inspected.stdout)["step"] == TRAINER_STEPS
+    status = json.loads(_laptop(cluster, "status", "--json", job, cwd=project).stdout)
+    assert status["restarts"] == 1 and status["resumes"], status
+    plotted = _laptop(cluster, "plot", job, "-o", str(cluster["laptop"] / "training.png"), cwd=project)
+    assert plotted.returncode == 0, plotted.stderr
+    assert (cluster["laptop"] / "training.png").read_bytes()[:4] == b"\x89PNG"
+
+
+DEBUGGED = """\
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo", timeout=timedelta(seconds=int(os.environ["HPC_DDP_COLLECTIVE_TIMEOUT"])))
+secret = dist.get_rank() * 7 + 1
+total = torch.tensor([float(secret)])
+dist.all_reduce(total)  # BREAK
+print(f"total={total.item():g}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_debug_a_rank_from_the_laptop_through_the_shared_connection(cluster):
+    """--debug-rank over ssh: `status --tunnel` forwards a port through the connection already open, and a
+    debugger on the laptop sets its breakpoint in the laptop's file, which the rank runs a copy of."""
+    pytest.importorskip("debugpy")
+    from .dap import DapClient
+
+    project = _project(cluster["laptop"] / "dbg", {"job.py": DEBUGGED})
+    line = next(i for i, x in enumerate(DEBUGGED.splitlines(), 1) if "# BREAK" in x)
+    done = _laptop(cluster, "submit", "--profile", "cluster", "--partition", "debug", "--nodes", "2", "--gpus", "1",
+                   "--debug-rank", "1", "--json", "job.py", cwd=project)
+    assert done.returncode == 0, done.stdout + done.stderr
+    answer = json.loads(done.stdout)
+    job, run_dir = answer["job_id"], Path(answer["run_dir"])
+    assert f"hpc-ddp status --tunnel {job}" in done.stderr
+    wait_until(lambda: any(e.get("event") == "debugger" for e in read_jsonl(run_dir / "events.jsonl")), 120,
+               "the debug rank to wait")
+    logins = _logins(cluster)
+    opened = _laptop(cluster, "status", "--tunnel", job, cwd=project)
+    assert opened.returncode == 0, opened.stderr
+    port = int(re.search(r"tunnel open: localhost:(\d+) -> hpcn2:", opened.stdout).group(1))
+
+    def connect():
+        try:
+            return DapClient("127.0.0.1", port)
+        except OSError:
+            return None
+
+    def attached():
+        # the tunnel accepts at once; the rank's debugpy may not listen yet: then the connection closes
+        client = connect()
+        if client is None:
+            return None
+        try:
+            return client, client.attach_and_break(str(project / "job.py"), line)   # the laptop's own path
+        except (ConnectionError, OSError):
+            client.close()
+            return None
+
+    client, stopped = wait_until(attached, 60, "a debugger attached through the tunnel", interval=1)
+    try:
+        assert client.local_variable(stopped["body"]["threadId"], "secret") == "8"   # rank 1
+        client.request("continue", threadId=stopped["body"]["threadId"])
+    finally:
+        client.close()
+    assert _wait_done(job, 120) == "COMPLETED"
+    assert _logins(cluster) == logins   # the tunnel went through the connection already open
+
+
 # ------------------------------------------------------------------------------------------ failures
 
 
@@ -247,6 +359,10 @@ remote_dir = "~/{cluster['tag']}/nohpc"
 ssh = "cluster"
 remote_hpc_ddp = "{fake}"
 remote_dir = "~/{cluster['tag']}/other"
+[readonly]
+ssh = "cluster"
+remote_hpc_ddp = "{cluster['hpc']}"
+remote_dir = "/usr/share"
 [foreign]
 ssh = "cluster"
 remote_hpc_ddp = "{cluster['hpc']}"
@@ -255,7 +371,11 @@ remote_dir = "~/{cluster['tag']}/foreign"
     subprocess.run(["chown", "-R", cluster["user"], str(cluster["home"] / cluster["tag"].split("/")[0])], check=True)
     (root / "profiles.toml").write_text(profiles)
     project = _project(root / "proj", {"train.py": "print('hi')\n"})
-    return {"env": {"HPC_DDP_SSH_CONFIG": str(root / "ssh_config"), "HPC_DDP_PROFILES": str(root / "profiles.toml")},
+    # its own connection: one shared with the tests above would hide a refused login (a short path: a socket's)
+    control = Path(f"/tmp/hpcddp-ctl-{uuid.uuid4().hex[:8]}")
+    control.mkdir(mode=0o700)
+    return {"env": {"HPC_DDP_SSH_CONFIG": str(root / "ssh_config"), "HPC_DDP_PROFILES": str(root / "profiles.toml"),
+                    "HPC_DDP_SSH_CONTROL_DIR": str(control)},
             "project": project, "foreign": foreign}
 
 
@@ -267,6 +387,7 @@ remote_dir = "~/{cluster['tag']}/foreign"
     (["--profile", "nohpc"], "there is no hpc-ddp on cluster"),
     (["--profile", "otherversion"], "cluster has hpc-ddp 9.9.9, this laptop"),
     (["--profile", "foreign"], "exists and is not a folder hpc-ddp made"),
+    (["--profile", "readonly"], "cluster:/usr/share is not a folder you can write to"),
 ])
 def test_each_failure_is_one_line_with_exit_2_and_nothing_submitted(cluster, hostile, how, said):
     before = _their_jobs(cluster)

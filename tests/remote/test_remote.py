@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -51,23 +53,39 @@ def test_ssh_failures_are_one_line_with_the_fix(stderr, said):
     assert said in err.message and err.hint and "\n" not in str(err)
 
 
-def test_the_control_folder_is_private_and_refused_when_not(tmp_path, monkeypatch):
-    path = ssh.control_dir({"HPC_DDP_SSH_CONTROL_DIR": str(tmp_path / "ctl")})
+@pytest.fixture
+def short(tmp_path):
+    """A folder with a short path (a socket's must fit 104 bytes), removed afterwards."""
+    path = Path(tempfile.mkdtemp(prefix="hd-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_the_control_folder_is_private_and_refused_when_not(tmp_path, short):
+    path = ssh.control_dir({"HPC_DDP_SSH_CONTROL_DIR": str(short / "ctl")})
     assert (path.stat().st_mode & 0o777) == 0o700
     os.chmod(path, 0o755)
     with pytest.raises(UserError, match="not a private folder"):
         ssh.control_dir({"HPC_DDP_SSH_CONTROL_DIR": str(path)})
-    (tmp_path / "elsewhere").mkdir(mode=0o700)
-    os.symlink(tmp_path / "elsewhere", tmp_path / "link")
+    (short / "elsewhere").mkdir(mode=0o700)
+    os.symlink(short / "elsewhere", short / "link")
     with pytest.raises(UserError, match="not a private folder"):
-        ssh.control_dir({"HPC_DDP_SSH_CONTROL_DIR": str(tmp_path / "link")})
+        ssh.control_dir({"HPC_DDP_SSH_CONTROL_DIR": str(short / "link")})
 
 
-def test_every_command_shares_one_connection_and_never_reads_the_host_as_an_option(tmp_path):
-    conn = ssh.Ssh("cluster", {"HPC_DDP_SSH_CONTROL_DIR": str(tmp_path / "c"), "HPC_DDP_SSH_CONFIG": "/x/cfg"})
+def test_a_control_folder_too_long_for_a_socket_is_refused_or_replaced(tmp_path):
+    with pytest.raises(UserError, match="too long"):
+        ssh.control_dir({"HPC_DDP_SSH_CONTROL_DIR": str(tmp_path / ("x" * 60))})
+    runtime = tmp_path / ("r" * 60)
+    runtime.mkdir()
+    assert ssh.control_dir({"XDG_RUNTIME_DIR": str(runtime)}) == Path(f"/tmp/hpc-ddp-ssh-{os.getuid()}")
+
+
+def test_every_command_shares_one_connection_and_never_reads_the_host_as_an_option(short):
+    conn = ssh.Ssh("cluster", {"HPC_DDP_SSH_CONTROL_DIR": str(short / "c"), "HPC_DDP_SSH_CONFIG": "/x/cfg"})
     argv = conn.argv()
     assert argv[:3] == ["ssh", "-F", "/x/cfg"] and "ControlMaster=auto" in argv and argv[-3:] == ["--", "cluster", "sh -s"]
-    assert f"ControlPath={tmp_path / 'c'}/%C" in argv and any(a.startswith("ControlPersist=") for a in argv)
+    assert f"ControlPath={short / 'c'}/%C" in argv and any(a.startswith("ControlPersist=") for a in argv)
 
 
 # ------------------------------------------------------------------------------------------------ site
