@@ -461,3 +461,19 @@ def test_a_copy_cut_short_is_finished_by_the_next_submit_and_never_run(cluster):
     assert _wait_done(job, 120) == "COMPLETED"
     assert "ran the new one" in _laptop(cluster, "logs", job, cwd=project).stdout
     assert (mirror / "assets" / "blob39.bin").read_bytes() == (project / "assets" / "blob39.bin").read_bytes()
+
+
+def test_where_the_cluster_has_no_rsync_a_tar_over_ssh_ships_the_same_files(cluster):
+    from hpc_ddp.remote.ssh import Ssh
+    from hpc_ddp.remote.submit import _ship
+
+    project = _project(cluster["laptop"] / "tarred", {"train.py": "x = 1\n", "pkg/mod.py": "y = 2\n",
+                                                      "with space/it's.py": "z = 3\n"})
+    os.symlink("pkg/mod.py", project / "alias.py")
+    listing = snapshot.list_project(project, git=Git())
+    mirror = cluster["mirror"].parent / "tarred"
+    env = {**os.environ, **cluster["env"]}
+    _ship(Ssh("cluster", env), {"rsync": "no", "dir": str(mirror)}, project, listing)
+    assert (mirror / "with space" / "it's.py").read_text() == "z = 3\n" and (mirror / "pkg" / "mod.py").read_text() == "y = 2\n"
+    assert os.readlink(mirror / "alias.py") == "pkg/mod.py" and (mirror / ".hpc-ddp-mirror").is_dir()
+    assert mirror.stat().st_uid == (mirror / "train.py").stat().st_uid != 0   # written by the cluster account
