@@ -48,13 +48,17 @@ def submit(ctx: click.Context, **params) -> None:
 
     if params["shipped"] is None:
         from hpc_ddp.remote.site import site_for
+        from hpc_ddp.spec.config import chosen_profile
 
-        site = site_for(params["ssh"], params["profile"])
-        if site is not None:
+        profile, job = chosen_profile(tuple(params["argv"]), params["module"], params["profile"], Path.cwd(),
+                                      os.environ)
+        site = site_for(params["ssh"], profile)
+        if site is not None:  # the cluster's hpc-ddp submits: the profile named there as it was chosen here
             from hpc_ddp.remote.argv import words_of
             from hpc_ddp.remote.submit import submit_over_ssh
 
-            sys.exit(submit_over_ssh(site, params, words_of(ctx.command, params, drop=("ssh", "shipped", "as_json"))))
+            words = words_of(ctx.command, {**params, "profile": profile}, drop=("ssh", "shipped", "as_json"))
+            sys.exit(submit_over_ssh(site, params, words, job))
     spec = build(params)
     sweep = _sweep(params, spec)
     if sweep is not None:

@@ -48,6 +48,11 @@ def check_rel(rel: Any) -> str:
     return rel
 
 
+def _parents(rel: str) -> list[str]:
+    parts = rel.split("/")
+    return ["/".join(parts[:n]) for n in range(1, len(parts))]
+
+
 def listing(data: dict[str, Any], mirror: str | Path) -> tuple[Listing, dict[str, str]]:
     """The listing the cluster copies from its mirror `mirror` (left-out entries link into the mirror:
     the cluster's own data/ and runs/ folders there), and the hashes every file must have."""
@@ -56,9 +61,14 @@ def listing(data: dict[str, Any], mirror: str | Path) -> tuple[Listing, dict[str
                         hint="install the same hpc-ddp version on the laptop and on the cluster")
     root = os.path.realpath(mirror)
     items, hashes = [], {}
+    seen: set[str] = set()
     try:
         for rel, kind, size, executable, target in data["items"]:
             rel = check_rel(rel)
+            if rel in seen or any(parent in seen for parent in _parents(rel)):
+                raise UserError(f"the shipped manifest names {rel!r} twice, or inside a file or link it names",
+                                hint="submit again from the laptop")
+            seen.add(rel)
             if kind == "file":
                 hashes[rel] = str(data["hashes"][rel])
                 items.append(Item(rel, "file", int(size), bool(executable)))

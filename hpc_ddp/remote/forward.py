@@ -27,6 +27,7 @@ from hpc_ddp.common.errors import UserError
 from hpc_ddp.common.events import read_jsonl
 from hpc_ddp.common.registryfile import registry_path
 from hpc_ddp.remote.argv import words_of
+from hpc_ddp.remote.site import command_words
 from hpc_ddp.remote.ssh import SSH_FAILED, Ssh, classify
 
 __all__ = ["remote_run", "forward", "with_remote_accounting", "RECONNECTS"]
@@ -36,20 +37,39 @@ _RECONNECT_S = 2.0
 
 
 def remote_run(ref: str | None, env: Mapping[str, str] = os.environ) -> dict[str, Any] | None:
-    """The registry's record of a run submitted over ssh that `ref` names (a job id, the remote run dir,
-    HOST:RUN_DIR; None: the most recent run, if that one is remote); None where `ref` names no such run."""
-    records = [r for r in read_jsonl(registry_path(env)) if isinstance(r, dict)]
+    """The registry's record of a run submitted over ssh that `ref` names (a job id, a sweep's array job
+    id, the remote run dir, HOST:RUN_DIR; None: the most recent run, if that one is remote); None where
+    `ref` names no such run, or a local run names it more recently. A bare job id that runs of two hosts
+    have is refused: HOST:JOB says which."""
+    records = [r for r in read_jsonl(registry_path(env)) if isinstance(r, dict) and r.get("run_dir")]
     if ref is None:
-        return records[-1] if records and records[-1].get("host") else None
+        last = records[-1] if records else {}
+        return _as_run(last, last.get("sweep")) if last.get("host") else None  # a sweep's task: the sweep
+    found: list[dict[str, Any]] = []
+    host, _, rest = ref.partition(":")
     for record in reversed(records):
+        names = {str(record.get("job_id")), str(record.get("run_dir")), str(record.get("array_job_id")),
+                 str(record.get("sweep"))} - {"None"}
         if not record.get("host"):
-            if str(record.get("job_id")) == ref or record.get("run_dir") == ref:
-                return None  # a local run of that name, more recent
+            if ref in names:
+                break  # a local run of that name, more recent
             continue
-        names = (str(record.get("job_id")), record.get("run_dir"), f"{record['host']}:{record.get('run_dir')}")
         if ref in names and not (ref == record.get("run_dir") and os.path.isdir(ref)):
-            return record
-    return None
+            found.append(record)
+        elif host == record["host"] and rest in names:
+            return _as_run(record, rest)
+    hosts = {r["host"] for r in found}
+    if len(hosts) > 1:
+        raise UserError(f"{ref} names runs on {len(hosts)} clusters ({', '.join(sorted(hosts))})",
+                        hint=f"say which: {sorted(hosts)[0]}:{ref}")
+    return _as_run(found[0], ref) if found else None
+
+
+def _as_run(record: dict[str, Any], ref: str | None) -> dict[str, Any]:
+    """A sweep's record named by its array job id or sweep dir stands for the sweep (its dir)."""
+    if ref is not None and record.get("sweep") and ref in (str(record.get("array_job_id")), record["sweep"]):
+        return {**record, "run_dir": record["sweep"], "job_id": record.get("array_job_id")}
+    return record
 
 
 def forward(command: click.Command, params: dict[str, Any], record: dict[str, Any], job_param: str,
@@ -57,7 +77,7 @@ def forward(command: click.Command, params: dict[str, Any], record: dict[str, An
     """Run `command` with `params` on the record's host, for its remote run dir; its exit code. `how`:
     "plain", "follow" (a log that reconnects while --follow) or "picture" (drawn there, fetched here)."""
     ssh = Ssh(record["host"], env)
-    hpc_ddp = record.get("remote_hpc_ddp") or "hpc-ddp"
+    hpc_ddp = command_words(str(record.get("remote_hpc_ddp") or "hpc-ddp"))
     if how == "follow" and params.get("follow"):
         return _follow_logs(ssh, hpc_ddp, command, params, record)
     if how == "picture":
@@ -237,7 +257,7 @@ def with_remote_accounting(records: list[dict[str, Any]], env: Mapping[str, str]
         if record.get("host"):
             hosts.setdefault(record["host"], []).append(record)
     for host, mine in hosts.items():
-        hpc_ddp = mine[-1].get("remote_hpc_ddp") or "hpc-ddp"
+        hpc_ddp = command_words(str(mine[-1].get("remote_hpc_ddp") or "hpc-ddp"))
         try:
             done = Ssh(host, env).run(f"exec {hpc_ddp} list --json -n 1000\n", timeout=60)
             theirs = {str(r.get("job_id")): r for r in json.loads(done.stdout) if isinstance(r, dict)}

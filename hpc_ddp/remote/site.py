@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
+import re
+import shlex
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -17,7 +20,7 @@ from hpc_ddp.common.errors import SpecError, UserError
 from hpc_ddp.remote.ssh import check_host
 from hpc_ddp.spec.config import REMOTE_KEYS, profiles_path, read_toml
 
-__all__ = ["Site", "site_for", "remote_dir_for", "profile_toml"]
+__all__ = ["Site", "site_for", "remote_dir_for", "profile_toml", "shell_words", "command_words"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,10 +47,18 @@ def site_for(ssh: str | None, profile: str | None, env: Mapping[str, str] = os.e
         if key in table and not isinstance(table[key], str):
             raise SpecError(f"profile {profile!r}: {key} must be a string, not {table[key]!r}")
     hpc_ddp = table.get("remote_hpc_ddp") or "hpc-ddp"
-    if "\n" in hpc_ddp or "\0" in hpc_ddp:
-        raise SpecError(f"profile {profile!r}: remote_hpc_ddp must be one command line")
-    return Site(check_host(str(host)), table.get("remote_dir") or None, hpc_ddp, profile,
-                {k: v for k, v in table.items() if k not in REMOTE_KEYS} if profile else None)
+    if any(c in hpc_ddp for c in "\n\0") or not hpc_ddp.strip():
+        raise SpecError(f"profile {profile!r}: remote_hpc_ddp must be the path of hpc-ddp on the cluster")
+    remote_dir = table.get("remote_dir") or None
+    if remote_dir is not None:
+        shell_words(remote_dir)  # refused here, before anything runs, where the cluster's shell could not take it
+    job = {k: v for k, v in table.items() if k not in REMOTE_KEYS} if profile else None
+    for key in ("template",):
+        if job and isinstance(job.get(key), str) and not os.path.isabs(job[key]):
+            raise SpecError(f"profile {profile!r}: {key} = {job[key]!r} is relative, and the profile is used on the "
+                            f"cluster, where it would not name the same file",
+                            hint=f"give {key} as the cluster's absolute path")
+    return Site(check_host(str(host)), remote_dir, hpc_ddp, profile, job)
 
 
 def remote_dir_for(site: Site, project: Path, home: Path | None = None) -> str:
@@ -64,22 +75,55 @@ def remote_dir_for(site: Site, project: Path, home: Path | None = None) -> str:
     return "~/" + project.relative_to(home).as_posix()
 
 
+_VAR = re.compile(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?")
+_USER = re.compile(r"~([a-z_][a-z0-9_.-]{0,31})")
+
+
+def shell_words(path: str) -> str:
+    """A folder of the cluster as words of its sh: '~/x' (or '~'), '~user/x', '$VAR/x' and '${VAR}/x' expand
+    there, the rest is quoted; a relative path is under the home folder."""
+    head, sep, rest = path.partition("/")
+    if head == "~":
+        start = '"$HOME"'
+    elif _USER.fullmatch(head):
+        start = head  # ~user: expanded by the shell, nothing else in it
+    elif (var := _VAR.fullmatch(head)) is not None:
+        start = f'"${{{var.group(1)}}}"'
+    elif head.startswith(("~", "$")):
+        raise SpecError(f"remote_dir {path!r}: only ~, ~USER, $VAR or ${{VAR}} may begin it",
+                        hint='e.g. remote_dir = "$SCRATCH/projects" or "~/projects"')
+    elif path.startswith("/"):
+        return shlex.quote(path)
+    else:
+        return '"$HOME"/' + shlex.quote(path)
+    return start + (("/" + shlex.quote(rest)) if sep and rest else "")
+
+
+def command_words(command: str) -> str:
+    """remote_hpc_ddp as a word of the cluster's sh: a path (~/ and $VAR/ expand), never shell code."""
+    return shell_words(command) if command.startswith(("~", "$", "/")) else shlex.quote(command)
+
+
 def profile_toml(name: str, table: Mapping[str, Any]) -> str:
     """A profiles file holding the one profile `name` (TOML; JSON's strings, numbers, arrays and booleans
     are TOML's)."""
-    lines = [f"[{json.dumps(name)}]"]
-    lines += [f"{json.dumps(key)} = {_value(value)}" for key, value in table.items()]
+    lines = [f"[{_value(name)}]"]
+    lines += [f"{_value(key)} = {_value(value)}" for key, value in table.items()]
     return "\n".join(lines) + "\n"
 
 
 def _value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
-    if isinstance(value, (int, float, str)):
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, (int, float)):
         return json.dumps(value)
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)  # TOML has no surrogate pairs: the character itself
     if isinstance(value, list):
         return "[" + ", ".join(_value(v) for v in value) + "]"
     if isinstance(value, dict):
-        return "{ " + ", ".join(f"{json.dumps(k)} = {_value(v)}" for k, v in value.items()) + " }"
+        return "{ " + ", ".join(f"{_value(k)} = {_value(v)}" for k, v in value.items()) + " }"
     raise UserError(f"the profile's value {value!r} cannot be sent to the cluster",
                     hint="use strings, numbers, booleans, arrays and tables in the profile")

@@ -111,7 +111,8 @@ class Ssh:
         """Run a POSIX sh script on the host; its output, captured. A failure to connect is one line
         (`classify`); with `check`, so is a script that fails."""
         try:
-            done = subprocess.run(self.argv(), input=script.encode(), capture_output=True, timeout=timeout,
+            done = subprocess.run(self.argv(), input=script.encode(errors="surrogateescape"), capture_output=True,
+                                  timeout=timeout,
                                   check=False)
         except FileNotFoundError:
             raise UserError("there is no ssh on this machine", hint="install OpenSSH's client") from None
@@ -130,7 +131,7 @@ class Ssh:
         """Start a script whose output the caller reads as it comes (logs -f); its stderr passes through."""
         proc = subprocess.Popen(self.argv(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         assert proc.stdin is not None
-        proc.stdin.write(script.encode())
+        proc.stdin.write(script.encode(errors="surrogateescape"))
         proc.stdin.close()
         return proc
 

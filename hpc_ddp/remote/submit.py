@@ -1,26 +1,32 @@
 """`submit --ssh HOST` (or a profile with ssh = "HOST"), from the laptop:
 
-1. list and hash the project here, as a snapshot would (launch.snapshot; the same rules and limits);
-2. one ssh call asks the cluster for its hpc-ddp's version, rsync, the mirror folder's state and free space,
-   and refuses, in one line, what would fail later (no hpc-ddp or another version, a folder hpc-ddp did not
-   make, a disk too full);
+1. list and hash the project here, as a snapshot would (launch.snapshot; the same rules and limits, the
+   job file's and profile's snapshot settings included);
+2. one ssh call asks the cluster for its hpc-ddp's version, rsync, the mirror folder's state (whose
+   project it holds, whether a folder the files go into is a link or a file there), that it is writable,
+   and its free space; what would fail later is refused in one line (no hpc-ddp or another version, a
+   folder hpc-ddp did not make or made for another project, a link in the way, a disk too full);
 3. the project's files go into the mirror with rsync (what changed since the last submit to that host; a
-   tar over ssh where the cluster has no rsync), over the same shared connection;
-4. the cluster's hpc-ddp submits, from the mirror, with the manifest: it copies the files into the run dir
-   and checks each against the laptop's hash (a copy a dropped connection left half-done never runs);
-5. its answer is printed as a local submit prints it, and the run recorded here (host, remote run dir).
+   tar over ssh where either side has no rsync 3), over the same shared connection;
+4. the cluster's hpc-ddp submits, from the mirror, with the manifest: it checks every file against the
+   laptop's size and hash before it copies them into the run dir (a copy a dropped connection left
+   half-done never runs); its answer is also kept there, so a connection lost meanwhile loses no job;
+5. its answer is printed as a local submit prints it, and every job recorded here (host, remote run dir).
 
-The mirror is hpc-ddp's (a `.hpc-ddp-mirror` folder marks it): shipping writes the project's files there
-and nothing else; the cluster's own data/ and runs/ beside them are never touched.
+The mirror is hpc-ddp's (a `.hpc-ddp-mirror` folder marks it, naming the laptop project it holds):
+shipping writes the project's files there and nothing else; the cluster's own data/ and runs/ beside them
+are never touched, and a link of the user's in the way stops the submit instead of being written through.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -34,45 +40,54 @@ from hpc_ddp.common.registryfile import register
 from hpc_ddp.common.units import MB, human_bytes
 from hpc_ddp.launch import shipped, snapshot
 from hpc_ddp.launch.gitinfo import Git
-from hpc_ddp.remote.site import Site, profile_toml, remote_dir_for
-from hpc_ddp.remote.ssh import Ssh, classify
-from hpc_ddp.spec.config import is_job_file, resolve_target
+from hpc_ddp.remote.site import Site, command_words, profile_toml, remote_dir_for, shell_words
+from hpc_ddp.remote.ssh import SSH_FAILED, Ssh, classify
+from hpc_ddp.spec.code import DEFAULT_MAX_MB, parse_excludes
+from hpc_ddp.spec.config import resolve_target
 from hpc_ddp.spec.jobspec import JobSpec
+from hpc_ddp.spec.sweep import describe
 
 __all__ = ["submit_over_ssh", "MARK"]
 
 MARK = ".hpc-ddp-mirror"      # the folder that marks a mirror as hpc-ddp's (and holds its manifests)
-_ROOM = 1.2                   # the mirror needs this much free space for what it ships (+ MB below)
+_ROOM = 1.2                   # the mirror needs this much free space for what it ships (+ 10 MB)
 
 
-def submit_over_ssh(site: Site, params: dict[str, Any], argv: list[str], env=os.environ) -> int:
-    """Ship and submit; the exit code (the cluster's submit's)."""
+def submit_over_ssh(site: Site, params: dict[str, Any], argv: list[str], job: dict[str, Any],
+                    env=os.environ) -> int:
+    """Ship and submit; the exit code (the cluster's submit's). `job`: the job file's values, if any."""
     cwd = Path(os.path.realpath(os.getcwd()))
     project, script_rel = _project(params, cwd)
-    listing, snap_id, hashes = _list(project, params, site)
+    excludes, max_mb = _snapshot_settings(params, site, job)
+    listing, snap_id, hashes = _list(project, excludes, max_mb)
     remote = remote_dir_for(site, project)
+    origin = f"{socket.gethostname()}:{project}"
     ssh = Ssh(site.host, env)
-    hello = _hello(ssh, site, remote, listing.size)
+    hello = _hello(ssh, site, remote, listing, origin)
     mirror = hello["dir"]
     where = cwd.relative_to(project).as_posix() if cwd.is_relative_to(project) else None
     if script_rel is not None and where is None:  # the shell is outside the project: run from the script's folder
         where = os.path.dirname(script_rel)
     args = _rewrite_target(argv, params, cwd, project, where)
-    manifest = shipped.manifest(listing, snap_id, hashes)
+    answer_name = f"answer-{secrets.token_hex(8)}.json"
     for checksum in (False, True):
-        _ship(ssh, hello, project, listing, checksum=checksum)
-        done = ssh.run(_submit_script(site, mirror, where or "", manifest, args), check=False)
+        _ship(ssh, hello, project, listing, origin, checksum=checksum)
+        manifest = shipped.manifest(listing, snap_id, hashes)
+        done = _submit(ssh, site, mirror, where or "", manifest, args, answer_name)
         if checksum or done.returncode != 2 or snapshot.INCOMPLETE.encode() not in done.stderr:
             break
-        # a file rsync's quick check (size and time) took for unchanged is not: compare contents, once
+        # rsync's quick check (size and time) took a changed file for unchanged, or a file changed here
+        # while it was shipped: list and hash again, and compare contents this time
+        listing, snap_id, hashes = _list(project, excludes, max_mb)
     sys.stderr.write(done.stderr.decode(errors="replace"))
-    if done.returncode != 0:
-        return done.returncode
     try:
-        answer = json.loads(done.stdout)
+        answer = json.loads(done.stdout) if done.stdout.strip() else None
     except ValueError:
         raise HpcDdpError(f"the cluster's hpc-ddp answered what is not JSON: {done.text.strip()[:200]!r}") from None
-    return _report(site, answer, params, env)
+    if answer is None:
+        return done.returncode
+    _report(site, answer, params, env)
+    return done.returncode
 
 
 # ------------------------------------------------------------------------------------------------ here
@@ -93,15 +108,34 @@ def _project(params: dict[str, Any], cwd: Path) -> tuple[Path, str | None]:
     if root == Path(root.anchor):
         raise UserError(f"the project would be the whole filesystem ({root})",
                         hint="move the script into a project folder")
-    if target.kind == "script" and is_job_file(argv[0]) and script is None:
-        script = Path(target.value).relative_to(root).as_posix()
     return root, script
 
 
-def _list(project: Path, params: dict[str, Any], site: Site) -> tuple[snapshot.Listing, str, dict[str, str]]:
+def _snapshot_settings(params: dict[str, Any], site: Site, job: dict[str, Any]) -> tuple[list[str], int]:
+    """The snapshot's excludes and size limit, from the flags, the job file and the profile (all of them
+    add excludes; the first that sets the limit wins). With snapshot off the files are shipped all the same
+    (the cluster must have the code), within the same limit."""
     profile = site.profile or {}
-    excludes = [*profile.get("snapshot_exclude", ()), *params.get("snapshot_exclude", ())]
-    max_mb = int(params.get("snapshot_max_mb") or profile.get("snapshot_max_mb") or 256)
+    excludes: list[str] = []
+    for origin, raw in (("the profile", profile.get("snapshot_exclude")), ("the job file", job.get("snapshot_exclude")),
+                        ("--snapshot-exclude", list(params.get("snapshot_exclude") or ()) or None)):
+        if raw is None:
+            continue
+        try:
+            excludes += parse_excludes(raw)
+        except ValueError as exc:
+            raise UserError(f"{origin}: snapshot_exclude: {exc}") from None
+    limit = params.get("snapshot_max_mb") or job.get("snapshot_max_mb") or profile.get("snapshot_max_mb") or DEFAULT_MAX_MB
+    try:
+        max_mb = int(limit)
+        if max_mb < 1:
+            raise ValueError
+    except (TypeError, ValueError):
+        raise UserError(f"snapshot_max_mb {limit!r} is not a positive number of MB") from None
+    return excludes, max_mb
+
+
+def _list(project: Path, excludes: list[str], max_mb: int) -> tuple[snapshot.Listing, str, dict[str, str]]:
     listing = snapshot.list_project(project, excludes, Git(), max_bytes=max_mb * MB)
     snapshot.check_limits(listing, max_mb)
     snapshot_id, hashes = snapshot.hashed(listing, max_mb * MB)
@@ -115,68 +149,105 @@ def _rewrite_target(argv: list[str], params: dict[str, Any], cwd: Path, project:
         return argv
     local = Path(os.path.realpath(cwd / words[0]))
     relative = os.path.relpath(local, project / (where or ""))
-    try:
-        cut = len(argv) - len(words)
-        return [*argv[:cut], relative, *argv[cut + 1:]]
-    except IndexError:
-        return argv
+    cut = len(argv) - len(words)
+    return [*argv[:cut], relative, *argv[cut + 1:]]
 
 
-def _report(site: Site, answer: dict[str, Any], params: dict[str, Any], env) -> int:
+def _report(site: Site, answer: dict[str, Any], params: dict[str, Any], env) -> None:
+    """Print the cluster's answer as a local submit prints its own; record every job it queued."""
     host = site.host
-    if params.get("dry_run"):
-        if params.get("as_json"):
-            click.echo(json.dumps({**answer, "host": host}, indent=2))
-        else:
-            click.echo(answer.get("script", ""), nl=False)
-        return 0
-    job_id, run_dir = answer.get("job_id"), answer.get("run_dir")
-    if job_id and run_dir:
-        try:
-            register({"job_id": str(job_id), "executor": answer.get("executor"), "run_dir": run_dir, "host": host,
-                      "remote_hpc_ddp": site.hpc_ddp, "name": Path(run_dir).name.rsplit("-", 2)[0]}, env)
-        except OSError as exc:
-            click.echo(f"warning: could not record the run in the registry: {exc}", err=True)
     if params.get("as_json"):
         click.echo(json.dumps({**answer, "host": host}, indent=2))
-    else:
-        click.echo(f"Submitted job {job_id} ({answer.get('executor')} on {host}); run dir {host}:{run_dir}")
-    if params.get("debug_rank") is not None and job_id:
+    if params.get("dry_run"):
+        if not params.get("as_json"):
+            click.echo(answer.get("script") or answer.get("plan") or json.dumps(answer, indent=2), nl=False)
+        return
+    records = _records(answer, host, site.hpc_ddp)
+    for record in records:
+        try:
+            register(record, env)
+        except OSError as exc:
+            click.echo(f"warning: could not record the run in the registry: {exc}", err=True)
+            break
+    if not params.get("as_json"):
+        _say(answer, host)
+    if params.get("debug_rank") is not None and records:
         click.echo(f"hpc-ddp: rank {params['debug_rank']} will wait for a debugger once the job runs: "
-                   f"`hpc-ddp status --tunnel {job_id}` then opens the tunnel from here", err=True)
-    return int(answer.get("returncode") or 0)
+                   f"`hpc-ddp status --tunnel {records[0]['job_id']}` then opens the tunnel from here", err=True)
+
+
+def _records(answer: dict[str, Any], host: str, hpc_ddp: str) -> list[dict[str, Any]]:
+    """A registry record per job the cluster queued: each job of a chain, each task of a sweep."""
+    common = {"executor": answer.get("executor"), "host": host, "remote_hpc_ddp": hpc_ddp}
+    if "tasks" in answer:
+        sweep = answer.get("sweep_dir")
+        return [{**common, "job_id": str(t["job_id"]), "run_dir": t.get("run_dir"), "sweep": sweep,
+                 "task": t.get("task"), "values": t.get("values") or {},
+                 **({"array_job_id": answer["array_job_id"]} if answer.get("array_job_id") else {}),
+                 "name": Path(sweep or "sweep").name} for t in answer["tasks"] if t.get("job_id")]
+    run_dir = answer.get("run_dir")
+    ids = [str(j) for j in (answer.get("job_ids") or [answer.get("job_id")]) if j]
+    name = re.sub(r"-\d{8}-\d{6}$", "", Path(run_dir).name) if run_dir else "run"
+    return [{**common, "job_id": job_id, "run_dir": run_dir, "name": name} for job_id in ids if run_dir]
+
+
+def _say(answer: dict[str, Any], host: str) -> None:
+    if "tasks" in answer:
+        tasks = answer["tasks"]
+        head = f"array job {answer['array_job_id']}" if answer.get("array_job_id") else "a sweep"
+        click.echo(f"Submitted {head} ({answer.get('executor')} on {host}): {len(tasks)} task"
+                   f"{'s' if len(tasks) != 1 else ''}, sweep dir {host}:{answer.get('sweep_dir')}")
+        for t in tasks:
+            click.echo(f"  task {t.get('task')}: job {t.get('job_id')}  {describe(t.get('values') or {})}")
+        return
+    ids = answer.get("job_ids") or [answer.get("job_id")]
+    if len(ids) > 1:
+        click.echo(f"Submitted jobs {', '.join(map(str, ids))} ({answer.get('executor')} on {host}; a chain); "
+                   f"run dir {host}:{answer.get('run_dir')}")
+    else:
+        click.echo(f"Submitted job {answer.get('job_id')} ({answer.get('executor')} on {host}); "
+                   f"run dir {host}:{answer.get('run_dir')}")
 
 
 # ------------------------------------------------------------------------------------------ the cluster
 
 
-def _dir_words(remote: str) -> str:
-    """The folder for the remote sh: '~/x' as "$HOME"/'x', an absolute one quoted."""
-    if remote == "~":
-        return '"$HOME"'
-    if remote.startswith("~/"):
-        return '"$HOME"/' + shlex.quote(remote[2:])
-    if not remote.startswith("/"):
-        return '"$HOME"/' + shlex.quote(remote)
-    return shlex.quote(remote)
+def _encoded(text: str) -> str:
+    """`text` as an argument of printf %b that makes it back byte for byte (octal escapes only: nothing
+    in it the shell could read as code, a newline in a name included)."""
+    return "".join(f"\\0{b:03o}" for b in text.encode(errors="surrogateescape"))
 
 
-def _hello(ssh: Ssh, site: Site, remote: str, size: int) -> dict[str, str]:
-    """One call: the cluster's hpc-ddp version, rsync, the mirror's folder (absolute) and state, free KB."""
+def _hello(ssh: Ssh, site: Site, remote: str, listing: snapshot.Listing, origin: str) -> dict[str, str]:
+    """One call: the cluster's hpc-ddp version, rsync, the mirror's folder (absolute), its state and the
+    project it holds, the first folder to ship into that is a link or a file there, write access, free KB."""
+    folders = sorted({p for item in listing.items if item.kind != "live"
+                      for p in snapshot._parents(item.rel.rpartition("/")[0]) if p})  # noqa: SLF001
+    encoded = {_encoded(f): f for f in folders}
+    end = f"HPC_DDP_{secrets.token_hex(8)}"
     script = f"""
-D={_dir_words(remote)}
-V=$({site.hpc_ddp} --version 2>/dev/null) || V=missing
+D={shell_words(remote)}
+V=$({command_words(site.hpc_ddp)} --version 2>/dev/null) || V=missing
 printf 'version=%s\\n' "$V"
-if command -v rsync >/dev/null 2>&1; then echo rsync=yes; else echo rsync=no; fi
+if command -v rsync >/dev/null 2>&1; then printf 'rsync=%s\\n' "$(rsync --version 2>/dev/null | head -n 1)"; else echo rsync=no; fi
 printf 'dir=%s\\n' "$D"
 if [ -L "$D" ]; then echo state=link
 elif [ -d "$D/{MARK}" ] && [ ! -L "$D/{MARK}" ] && [ -O "$D/{MARK}" ]; then echo state=ours
 elif [ -d "$D" ] && [ -z "$(ls -A "$D" 2>/dev/null)" ]; then echo state=empty
 elif [ -e "$D" ]; then echo state=foreign
 else echo state=absent; fi
+if [ -f "$D/{MARK}/origin" ]; then printf 'origin=%s\\n' "$(head -n 1 "$D/{MARK}/origin")"; fi
+if [ -d "$D" ] && [ ! -L "$D" ]; then
+    while IFS= read -r enc; do
+        f=$(printf '%bx' "$enc"); f=${{f%x}}
+        if [ -L "$D/$f" ] || {{ [ -e "$D/$f" ] && [ ! -d "$D/$f" ]; }}; then printf 'blocked=%s\\n' "$enc"; break; fi
+    done <<'{end}'
+{chr(10).join(encoded)}
+{end}
+fi
 P=$D; while [ ! -e "$P" ]; do P=$(dirname "$P"); done
 printf 'free_kb=%s\\n' "$(df -Pk "$P" 2>/dev/null | awk 'NR==2 {{print $4}}')"
-if [ -d "$P" ] && [ -w "$P" ] && [ -x "$P" ]; then echo writable=yes; else printf 'writable=no\\nblocked=%s\\n' "$P"; fi
+if [ -d "$P" ] && [ -w "$P" ] && [ -x "$P" ]; then echo writable=yes; else printf 'writable=no\\nunwritable=%s\\n' "$P"; fi
 """
     out = ssh.run(script).text
     said = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
@@ -190,57 +261,91 @@ if [ -d "$P" ] && [ -w "$P" ] && [ -x "$P" ]; then echo writable=yes; else print
         raise UserError(f"{ssh.host} has hpc-ddp {theirs}, this laptop {__version__}: the two must be the same",
                         hint=f"install hpc-ddp=={__version__} on {ssh.host} (or this laptop's version there)")
     state, mirror = said.get("state"), said.get("dir", "")
+    if not mirror.startswith("/"):
+        raise HpcDdpError(f"{ssh.host} gave no absolute folder for {remote!r}: {mirror!r}")
     if state in ("foreign", "link"):
         raise UserError(f"{ssh.host}:{mirror} exists and is not a folder hpc-ddp made (no {MARK} in it): "
                         "the project is not shipped over it", hint="set remote_dir = \"~/another/folder\" in the "
                         "profile, or move that folder away on the cluster")
+    if state == "ours" and said.get("origin") and said["origin"] != json.dumps(origin):
+        theirs_origin = _decoded_origin(said["origin"])
+        raise UserError(f"{ssh.host}:{mirror} holds another project, shipped from {theirs_origin}",
+                        hint="set remote_dir in the profile to give this project a folder of its own (or remove "
+                             "that folder on the cluster if its project is gone)")
+    if said.get("blocked"):
+        rel = encoded.get(said["blocked"], said["blocked"])
+        raise UserError(f"{ssh.host}:{mirror}/{rel} is a link or a file on the cluster, where this project has a "
+                        "folder: nothing is shipped through it", hint="move it away on the cluster (the project's "
+                        "folders are hpc-ddp's there), or leave that folder out (--snapshot-exclude)")
     if said.get("writable") == "no":
-        raise UserError(f"{ssh.host}:{said.get('blocked', mirror)} is not a folder you can write to, so the project "
-                        f"cannot go to {mirror}", hint="set remote_dir = \"~/projects\" (a folder of yours on the "
-                                                     "cluster) in the profile")
+        raise UserError(f"{ssh.host}:{said.get('unwritable', mirror)} is not a folder you can write to, so the "
+                        f"project cannot go to {mirror}", hint="set remote_dir = \"~/projects\" (a folder of yours "
+                                                                "on the cluster) in the profile")
     free = said.get("free_kb", "")
+    size = listing.size
     if free.isdigit() and int(free) * 1024 < size * _ROOM + 10 * MB:
         raise UserError(f"{ssh.host} has {human_bytes(int(free) * 1024)} free where the project goes ({mirror}); "
                         f"it needs {human_bytes(int(size * _ROOM + 10 * MB))}",
                         hint="free space there (or set remote_dir to a filesystem with room)")
-    if not mirror.startswith("/"):
-        raise HpcDdpError(f"{ssh.host} gave no absolute folder for {remote!r}: {mirror!r}")
     return said
 
 
-def _ship(ssh: Ssh, hello: dict[str, str], project: Path, listing: snapshot.Listing, checksum: bool = False) -> None:
-    """The project's files and links into the mirror: rsync sends only what changed (tar all, where the
-    cluster has no rsync). A transfer cut short leaves the mirror partly updated; the next submit finishes
-    it, and the cluster's submit checks every file against the manifest before a job may run."""
-    mirror = hello["dir"]
-    ssh.run(f"mkdir -p {shlex.quote(mirror)}/{MARK}/shipped && chmod 700 {shlex.quote(mirror)}/{MARK}")
+def _decoded_origin(text: str) -> str:
+    try:
+        value = json.loads(text)
+        return value if isinstance(value, str) else text
+    except ValueError:
+        return text
+
+
+def _rsync_3(version_line: str | None) -> bool:
+    """rsync 3 or later (not macOS's 2.6.9, nor openrsync): what -s and --from0 need."""
+    found = re.match(r"rsync\s+version\s+v?(\d+)\.", version_line or "")
+    return bool(found) and int(found.group(1)) >= 3 and "openrsync" not in (version_line or "")
+
+
+def _local_rsync() -> str | None:
+    if not shutil.which("rsync"):
+        return None
+    done = subprocess.run(["rsync", "--version"], capture_output=True, text=True, check=False)
+    return done.stdout.splitlines()[0] if done.returncode == 0 and done.stdout else None
+
+
+def _ship(ssh: Ssh, hello: dict[str, str], project: Path, listing: snapshot.Listing, origin: str,
+          checksum: bool = False) -> None:
+    """The project's files and links into the mirror: rsync sends only what changed (tar all, where
+    either side has no rsync 3). A transfer cut short leaves the mirror partly updated; the next submit
+    finishes it, and the cluster's submit checks every file against the manifest before a job may run."""
+    mirror = shlex.quote(hello["dir"])
+    ssh.run(f"mkdir -p {mirror}/{MARK}/shipped && chmod 700 {mirror}/{MARK}\n"
+            f"[ -f {mirror}/{MARK}/origin ] || printf '%s\\n' {shlex.quote(json.dumps(origin))} > {mirror}/{MARK}/origin\n")
     names = b"".join(i.rel.encode(errors="surrogateescape") + b"\0" for i in listing.items if i.kind != "live")
-    if hello.get("rsync") == "yes" and _have("rsync"):
+    if _rsync_3(hello.get("rsync")) and _rsync_3(_local_rsync()):
         argv = ["rsync", "-a", "-s", *(["--checksum"] if checksum else []), "--from0", "--files-from=-",
-                "-e", ssh.rsh(), f"{project}/", f"{ssh.host}:{mirror}/"]
+                "-e", ssh.rsh(), f"{project}/", f"{ssh.host}:{hello['dir']}/"]
         done = subprocess.run(argv, input=names, capture_output=True, check=False)
     else:
-        tar = subprocess.Popen(["tar", "-C", str(project), "--null", "-T", "-", "-cf", "-"], stdin=subprocess.PIPE,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        tar = subprocess.Popen(["tar", "-C", str(project), "--null", "--no-recursion", "-T", "-", "-cf", "-"],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         assert tar.stdin is not None and tar.stdout is not None
         tar.stdin.write(names)
         tar.stdin.close()
-        done = subprocess.run(ssh.argv(f"tar -xf - -C {shlex.quote(mirror)}"), stdin=tar.stdout,
-                              capture_output=True, check=False)
+        done = subprocess.run(ssh.argv(f"tar -xf - -C {mirror}"), stdin=tar.stdout, capture_output=True, check=False)
         tar.wait()
     if done.returncode != 0:
         said = done.stderr.decode(errors="replace")
-        if done.returncode == 255 and "connection unexpectedly closed" not in said:
+        if done.returncode == SSH_FAILED and "connection unexpectedly closed" not in said:
             raise classify(ssh.host, said)
         if done.returncode in _DROPPED or done.returncode < 0 or "connection unexpectedly closed" in said \
                 or "Broken pipe" in said:
             raise UserError(f"the connection to {ssh.host} dropped while the project was copied; nothing was "
                             "submitted", hint="submit again: the copy continues where it stopped")
         if "No space left" in said or "Disk quota exceeded" in said:
-            raise UserError(f"{ssh.host} ran out of space (or quota) while the project was copied to {mirror}; "
+            raise UserError(f"{ssh.host} ran out of space (or quota) while the project was copied to {hello['dir']}; "
                             "nothing was submitted", hint="free space there, or set remote_dir to another filesystem")
-        lines = [ln for ln in said.strip().splitlines() if ln.strip()]
-        raise HpcDdpError(f"copying the project to {ssh.host} failed: {lines[-1] if lines else done.returncode}")
+        lines = [ln for ln in said.strip().splitlines() if ln.strip() and not ln.startswith("rsync error:")]
+        raise UserError(f"copying the project to {ssh.host} failed: {'; '.join(lines[-3:]) or done.returncode}",
+                        hint=f"fix what it names in {hello['dir']} on the cluster, then submit again")
 
 
 # rsync's exit codes for a transfer cut short: the connection (12: protocol data stream, 255: ssh), a signal
@@ -248,21 +353,30 @@ def _ship(ssh: Ssh, hello: dict[str, str], project: Path, listing: snapshot.List
 _DROPPED = (12, 20, 30, 35, 255)
 
 
-def _have(tool: str) -> bool:
-    return shutil.which(tool) is not None
-
-
-def _submit_script(site: Site, mirror: str, where: str, manifest: dict[str, Any], args: list[str]) -> str:
-    """The cluster's side of submit: the manifest and profile written beside the mirror, then its submit."""
+def _submit(ssh: Ssh, site: Site, mirror: str, where: str, manifest: dict[str, Any], args: list[str],
+            answer_name: str):
+    """The cluster's side of submit: the manifest and profile written beside the mirror, then its submit,
+    whose answer is kept in a file there too. A connection lost meanwhile is asked again for that answer:
+    a job queued is never lost to the laptop, and never queued twice."""
     mark = f"{shlex.quote(mirror)}/{MARK}"
     path = f"{mark}/shipped/{manifest['id']}.json"
+    answer = f"{mark}/shipped/{answer_name}"
     end = f"HPC_DDP_{secrets.token_hex(8)}"
     lines = ["set -e", f"cat > {path}.tmp <<'{end}'", json.dumps(manifest), end, f"mv -f {path}.tmp {path}"]
-    env = ""
     if site.profile_name and site.profile is not None:
         lines += [f"cat > {mark}/profiles.toml <<'{end}'", profile_toml(site.profile_name, site.profile).rstrip("\n"),
-                  end]
-        env = f"HPC_DDP_PROFILES={mark}/profiles.toml "
-    lines += [f"cd {shlex.quote(mirror)}/{shlex.quote(where)}" if where else f"cd {shlex.quote(mirror)}",
-              f"{env}exec {site.hpc_ddp} submit --json --shipped {path} {shlex.join(args)}"]
-    return "\n".join(lines) + "\n"
+                  end, f"export HPC_DDP_PROFILES={mark}/profiles.toml"]
+    folder = f"{shlex.quote(mirror)}/{shlex.quote(where)}" if where else shlex.quote(mirror)
+    lines += [f"mkdir -p {folder}", f"cd {folder}", "set +e",
+              f"{command_words(site.hpc_ddp)} submit --json --shipped {path} {shlex.join(args)} > {answer}.tmp",
+              "rc=$?", f"mv -f {answer}.tmp {answer}", f"cat {answer}", "exit $rc"]
+    try:
+        return ssh.run("\n".join(lines) + "\n", check=False)
+    except UserError:
+        # the connection dropped: the job may be queued all the same; its answer says
+        done = ssh.run(f"cat {answer} 2>/dev/null || cat {answer}.tmp 2>/dev/null || true\n", check=False)
+        if not done.stdout.strip():
+            raise
+        click.echo(f"hpc-ddp: the connection to {ssh.host} dropped during the submit; its answer was read back",
+                   err=True)
+        return done

@@ -32,7 +32,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-__all__ = ["read_toml", "job_file_layer", "profile_layer", "profiles_path", "REMOTE_KEYS", "resolve_target", "spec_from_command"]
+__all__ = ["read_toml", "job_file_layer", "profile_layer", "profiles_path", "REMOTE_KEYS", "chosen_profile", "resolve_target", "spec_from_command"]
 
 JOB_FILE_SUFFIXES = (".toml",)
 
@@ -187,6 +187,19 @@ def spec_from_command(words: tuple[str, ...], module: str | None, flags: Mapping
         flags.setdefault("profile", profile)
     layers.append(Layer("command line", flags, is_cli=True))
     return build_spec([*layers, *extra], target=target, workdir=str(cwd), python=python, options=options)
+
+
+def chosen_profile(words: tuple[str, ...], module: str | None, flag: str | None, cwd: Path,
+                   environ: Mapping[str, str]) -> tuple[str | None, dict[str, Any]]:
+    """(the profile a command line uses, as `spec_from_command` chooses it: the flag's, else the job
+    file's, else HPC_DDP_PROFILE's; the job file's values, {} without one). For a laptop that ships the
+    project before anything else is built (hpc_ddp.remote)."""
+    head = None if module else (words[0] if words else None)
+    job: dict[str, Any] = {}
+    if head and is_job_file(head) and (cwd / head).is_file():
+        job = dict(job_file_layer((cwd / head).resolve()).values)
+    profile = flag or job.get("profile") or environ.get("HPC_DDP_PROFILE") or None
+    return (str(profile) if profile else None), job
 
 
 def _absolute_stage(item: str, cwd: Path) -> str:

@@ -425,7 +425,8 @@ def test_a_full_remote_disk_is_refused_before_anything_is_copied(cluster, hostil
 def _fake_rsync(folder: Path, body: str) -> dict:
     folder.mkdir(exist_ok=True)
     fake = folder / "rsync"
-    fake.write_text("#!/bin/bash\n" + body)
+    real = shutil.which("rsync")
+    fake.write_text(f"#!/bin/bash\n[ \"$1\" = --version ] && exec {real} --version\n" + body)
     fake.chmod(0o755)
     return {"PATH": f"{folder}:{os.environ['PATH']}"}
 
@@ -473,7 +474,32 @@ def test_where_the_cluster_has_no_rsync_a_tar_over_ssh_ships_the_same_files(clus
     listing = snapshot.list_project(project, git=Git())
     mirror = cluster["mirror"].parent / "tarred"
     env = {**os.environ, **cluster["env"]}
-    _ship(Ssh("cluster", env), {"rsync": "no", "dir": str(mirror)}, project, listing)
+    _ship(Ssh("cluster", env), {"rsync": "no", "dir": str(mirror)}, project, listing, "laptop:tarred")
     assert (mirror / "with space" / "it's.py").read_text() == "z = 3\n" and (mirror / "pkg" / "mod.py").read_text() == "y = 2\n"
     assert os.readlink(mirror / "alias.py") == "pkg/mod.py" and (mirror / ".hpc-ddp-mirror").is_dir()
     assert mirror.stat().st_uid == (mirror / "train.py").stat().st_uid != 0   # written by the cluster account
+
+
+def test_a_link_of_the_user_s_in_the_mirror_or_another_project_there_stops_the_submit(cluster, hostile):
+    """The cluster's side of the mirror is the user's too: a link there is never written through nor
+    replaced, and a folder holding another laptop project is not shipped over."""
+    env = {**hostile["env"], "HPC_DDP_PROFILE": "cluster"}   # the profile chosen by the variable, as locally
+    project = _project(cluster["laptop"] / "linked", {"train.py": "print('hi')\n", "data/prep.py": "x = 1\n"})
+    done = _laptop(cluster, "submit", "--dry-run", "train.py", cwd=project, env=env)
+    assert done.returncode == 0, done.stderr
+    mirror = cluster["mirror"].parent / "linked"
+    outside = cluster["home"] / cluster["tag"] / "shared-data"
+    outside.mkdir()
+    (outside / "prep.py").write_text("theirs\n")
+    shutil.rmtree(mirror / "data")
+    os.symlink(outside, mirror / "data")
+    subprocess.run(["chown", "-h", cluster["user"], str(mirror / "data")], check=True)
+    (project / "data" / "prep.py").write_text("x = 2\n")
+    done = _laptop(cluster, "submit", "train.py", cwd=project, env=env)
+    assert done.returncode == 2 and "linked/data is a link or a file on the cluster" in done.stderr, done.stderr
+    assert (outside / "prep.py").read_text() == "theirs\n" and (mirror / "data").is_symlink()
+
+    other = _project(cluster["laptop"] / "elsewhere" / "linked", {"train.py": "print('other')\n"})
+    done = _laptop(cluster, "submit", "train.py", cwd=other, env=env)
+    assert done.returncode == 2 and "holds another project, shipped from" in done.stderr, done.stderr
+    assert (mirror / "train.py").read_text() == "print('hi')\n"

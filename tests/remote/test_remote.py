@@ -20,7 +20,7 @@ from hpc_ddp.launch.gitinfo import Git
 from hpc_ddp.launch.status import new_log_entries, new_log_lines
 from hpc_ddp.remote import forward, ssh
 from hpc_ddp.remote.argv import words_of
-from hpc_ddp.remote.site import profile_toml, remote_dir_for, site_for
+from hpc_ddp.remote.site import command_words, profile_toml, remote_dir_for, shell_words, site_for
 from hpc_ddp.spec.config import profile_layer, tomllib
 from hpc_ddp.spec.jobspec import JobSpec, Target
 
@@ -262,3 +262,114 @@ def test_resuming_from_any_entry_shows_every_line_once(tmp_path):
             if cursor.take(e.path, e.end, e.part, e.parts):
                 shown.append(e.text)
         assert shown == every, cut
+
+
+# ---------------------------------------------------------------------- review: words for the cluster's sh
+
+
+@pytest.mark.parametrize(("path", "expanded"), [
+    ("~/p", "{home}/p"), ("~", "{home}"), ("$TESTVAR/x y", "/scratch/a b/x y"), ("${TESTVAR}/p", "/scratch/a b/p"),
+    ("/abs/it's", "/abs/it's"), ("rel/dir", "{home}/rel/dir"), ("~/$(touch /tmp/pwned)", "{home}/$(touch /tmp/pwned)"),
+])
+def test_remote_folders_expand_as_the_cluster_shell_would_and_nothing_runs(path, expanded, tmp_path):
+    import subprocess
+
+    home = str(tmp_path)
+    out = subprocess.run(["sh", "-c", f"printf %s {shell_words(path)}"], capture_output=True, text=True,
+                         env={"HOME": home, "TESTVAR": "/scratch/a b", "PATH": os.environ["PATH"]}).stdout
+    assert out == expanded.format(home=home)
+    assert not os.path.exists("/tmp/pwned")
+
+
+@pytest.mark.parametrize("path", ["$(id)/x", "~`id`/x", "${X:-a}/p", "~root;id/x"])
+def test_remote_folders_the_shell_would_run_something_in_are_refused(path):
+    with pytest.raises(UserError):
+        shell_words(path)
+
+
+def test_remote_hpc_ddp_is_one_word_never_shell_code():
+    assert command_words("hpc-ddp") == "hpc-ddp"
+    assert command_words("~/venvs/my env/bin/hpc-ddp") == '"$HOME"/\'venvs/my env/bin/hpc-ddp\''
+    assert command_words("source env.sh; hpc-ddp") == "'source env.sh; hpc-ddp'"
+
+
+def test_the_profile_sent_keeps_characters_and_infinities_toml_can_read():
+    table = {"rocket": "\U0001F680 launch", "limit": float("inf"), "low": float("-inf")}
+    back = tomllib.loads(profile_toml("c", table))["c"]
+    assert back["rocket"] == table["rocket"] and back["limit"] == float("inf") and back["low"] == float("-inf")
+    assert str(tomllib.loads(profile_toml("c", {"x": float("nan")}))["c"]["x"]) == "nan"
+
+
+def test_a_relative_template_in_a_profile_for_ssh_is_refused(tmp_path):
+    with pytest.raises(UserError, match="relative"):
+        site_for(None, "c", _profiles(tmp_path, '[c]\nssh = "h"\ntemplate = "my.sbatch.j2"\n'))
+
+
+@pytest.mark.parametrize(("line", "ok"), [("rsync  version 3.2.7  protocol version 31", True),
+                                          ("rsync  version 2.6.9  protocol version 29", False),
+                                          ("openrsync: protocol version 29", False), ("rsync version v3.4.1", True),
+                                          (None, False), ("", False)])
+def test_only_rsync_3_is_used(line, ok):
+    from hpc_ddp.remote.submit import _rsync_3
+
+    assert _rsync_3(line) is ok
+
+
+@pytest.mark.parametrize("name", ["plain", "with space", "quote's", "new\nline", "dollar$(id)", "\u00e9t\u00e9",
+                                  "back\\slash", "x" * 200])
+def test_folder_names_reach_the_cluster_shell_byte_for_byte(name):
+    import subprocess
+
+    from hpc_ddp.remote.submit import _encoded
+
+    out = subprocess.run(["sh", "-c", f"f=$(printf '%bx' '{_encoded(name)}'); printf '%s' \"${{f%x}}\""],
+                         capture_output=True).stdout
+    assert out == name.encode()
+
+
+def test_every_job_queued_is_recorded_a_chain_s_and_a_sweep_s():
+    from hpc_ddp.remote.submit import _records
+
+    chain = _records({"executor": "sbatch", "job_id": "5", "job_ids": ["5", "6"], "run_dir": "/r/train-20261127-010101"},
+                     "h", "hpc-ddp")
+    assert [(r["job_id"], r["run_dir"], r["name"]) for r in chain] == [("5", "/r/train-20261127-010101", "train"),
+                                                                       ("6", "/r/train-20261127-010101", "train")]
+    sweep = _records({"executor": "sbatch", "sweep_dir": "/r/sw", "array_job_id": "9",
+                      "tasks": [{"task": 0, "job_id": "9_0", "run_dir": "/r/sw/task-0", "values": {"lr": 0.1}},
+                                {"task": 1, "job_id": "9_1", "run_dir": "/r/sw/task-1", "values": {"lr": 0.2}}]},
+                     "h", "hpc-ddp")
+    assert [r["job_id"] for r in sweep] == ["9_0", "9_1"] and all(r["sweep"] == "/r/sw" for r in sweep)
+
+
+def test_a_bare_job_id_on_two_clusters_is_refused_and_host_job_picks(tmp_path):
+    registry = tmp_path / "runs.jsonl"
+    lines = [{"job_id": "7", "run_dir": "/a/r", "host": "a"}, {"job_id": "7", "run_dir": "/b/r", "host": "b"},
+             {"job_id": "9_0", "run_dir": "/b/sw/task-0", "host": "b", "sweep": "/b/sw", "array_job_id": "9"}]
+    registry.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    env = {"HPC_DDP_REGISTRY": str(registry)}
+    with pytest.raises(UserError, match="2 clusters"):
+        forward.remote_run("7", env)
+    assert forward.remote_run("a:7", env)["run_dir"] == "/a/r" and forward.remote_run("b:7", env)["run_dir"] == "/b/r"
+    assert forward.remote_run("9", env)["run_dir"] == "/b/sw"          # the array: the sweep
+    assert forward.remote_run(None, env)["run_dir"] == "/b/sw"         # the most recent: a task, so its sweep
+    assert forward.remote_run("9_0", env)["run_dir"] == "/b/sw/task-0"
+
+
+@pytest.mark.parametrize("items", [
+    [["a", "file", 1, False, ""], ["a", "file", 1, False, ""]],
+    [["a", "link", 0, False, "/outside"], ["a/b/c", "file", 1, False, ""]],
+    [["a", "file", 1, False, ""], ["a/b", "file", 1, False, ""]],
+])
+def test_a_manifest_with_a_path_twice_or_inside_a_file_or_link_is_refused(items, tmp_path):
+    data = {"format": 1, "items": items, "hashes": {i[0]: "0" * 64 for i in items}}
+    with pytest.raises(UserError, match="twice, or inside"):
+        shipped.listing(data, tmp_path)
+
+
+def test_the_profile_is_chosen_as_the_cluster_s_submit_would(tmp_path):
+    from hpc_ddp.spec.config import chosen_profile
+
+    (tmp_path / "job.toml").write_text('profile = "fromjob"\nscript = "t.py"\n')
+    assert chosen_profile(("job.toml",), None, None, tmp_path, {})[0] == "fromjob"
+    assert chosen_profile(("job.toml",), None, "flag", tmp_path, {})[0] == "flag"
+    assert chosen_profile(("t.py",), None, None, tmp_path, {"HPC_DDP_PROFILE": "env"}) == ("env", {})
