@@ -7,14 +7,16 @@ quote a rank's output, and a token in it must not land on disk. Keys are ours an
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
+import stat
 import time
 from pathlib import Path
 from typing import Any
 
 from hpc_ddp.common import secrets
+from hpc_ddp.common.durable import file_kind
+from hpc_ddp.common.errors import UserError
 
 __all__ = ["JsonLines", "read_jsonl"]
 
@@ -34,14 +36,34 @@ class JsonLines:
             os.fsync(fh.fileno())
 
 
-def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """Every complete record; a torn last line (a kill mid-write) is skipped."""
-    records = []
-    with contextlib.suppress(FileNotFoundError):  # no file yet: no records
-        with open(path) as fh:
-            for line in fh:
-                try:
-                    records.append(json.loads(line))
-                except ValueError:
-                    continue
+MAX_RECORDS_BYTES = 1 << 30   # a records file bigger than this is refused, not read into memory
+
+
+def read_jsonl(path: str | os.PathLike, limit: int = MAX_RECORDS_BYTES) -> list[dict[str, Any]]:
+    """Every complete record; a torn last line (a kill mid-write) is skipped. Only a regular file is read
+    (through a link, as a dotfile manager makes them): a FIFO or a device in its place is refused at once,
+    never waited on, and so is a file of more than `limit` bytes."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOCTTY", 0)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:  # no file yet: no records
+        return []
+    with os.fdopen(fd, "rb") as fh:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UserError(f"{os.fspath(path)} is {file_kind(st.st_mode)}, not a file of records: it is not read",
+                            hint="remove it (hpc-ddp writes its records as a regular file)")
+        if st.st_size > limit:
+            raise UserError(f"{os.fspath(path)} holds {st.st_size:,} bytes of records, more than the {limit:,} hpc-ddp "
+                            "reads", hint="move it away (it is not one hpc-ddp wrote), or archive the run")
+        records = []
+        read = 0
+        for line in fh:
+            read += len(line)
+            if read > limit:  # it grew while read: what was there is enough
+                break
+            try:
+                records.append(json.loads(line))
+            except ValueError:
+                continue
     return records

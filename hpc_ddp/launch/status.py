@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
+import stat
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -160,33 +162,53 @@ class LogEntry:
     text: str
 
 
+_LOG_CHUNK = 16 << 20   # a rank's log is read this much at a time: a log of gigabytes never sits in memory whole
+
+
 def new_log_entries(run_dir: Path, rank: int | None, offsets: dict[str, int], *,
                     whole_lines: bool = False) -> Iterator[LogEntry]:
-    """The entries of `new_log_lines`, with where each ends (`offsets` updated as they are read)."""
+    """The entries of `new_log_lines`, with where each ends (`offsets` updated as they are read). A log
+    that is not a regular file (a FIFO, a device behind a link) is skipped, never waited on."""
     scrub = secrets.current()
     for attempt, r, path in log_files(run_dir, rank):
         key = str(path)
-        with open(path, "rb") as fh:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+        except OSError:
+            continue  # gone since it was listed, or unreadable: nothing to show
+        with os.fdopen(fd, "rb") as fh:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                continue
             start = offsets.get(key, 0)
-            fh.seek(start)
-            data = fh.read()
-        if whole_lines:
-            data = data[:data.rfind(b"\n") + 1]
-        offsets[key] = start + len(data)
-        if not data:
-            continue
-        chunks = data.split(b"\n")
-        if chunks[-1] == b"":
-            chunks.pop()
-        ends, at = [], start
-        texts: list[str] = []
-        for chunk in chunks:
-            at += len(chunk) + 1
-            lines = chunk.decode(errors="replace").splitlines() or [""]
-            ends += [(min(at, start + len(data)), k, len(lines)) for k in range(len(lines))]
-            texts += lines
-        for (end, part, parts), line in zip(ends, scrub.lines(texts)):
-            yield LogEntry(key, end, part, parts, f"[attempt {attempt} rank {r}] {line}")
+            while True:
+                fh.seek(start)
+                data = fh.read(_LOG_CHUNK)
+                full = len(data) == _LOG_CHUNK
+                if full or whole_lines:  # a line cut by the chunk, or still being written: the next read's
+                    cut = data.rfind(b"\n") + 1
+                    data = data[:cut] if cut or not full else data
+                if not data:
+                    break
+                yield from _entries(key, start, data, attempt, r, scrub)
+                start += len(data)
+                offsets[key] = start
+                if not full:
+                    break
+
+
+def _entries(key: str, start: int, data: bytes, attempt: int, r: int, scrub) -> Iterator[LogEntry]:
+    chunks = data.split(b"\n")
+    if chunks[-1] == b"":
+        chunks.pop()
+    ends, at = [], start
+    texts: list[str] = []
+    for chunk in chunks:
+        at += len(chunk) + 1
+        lines = chunk.decode(errors="replace").splitlines() or [""]
+        ends += [(min(at, start + len(data)), k, len(lines)) for k in range(len(lines))]
+        texts += lines
+    for (end, part, parts), line in zip(ends, scrub.lines(texts)):
+        yield LogEntry(key, end, part, parts, f"[attempt {attempt} rank {r}] {line}")
 
 
 def _failure(run_dir: Path, events: list[dict[str, Any]]) -> dict[str, str] | None:

@@ -374,9 +374,13 @@ remote_dir = "~/{cluster['tag']}/foreign"
     # its own connection: one shared with the tests above would hide a refused login (a short path: a socket's)
     control = Path(f"/tmp/hpcddp-ctl-{uuid.uuid4().hex[:8]}")
     control.mkdir(mode=0o700)
-    return {"env": {"HPC_DDP_SSH_CONFIG": str(root / "ssh_config"), "HPC_DDP_PROFILES": str(root / "profiles.toml"),
-                    "HPC_DDP_SSH_CONTROL_DIR": str(control)},
-            "project": project, "foreign": foreign}
+    yield {"env": {"HPC_DDP_SSH_CONFIG": str(root / "ssh_config"), "HPC_DDP_PROFILES": str(root / "profiles.toml"),
+                   "HPC_DDP_SSH_CONTROL_DIR": str(control)},
+           "project": project, "foreign": foreign}
+    for host in ("cluster", "wrongkey", "changedkey"):   # its shared connections end with it
+        subprocess.run(["ssh", "-F", str(root / "ssh_config"), "-o", f"ControlPath={control}/%C", "-O", "exit", host],
+                       capture_output=True)
+    shutil.rmtree(control, ignore_errors=True)
 
 
 @pytest.mark.parametrize(("how", "said"), [
