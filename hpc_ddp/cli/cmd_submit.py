@@ -326,6 +326,7 @@ def render(to_stdout: bool, **params) -> None:
     spec = build({**params, "executor": "sbatch"})
     executor, now, _ = executor_for(spec)
     run_dir = new_run_dir(spec, now)
+    check_kind(run_dir, sweep=False)
     snap = _plan_snapshot(spec, run_dir, read=to_stdout)
     plan = executor.plan(_pinned(spec, snap), run_dir)
     if to_stdout:

@@ -69,6 +69,7 @@ def check_kind(path: str, sweep: bool) -> None:
     another run's or sweep's dir: a sweep written over a run would replace its job script and hide it, and
     a run inside a task dir would take that task's place in `status`."""
     here = Path(path)
+    _ours_or_new(here, sweep)
     if is_sweep_dir(here) and not sweep:
         raise UserError(f"{path} is a sweep's dir: a single run there would replace the sweep's array script",
                         hint="give another --run-dir, or resubmit the sweep with its --sweep values")
@@ -79,6 +80,38 @@ def check_kind(path: str, sweep: bool) -> None:
         if RunDir(parent).spec.is_file() or is_sweep_dir(parent):
             kind = "sweep" if is_sweep_dir(parent) else "run"
             raise UserError(f"{path} is inside the {kind} dir {parent}", hint="give a --run-dir outside it")
+
+
+def _ours_or_new(here: Path, sweep: bool) -> None:
+    """hpc-ddp writes only into run dirs it made: a new or empty folder, a run dir (its spec.json one of
+    ours: submitting there again resumes it) or a sweep's dir. A folder of the user's (`.`, `~`, `mine`) is
+    refused before anything is written, so its files are never replaced."""
+    try:
+        entries = sorted(os.listdir(here)) if here.is_dir() else []
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise UserError(f"cannot read {str(here)!r}: {exc.strerror or exc}") from None
+    if not entries or is_sweep_dir(here) or _holds_our_spec(here):
+        return
+    shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
+    raise UserError(f"{str(here)!r} exists and is not a {'sweep' if sweep else 'run'} dir hpc-ddp made (it holds "
+                    f"{shown}): nothing is written there", hint="give --run-dir a new or empty folder; to resume a "
+                                                                 "run, give the run dir it made")
+
+
+def _holds_our_spec(here: Path) -> bool:
+    from hpc_ddp.common.errors import HpcDdpError
+    from hpc_ddp.spec.jobspec import load_spec
+
+    spec = RunDir(here).spec
+    if not spec.is_file() or spec.is_symlink():
+        return False
+    try:
+        load_spec(spec)
+    except HpcDdpError:
+        return False
+    return True
 
 
 def existing_run_dir(run_dir: Path, ref: str) -> Path:

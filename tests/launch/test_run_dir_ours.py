@@ -1,0 +1,47 @@
+"""hpc-ddp writes only into run dirs it made (issue 30, data loss): `--run-dir` at a folder of the user's is
+refused before anything is written; a new or empty folder, a run dir hpc-ddp made (to resume) and a sweep's
+dir are taken."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def _submit(cwd, run_dir, *extra):
+    return subprocess.run([sys.executable, "-m", "hpc_ddp", "render", "--executor", "sbatch", "--run-dir", run_dir,
+                           *extra, "train.py"], cwd=cwd, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("folder", ["mine", "."])
+def test_a_folder_of_the_user_s_is_refused_and_left_as_it_was(tmp_path, folder):
+    (tmp_path / "train.py").write_text("print(1)\n")
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "spec.json").write_text("precious\n")
+    (tmp_path / "mine" / "job.sbatch").write_text("mine\n")
+    before = {p.relative_to(tmp_path): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    done = _submit(tmp_path, folder)
+    assert done.returncode == 2 and "is not a run dir hpc-ddp made" in done.stderr, done.stderr
+    assert {p.relative_to(tmp_path): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+
+
+def test_a_new_an_empty_and_an_own_run_dir_are_taken(tmp_path):
+    (tmp_path / "train.py").write_text("print(1)\n")
+    (tmp_path / "empty").mkdir()
+    for folder in ("new", "empty", "new"):  # the second "new": a run dir of ours, submitted again
+        done = _submit(tmp_path, folder)
+        assert done.returncode == 0, done.stderr
+    assert json.loads((tmp_path / "new" / "spec.json").read_text())["target"]
+
+
+def test_a_run_dir_whose_spec_json_is_a_link_is_not_ours(tmp_path):
+    (tmp_path / "train.py").write_text("print(1)\n")
+    assert _submit(tmp_path, "run").returncode == 0
+    (tmp_path / "elsewhere.json").write_text((tmp_path / "run" / "spec.json").read_text())
+    (tmp_path / "run" / "spec.json").unlink()
+    (tmp_path / "run" / "spec.json").symlink_to(tmp_path / "elsewhere.json")
+    done = _submit(tmp_path, "run")
+    assert done.returncode == 2 and "is not a run dir hpc-ddp made" in done.stderr
