@@ -35,11 +35,13 @@ class Site:
 def site_for(ssh: str | None, profile: str | None, env: Mapping[str, str] = os.environ) -> Site | None:
     """The cluster a command goes to over ssh; None: it runs here."""
     table: dict[str, Any] = {}
+    here = False   # the profile is in this machine's profiles file (else the cluster's own is used there)
     if profile:
         path = profiles_path(env)
         if path.is_file():
             found = read_toml(path, "profiles file").get(profile)
-            table = found if isinstance(found, dict) else {}
+            here = isinstance(found, dict)
+            table = found if here else {}
     host = ssh or table.get("ssh")
     if not host:
         return None
@@ -52,7 +54,7 @@ def site_for(ssh: str | None, profile: str | None, env: Mapping[str, str] = os.e
     remote_dir = table.get("remote_dir") or None
     if remote_dir is not None:
         shell_words(remote_dir)  # refused here, before anything runs, where the cluster's shell could not take it
-    job = {k: v for k, v in table.items() if k not in REMOTE_KEYS} if profile else None
+    job = {k: v for k, v in table.items() if k not in REMOTE_KEYS} if here else None
     for key in ("template",):
         if job and isinstance(job.get(key), str) and not os.path.isabs(job[key]):
             raise SpecError(f"profile {profile!r}: {key} = {job[key]!r} is relative, and the profile is used on the "

@@ -109,6 +109,12 @@ def test_the_site_comes_from_the_flag_or_the_profile(tmp_path):
     assert profile_layer("c", Path(env["HPC_DDP_PROFILES"])).values == {"partition": "gpu"}
 
 
+def test_a_profile_only_the_cluster_has_is_left_to_the_cluster(tmp_path):
+    env = _profiles(tmp_path, '[other]\npartition = "x"\n')
+    site = site_for("login", "theirs", env)
+    assert site.profile_name == "theirs" and site.profile is None   # no empty [theirs] shipped over it
+
+
 def test_a_profile_whose_ssh_is_not_a_host_is_refused(tmp_path):
     with pytest.raises(UserError):
         site_for(None, "c", _profiles(tmp_path, '[c]\nssh = "-oProxyCommand=sh"\n'))
