@@ -18,7 +18,7 @@ from typing import Any
 
 from hpc_ddp.common.errors import UserError
 from hpc_ddp.launch.gitinfo import GitState
-from hpc_ddp.launch.snapshot import Item, Listing
+from hpc_ddp.launch.snapshot import Item, Listing, parents
 
 __all__ = ["manifest", "listing", "check_rel", "FORMAT"]
 
@@ -48,11 +48,6 @@ def check_rel(rel: Any) -> str:
     return rel
 
 
-def _parents(rel: str) -> list[str]:
-    parts = rel.split("/")
-    return ["/".join(parts[:n]) for n in range(1, len(parts))]
-
-
 def listing(data: dict[str, Any], mirror: str | Path) -> tuple[Listing, dict[str, str]]:
     """The listing the cluster copies from its mirror `mirror` (left-out entries link into the mirror:
     the cluster's own data/ and runs/ folders there), and the hashes every file must have."""
@@ -65,7 +60,7 @@ def listing(data: dict[str, Any], mirror: str | Path) -> tuple[Listing, dict[str
     try:
         for rel, kind, size, executable, target in data["items"]:
             rel = check_rel(rel)
-            if rel in seen or any(parent in seen for parent in _parents(rel)):
+            if rel in seen or any(p in seen for p in parents(rel.rpartition("/")[0])):
                 raise UserError(f"the shipped manifest names {rel!r} twice, or inside a file or link it names",
                                 hint="submit again from the laptop")
             seen.add(rel)

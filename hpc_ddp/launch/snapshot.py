@@ -50,7 +50,7 @@ from hpc_ddp.spec.code import Code
 from hpc_ddp.spec.jobspec import JobSpec
 
 __all__ = ["Item", "Listing", "Snapshot", "LEFT_OUT", "project_root", "list_project", "check_limits", "plan", "hashed",
-           "take", "changes", "manifest_of", "CODE_DIR"]
+           "take", "changes", "manifest_of", "parents", "CODE_DIR"]
 
 CODE_DIR = CODE
 # A folder with spec.json and one of these is an hpc-ddp run dir (a rendered one has no submissions yet).
@@ -283,7 +283,7 @@ def _from_git(root: Path, git: Git, rule: _Rule) -> Listing:
                 live.setdefault(rel, []).append(rel)
             elif item is not None:
                 items[rel] = item
-        folders = {p for folder in {rel.rpartition("/")[0] for rel in items} for p in _parents(folder) if p}
+        folders = {p for folder in {rel.rpartition("/")[0] for rel in items} for p in parents(folder) if p}
         links: set[str] = set()
         for out, under in live.items():
             # a left-out folder that also holds copied files (tracked ones) is a folder of the copy: its
@@ -690,7 +690,7 @@ def _copy(listing: Listing, dest: Path, limit: int | None = None) -> dict[str, s
         parent = item.rel.rpartition("/")[0]
         if parent not in made:
             os.makedirs(dest / parent, exist_ok=True)
-            made.update(_parents(parent))
+            made.update(parents(parent))
         if item.kind != "file":
             os.symlink(item.target, dest / item.rel)
     files = listing.files
@@ -813,7 +813,8 @@ class _Child:
         os.waitpid(self.pid, 0)
 
 
-def _parents(rel: str) -> Iterator[str]:
+def parents(rel: str) -> Iterator[str]:
+    """'a', 'a/b', 'a/b/c' for 'a/b/c': the folders on the way to `rel`, and `rel`."""
     parts = rel.split("/")
     for depth in range(1, len(parts) + 1):
         yield "/".join(parts[:depth])

@@ -222,7 +222,7 @@ def _hello(ssh: Ssh, site: Site, remote: str, listing: snapshot.Listing, origin:
     """One call: the cluster's hpc-ddp version, rsync, the mirror's folder (absolute), its state and the
     project it holds, the first folder to ship into that is a link or a file there, write access, free KB."""
     folders = sorted({p for item in listing.items if item.kind != "live"
-                      for p in snapshot._parents(item.rel.rpartition("/")[0]) if p})  # noqa: SLF001
+                      for p in snapshot.parents(item.rel.rpartition("/")[0]) if p})
     encoded = {_encoded(f): f for f in folders}
     end = f"HPC_DDP_{secrets.token_hex(8)}"
     script = f"""
