@@ -13,6 +13,7 @@ from pathlib import Path
 import click
 
 from hpc_ddp.cli.options import build, executor_for, spec_options, warn
+from hpc_ddp.common.durable import write_file
 from hpc_ddp.common.errors import SpecError
 from hpc_ddp.common.procs import SubprocessCommands
 from hpc_ddp.common.rundir import RunDir
@@ -338,7 +339,7 @@ def render(to_stdout: bool, **params) -> None:
             plan = executor.plan(_pinned(spec, taken), run_dir)
     run_dir = write_run_dir(plan)
     script = RunDir(run_dir).script
-    script.write_text(plan.script or "")
+    write_file(script, plan.script or "", 0o700)
     click.echo(f"Wrote {script}; submit it with: cd {shlex.quote(str(run_dir))} && sbatch {script.name}")
 
 

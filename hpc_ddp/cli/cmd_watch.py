@@ -221,6 +221,11 @@ def _png_output(output: str | None) -> Path | None:
                             or on_kernel_fs(out)):
         raise UserError(f"-o {output!r}: " + ("is a directory" if out.is_dir() else
                         f"{str(out.parent)!r} is not a directory you can write to"), hint="give a PNG file path")
+    if out is not None and out.suffix.lower() != ".png":
+        raise UserError(f"-o {output!r}: the picture is a PNG, and this name says otherwise",
+                        hint=f"give a name ending in .png, e.g. -o {out.stem or 'picture'}.png")
+    if out is not None and out.exists() and not out.is_file():
+        raise UserError(f"-o {output!r}: is not a regular file, and is not replaced", hint="give a PNG file path")
     return out
 
 

@@ -2,7 +2,9 @@
 for must be on disk before the marker or pointer is. And one careful reader, `read_regular`, for files
 in a directory someone else may have tampered with: it never follows a symlink in the last component,
 never blocks on a FIFO or device, never opens anything but a regular file, and reads at most `limit`
-bytes. It imports nothing heavy, so light modules (attempts.py) can use it too."""
+bytes. And the two writers everything hpc-ddp keeps in a run dir goes through, `write_file` (whole files) and
+`appending` (records and logs): neither ever writes through a symlink someone planted at the path, nor opens a
+FIFO or device there. It imports nothing heavy, so light modules (attempts.py) can use it too."""
 
 from __future__ import annotations
 
@@ -11,12 +13,12 @@ import errno
 import os
 import stat
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 __all__ = ["fsync_dir", "write_durable", "stream_durable", "replace_durable", "read_regular", "NotRegularFile",
-           "TooLarge", "file_kind"]
+           "TooLarge", "file_kind", "write_file", "appending", "append"]
 
 
 def fsync_dir(path: Path) -> None:
@@ -144,3 +146,69 @@ def read_regular(path: str | os.PathLike, *, limit: int | None = None, dir_fd: i
     if limit is not None and len(data) > limit:  # grew while we read it
         raise TooLarge(errno.EFBIG, f"is more than the {limit:,} bytes it can be (not read)", os.fspath(path))
     return data
+
+
+def write_file(path: str | os.PathLike, data: bytes | str, mode: int = 0o644, *, durable: bool = False) -> None:
+    """Replace `path` with `data`, whole or not at all, with `mode` from the moment the file exists.
+
+    The data goes to a new file of a random name beside `path` (created exclusively, never through a link),
+    then is renamed over `path`: a symlink planted at `path` is replaced, its target never written; a
+    directory there is refused by the rename. `durable`: fsync the file and the folder too."""
+    path = Path(path)
+    raw = data.encode() if isinstance(data, str) else data
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:12]}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    try:
+        try:
+            os.fchmod(fd, mode)  # the umask took bits away: `mode` is what was asked for
+            view = memoryview(raw)
+            while view:
+                view = view[os.write(fd, view):]
+            if durable:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    if durable:
+        fsync_dir(path.parent)
+
+
+@contextlib.contextmanager
+def appending(path: str | os.PathLike, mode: int = 0o644) -> Iterator[int]:
+    """A file descriptor that appends to the regular file at `path` (created with `mode` if missing).
+
+    Raises NotRegularFile for a symlink at `path` (never followed: its target is not written), a FIFO (never
+    waited on), a device or a directory."""
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, mode)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR):  # a link; a FIFO nobody reads; a folder
+            st = os.stat(path, follow_symlinks=False)
+            raise NotRegularFile(exc.errno, f"is {file_kind(st.st_mode)}, not a regular file (not written)",
+                                 os.fspath(path)) from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotRegularFile(errno.EINVAL, f"is {file_kind(st.st_mode)}, not a regular file (not written)",
+                                 os.fspath(path))
+        os.set_blocking(fd, True)
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def append(path: str | os.PathLike, data: bytes | str, *, durable: bool = False, mode: int = 0o644) -> None:
+    """Append `data` to the regular file at `path` (see `appending`), in one write; fsync it if `durable`."""
+    raw = data.encode() if isinstance(data, str) else data
+    with appending(path, mode) as fd:
+        view = memoryview(raw)
+        while view:
+            view = view[os.write(fd, view):]
+        if durable:
+            os.fsync(fd)

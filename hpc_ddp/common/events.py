@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_ddp.common import secrets
-from hpc_ddp.common.durable import file_kind
+from hpc_ddp.common.durable import NotRegularFile, append, file_kind
 from hpc_ddp.common.errors import UserError
 
 __all__ = ["JsonLines", "read_jsonl"]
@@ -30,10 +30,11 @@ class JsonLines:
             return
         clean = secrets.current().deep({"time": round(time.time(), 3), **record})
         line = json.dumps(clean) + "\n"
-        with open(self.path, "a") as fh:
-            fh.write(line)
-            fh.flush()
-            os.fsync(fh.fileno())
+        try:
+            append(self.path, line, durable=True)
+        except NotRegularFile as exc:
+            raise UserError(f"{self.path} {exc.strerror}",
+                            hint="remove it: hpc-ddp writes its records itself, never through a link") from None
 
 
 MAX_RECORDS_BYTES = 1 << 30   # a records file bigger than this is refused, not read into memory

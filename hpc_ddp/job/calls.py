@@ -30,6 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from hpc_ddp.common.durable import write_file
 from hpc_ddp.job import codefiles
 
 __all__ = ["CALL", "RESULT", "write_call", "load_call", "invoke", "failure_record", "write_failure", "read_failures",
@@ -126,11 +127,7 @@ def read_result(out_dir: Path) -> Any:
 
 def _write_private(path: Path, data: bytes) -> None:
     """Whole or not at all (a temp name, then a rename), and the user's alone from the start."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(data)
-    os.replace(tmp, path)
+    write_file(path, data, 0o600)
 
 
 def run_rank(call_dir: Path, rank: int) -> int:

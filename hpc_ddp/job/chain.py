@@ -19,6 +19,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from hpc_ddp.common.durable import append
 from hpc_ddp.common.events import read_jsonl
 from hpc_ddp.common.rundir import RunDir
 
@@ -59,8 +60,7 @@ def link(submission: Mapping[str, Any], chain: str, previous: str, via: str) -> 
 
 def record(run_dir: str | os.PathLike, entry: Mapping[str, Any]) -> None:
     """Append one submission record (the format `launch.executors.base.record_submission` writes)."""
-    with open(RunDir(run_dir).submissions, "a") as fh:
-        fh.write(json.dumps(dict(entry)) + "\n")
+    append(RunDir(run_dir).submissions, json.dumps(dict(entry)) + "\n")
 
 
 def sbatch_env(env: Mapping[str, str]) -> dict[str, str]:

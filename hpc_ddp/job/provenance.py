@@ -22,7 +22,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from hpc_ddp.common.durable import read_regular
+from hpc_ddp.common.durable import read_regular, write_file
 from hpc_ddp.common.events import JsonLines, read_jsonl
 from hpc_ddp.common.rundir import RunDir
 
@@ -112,9 +112,7 @@ def record(run_dir: Path, events_path: Path, *, job_id: str | None, attempt: int
     listing = _package_file(run_dir, now["packages"])
     if not listing.exists():
         listing.parent.mkdir(mode=0o700, exist_ok=True)
-        tmp = listing.with_name(f".{listing.name}.tmp-{os.getpid()}")
-        tmp.write_text("\n".join(packages) + "\n")
-        os.replace(tmp, listing)
+        write_file(listing, "\n".join(packages) + "\n")
     earlier = [e for e in read_jsonl(events_path) if e.get("event") == "environment"]
     entry = {"event": "environment", "job_id": job_id, "attempt": attempt, "node": node, **now}
     events = JsonLines(events_path)

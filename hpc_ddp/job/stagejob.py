@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
-from hpc_ddp.common.durable import read_regular, replace_durable
+from hpc_ddp.common.durable import read_regular, replace_durable, write_file
 from hpc_ddp.common.errors import HpcDdpError
 from hpc_ddp.common.rundir import RANK_LOGS_GLOB
 from hpc_ddp.data.staging import ScratchUnusable, StagingError, is_archive, stage
@@ -108,7 +108,7 @@ def _attempt(env: Mapping[str, str]) -> str:
 def _all_nodes_ready(spec: JobSpec, dist: DistEnv, run_dir: Path, env: Mapping[str, str]) -> None:
     marks = run_dir / "stage" / f"{dist.job_id or 'job'}-{_attempt(env)}"
     marks.mkdir(parents=True, exist_ok=True)
-    (marks / f"node-{dist.node_rank}.json").write_text(json.dumps({"host": _host(dist, dist.node_rank)}))
+    write_file(marks / f"node-{dist.node_rank}.json", json.dumps({"host": _host(dist, dist.node_rank)}))
     deadline = time.monotonic() + spec.stage_timeout
     for delay in poll_delays(dist.num_nodes):
         if _everyone_there(marks, dist):

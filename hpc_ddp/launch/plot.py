@@ -13,15 +13,10 @@ __all__ = ["plot_run", "figure"]
 
 
 def plot_run(run_dir: Path, output: Path | None = None) -> Path:
-    import matplotlib.pyplot as plt
 
-    fig = figure(run_dir)
-    path = output or RunDir(run_dir).picture("training")
-    try:
-        fig.savefig(path)
-    finally:
-        plt.close(fig)
-    return path
+    from hpc_ddp.launch.timeline import save_png
+
+    return save_png(figure(run_dir), output or RunDir(run_dir).picture("training"))
 
 
 def figure(run_dir: Path):

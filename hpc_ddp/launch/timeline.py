@@ -22,10 +22,13 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import io
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from hpc_ddp.common.durable import write_file
 
 __all__ = ["Span", "Timeline", "Summary", "build_timeline", "summarize", "summary_line", "draw", "save_png",
            "INTERRUPTIONS"]
@@ -393,8 +396,10 @@ def _marks(ax, xs: Iterable[float], marker: str, color: str, label: str, size: f
 def save_png(fig, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
+    buffer = io.BytesIO()
     try:
-        fig.savefig(path)
+        fig.savefig(buffer, format="png")
     finally:
         plt.close(fig)
+    write_file(path, buffer.getvalue())  # never through a link planted at the default path
     return path

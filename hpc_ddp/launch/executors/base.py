@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
+from hpc_ddp.common.durable import append, write_file
 from hpc_ddp.common.rundir import RunDir
 from hpc_ddp.spec.jobspec import JobSpec
 
@@ -99,15 +99,9 @@ def write_run_dir(plan: Plan) -> Path:
 
 def record_submission(sub: Submission) -> None:
     path = RunDir(sub.run_dir).submissions
-    with open(path, "a") as fh:
-        fh.write(json.dumps(sub.to_json()) + "\n")
+    append(path, json.dumps(sub.to_json()) + "\n")
 
 
 def _write_private(path: Path, text: str) -> None:
     """Atomically, mode 0600 from the moment the file exists (a chmod afterwards would leave a window)."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(text)
-    os.chmod(tmp, 0o600)  # O_CREAT keeps the mode of a stale tmp file left by a killed run
-    os.replace(tmp, path)
+    write_file(path, text, 0o600)

@@ -12,6 +12,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
+from hpc_ddp.common.durable import write_file
 from hpc_ddp.common.errors import HpcDdpError, SubmitError, UserError
 from hpc_ddp.common.procs import CommandRunner, SubprocessCommands
 from hpc_ddp.common.rundir import RunDir
@@ -112,8 +113,7 @@ class SbatchExecutor(SlurmControl):
 
 def _write_script(directory: Path, text: str | None) -> Path:
     path = RunDir(directory).script
-    path.write_text(text or "")
-    path.chmod(0o700)
+    write_file(path, text or "", 0o700)
     return path
 
 

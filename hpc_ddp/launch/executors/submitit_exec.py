@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from hpc_ddp.common import secrets
+from hpc_ddp.common.durable import appending
 from hpc_ddp.common.errors import SubmitError
 from hpc_ddp.common.exitcodes import REQUEUE_EXIT_CODE
 from hpc_ddp.common.procs import CommandRunner, SubprocessCommands
@@ -100,7 +101,7 @@ class RankTask:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         print(f"hpc-ddp: rank {rank} output goes to {log_path}", flush=True)
         self._note_sigterm()
-        with open(log_path, "ab") as log:
+        with appending(log_path) as fd, open(fd, "ab", closefd=False) as log:
             self._child = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=os.getcwd())
             rc = _shell_code(self._child.wait())
         if rank == 0 and not self._handled_by_submitit:
