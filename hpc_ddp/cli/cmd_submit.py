@@ -17,7 +17,7 @@ from hpc_ddp.common.durable import write_file
 from hpc_ddp.common.errors import SpecError
 from hpc_ddp.common.procs import SubprocessCommands
 from hpc_ddp.common.rundir import RunDir
-from hpc_ddp.launch.rundirs import check_kind, new_run_dir
+from hpc_ddp.launch.rundirs import check_kind, check_not_live, new_run_dir
 from hpc_ddp.spec.interpreter import explain
 
 
@@ -69,6 +69,7 @@ def submit(ctx: click.Context, **params) -> None:
     _chains_need_support(spec, executor)
     run_dir = new_run_dir(spec, now)
     check_kind(run_dir, sweep=False)
+    check_not_live(run_dir, SubprocessCommands())
     snap = _plan_snapshot(spec, run_dir, read=params["dry_run"], shipped=params["shipped"])
     plan = executor.plan(_pinned(spec, snap), run_dir)
     if not params["as_json"] or not spec.executor:
@@ -328,6 +329,7 @@ def render(to_stdout: bool, **params) -> None:
     executor, now, _ = executor_for(spec)
     run_dir = new_run_dir(spec, now)
     check_kind(run_dir, sweep=False)
+    check_not_live(run_dir, SubprocessCommands())
     snap = _plan_snapshot(spec, run_dir, read=to_stdout)
     plan = executor.plan(_pinned(spec, snap), run_dir)
     if to_stdout:

@@ -10,10 +10,11 @@ import os
 from pathlib import Path
 
 from hpc_ddp.common.errors import UserError
+from hpc_ddp.common.procs import CommandRunner, read_pid_file
 from hpc_ddp.common.rundir import RunDir, is_sweep_dir
 from hpc_ddp.spec.jobspec import JobSpec
 
-__all__ = ["new_run_dir", "usable_run_dir", "existing_run_dir", "on_kernel_fs", "check_kind"]
+__all__ = ["new_run_dir", "usable_run_dir", "existing_run_dir", "on_kernel_fs", "check_kind", "check_not_live"]
 
 def new_run_dir(spec: JobSpec, now: _dt.datetime) -> str:
     if spec.run_dir:
@@ -80,6 +81,30 @@ def check_kind(path: str, sweep: bool) -> None:
         if RunDir(parent).spec.is_file() or is_sweep_dir(parent):
             kind = "sweep" if is_sweep_dir(parent) else "run"
             raise UserError(f"{path} is inside the {kind} dir {parent}", hint="give a --run-dir outside it")
+
+
+def check_not_live(path: str, commands: CommandRunner | None) -> None:
+    """A run dir whose job still runs (a local or srun job's process, named by its pid file) or is still
+    queued or running in Slurm (any job its submissions record: a requeue keeps the id, a chain adds later
+    ones) is not submitted into again: spec.json would change under the live job, and two jobs would write
+    the same checkpoints. `commands`: how to ask squeue (None, or no squeue on PATH: not asked)."""
+    paths = RunDir(path)
+    if not paths.spec.is_file():
+        return
+    hint = f"wait for it to end, or `hpc-ddp cancel {path}` first; or give a new --run-dir"
+    for pid_file in (paths.local_pid, paths.srun_pid):
+        who, tag, _ = read_pid_file(pid_file)
+        if who is not None:
+            raise UserError(f"{path}: job {tag} is still running in this run dir (process {who.pid}); a second job "
+                            "there would share its checkpoints", hint=hint)
+    jobs = paths.job_ids()
+    if jobs and commands is not None and commands.which("squeue"):
+        from hpc_ddp.launch.executors.slurmctl import still_queued
+
+        live = still_queued(list(dict.fromkeys(jobs)), commands)
+        if live:
+            raise UserError(f"{path}: Slurm job {', '.join(live[:4])} of this run dir is still queued or running; a "
+                            "second job there would share its checkpoints", hint=hint)
 
 
 def _ours_or_new(here: Path, sweep: bool) -> None:

@@ -11,7 +11,16 @@ from hpc_ddp.common.events import JsonLines
 from hpc_ddp.common.procs import CommandRunner
 from hpc_ddp.launch.executors.base import Run
 
-__all__ = ["SlurmControl"]
+__all__ = ["SlurmControl", "still_queued"]
+
+
+def still_queued(jobs: list[str], commands: CommandRunner) -> list[str]:
+    """Those of `jobs` squeue still lists (pending or running); ended ones are left alone."""
+    if not jobs:
+        return []
+    done = commands.run(["squeue", "-h", "-o", "%i", "-j", ",".join(jobs)], timeout=30)
+    listed = set(done.stdout.split()) if done.returncode == 0 else set()
+    return [j for j in jobs if j in listed]
 
 
 class SlurmControl:
@@ -41,11 +50,7 @@ class SlurmControl:
 
     def still_queued(self, jobs: list[str]) -> list[str]:
         """Those of `jobs` squeue still lists (pending or running); ended ones are left alone."""
-        if not jobs:
-            return []
-        done = self.commands.run(["squeue", "-h", "-o", "%i", "-j", ",".join(jobs)], timeout=30)
-        listed = set(done.stdout.split()) if done.returncode == 0 else set()
-        return [j for j in jobs if j in listed]
+        return still_queued(jobs, self.commands)
 
     def cancel_jobs(self, job_ids: list[str], runs: list[Run]) -> str:
         """Several jobs in one scancel (a sweep's queued tasks, whichever array or fallback queued them);
