@@ -13,7 +13,9 @@ node, race-free and verified.
 - Reuse: a marker whose source key (path, and every file's size and mtime) matches means "already
   staged": a requeued job on the same node does not copy again.
 - Only what hpc-ddp provably made is ever deleted or replaced: a target with our marker beside it (written
-  before the rename that makes the target appear) and our own temp names. A user's directory at the target,
+  before the rename that makes the target appear, naming the device and inode of the very directory it
+  vouches for, so a marker copied in or left beside a folder of the user's vouches for nothing) and our own
+  temp names. A user's directory at the target,
   a source that overlaps the target in either direction, and names that are not one plain path component
   are refused before anything is touched.
 - Archives (.tar, .tar.gz, .tgz, .zip) are extracted with the same care; members with absolute paths or
@@ -47,8 +49,8 @@ import zlib
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from hpc_ddp.common.durable import file_kind, read_regular, replace_durable
 from hpc_ddp.common.durable import fsync_dir as _fsync_dir
-from hpc_ddp.common.durable import replace_durable
 from hpc_ddp.common.errors import HpcDdpError, UserError
 from hpc_ddp.common.rundir import RANK_LOGS_GLOB
 from hpc_ddp.common.units import human_bytes
@@ -124,7 +126,16 @@ def _walk(src: Path, checksums: bool) -> tuple[dict[str, dict], int]:
 
 
 def _entry(path: Path, checksums: bool) -> dict:
-    info = path.stat()
+    """Size and mtime (and sha256) of a dataset file: a regular file, or a link to one (cp -L copies what
+    it points to). A FIFO, a device or a link to one is refused: it would hang the copy or never end."""
+    try:
+        info = path.stat()
+    except OSError as exc:
+        raise StageRefused(f"{path} cannot be read: {exc.strerror or exc}",
+                           hint="fix or remove it; a dataset is made of regular files") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise StageRefused(f"{path} is {file_kind(info.st_mode)}, not a regular file: it is not staged",
+                           hint="remove it from the dataset; a dataset is made of regular files")
     entry = {"size": info.st_size, "mtime_ns": info.st_mtime_ns}
     if checksums:
         entry["sha256"] = _sha256(path)
@@ -133,7 +144,10 @@ def _entry(path: Path, checksums: bool) -> dict:
 
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
-    with open(path, "rb") as fh:
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)  # swapped for a FIFO: no hang
+    with open(fd, "rb") as fh:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise StageRefused(f"{path} is not a regular file: it is not staged", hint="remove it from the dataset")
         for block in iter(lambda: fh.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
@@ -335,7 +349,7 @@ def download_once(download: Callable[[Path], None], target: str | os.PathLike, *
         download(tmp)
         _fsync_tree(tmp)
         _publish(tmp, target, marker)
-    _write_marker(marker, {"key": key})
+    _write_marker(marker, {"key": key}, target)
     log(f"hpc-ddp: downloaded {target.name} in {time.monotonic() - started:.1f} s -> {target}")
     return target
 
@@ -364,7 +378,7 @@ def _stage_locked(src: Path, kind: str, target: Path, marker: Path, key: str, ma
             _unchanged(src, manifest)
         _fsync_tree(tmp)
         _publish(tmp, target, marker)
-    _write_marker(marker, {"key": key, "source": str(src), "files": counts[0], "bytes": counts[1]})
+    _write_marker(marker, {"key": key, "source": str(src), "files": counts[0], "bytes": counts[1]}, target)
     seconds = time.monotonic() - started
     log(f"hpc-ddp stage: {target.name}: {counts[0]} files, {counts[1] / 1e6:.1f} MB in {seconds:.1f} s "
         f"({counts[1] / 1e6 / max(seconds, 1e-9):.0f} MB/s) -> {target}")
@@ -407,15 +421,13 @@ class _removed_on_failure:
         return False
 
 
-def _marker_is_ours(marker: Path) -> bool:
-    """A marker hpc-ddp wrote: a regular file (never a link) holding our JSON with a key."""
-    try:
-        if not stat.S_ISREG(os.lstat(marker).st_mode):
-            return False
-        data = json.loads(marker.read_text())
-    except (OSError, ValueError):
+def _marker_is_ours(marker: Path, target: Path) -> bool:
+    """A marker hpc-ddp wrote, for the directory now at `target` if there is one there: a marker copied
+    in from elsewhere, or one whose folder was replaced by the user's own, vouches for nothing."""
+    data = _read_marker(marker)
+    if data is None:
         return False
-    return isinstance(data, dict) and isinstance(data.get("key"), str)
+    return not os.path.lexists(target) or data["dir"] == _identity(target)
 
 
 def _clear_stale(target: Path, marker: Path) -> None:
@@ -424,8 +436,9 @@ def _clear_stale(target: Path, marker: Path) -> None:
     never a half-deleted dataset under the real name."""
     hint = "move it away, or stage under another --name or --dest"
     marker_there, target_there = os.path.lexists(marker), os.path.lexists(target)
-    if marker_there and not _marker_is_ours(marker):
-        raise TargetOccupied(f"{marker} exists and was not written by hpc-ddp; refusing to replace it", hint=hint)
+    if marker_there and not _marker_is_ours(marker, target):
+        raise TargetOccupied(f"{marker} exists and was not written by hpc-ddp for {target.name}; refusing to "
+                             "replace either", hint=hint)
     if target_there:
         if not marker_there or target.is_symlink() or not target.is_dir():
             raise TargetOccupied(f"{target} exists and was not staged by hpc-ddp (no {marker.name} beside it); "
@@ -441,7 +454,7 @@ def _clear_stale(target: Path, marker: Path) -> None:
 def _publish(tmp: Path, target: Path, marker: Path) -> None:
     """Claim the target with a pending marker, then rename the copy into place: a stager killed between
     the rename and the completion marker leaves a target that is still provably ours."""
-    _write_marker(marker, {"key": "", "state": "publishing"})
+    _write_marker(marker, {"key": "", "state": "publishing"}, tmp)
     os.rename(tmp, target)
     _fsync_dir(target.parent)
 
@@ -449,7 +462,7 @@ def _publish(tmp: Path, target: Path, marker: Path) -> None:
 def _copy_tree(src: Path, tmp: Path) -> None:
     """GNU cp where there is one (it is what the benchmark compares against), else shutil."""
     if shutil.which("cp"):
-        done = subprocess.run(["cp", "-r", "-L", "--preserve=timestamps", str(src), str(tmp)],
+        done = subprocess.run(["cp", "-r", "-L", "--preserve=timestamps", "--", str(src.absolute()), str(tmp.absolute())],
                               capture_output=True, text=True, preexec_fn=_die_with_parent)
         if done.returncode != 0:
             raise StagingError(f"copying {src} failed, nothing kept: {_first_line(done.stderr)}",
@@ -672,7 +685,7 @@ def _extract(src: Path, members: list[Member], tmp: Path) -> tuple[int, int]:
                 zf.extractall(tmp)
         elif shutil.which("tar"):
             # Every member was checked above; GNU tar then extracts about 20% faster than tarfile.
-            done = subprocess.run(["tar", "-xf", str(src), "-C", str(tmp), "--no-same-owner"],
+            done = subprocess.run(["tar", "-xf", str(src.absolute()), "-C", str(tmp.absolute()), "--no-same-owner"],
                                   capture_output=True, text=True, preexec_fn=_die_with_parent)
             if done.returncode != 0:
                 raise StagingError(f"tar could not extract {src}, nothing kept: {_first_line(done.stderr)}",
@@ -695,17 +708,37 @@ def _extract(src: Path, members: list[Member], tmp: Path) -> tuple[int, int]:
 # ---- durability and locking ----
 
 def _complete(target: Path, marker: Path, key: str) -> bool:
-    try:
-        data = json.loads(marker.read_text())
-    except (OSError, ValueError):
-        return False
+    data = _read_marker(marker)
     # A "publishing" marker (written before the rename) claims the target but does not complete it.
-    return (isinstance(data, dict) and data.get("key") == key and data.get("state") != "publishing"
-            and target.is_dir() and not target.is_symlink())
+    return (data is not None and data.get("key") == key and data.get("state") != "publishing"
+            and data.get("dir") == _identity(target))
 
 
-def _write_marker(marker: Path, data: dict) -> None:
-    replace_durable(marker, json.dumps(data).encode())
+def _identity(path: Path) -> list[int] | None:
+    """[device, inode] of the real directory at `path` (None: nothing, a link or a file there). A rename
+    keeps them: the temp copy's identity, written into its marker, is the published target's."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return [st.st_dev, st.st_ino] if stat.S_ISDIR(st.st_mode) else None
+
+
+def _read_marker(marker: Path) -> dict | None:
+    """A marker hpc-ddp wrote (a regular file, never a link or FIFO, holding our JSON: a key and the
+    identity of the directory it vouches for), else None."""
+    try:
+        data = json.loads(read_regular(marker, limit=1 << 20))
+    except (OSError, ValueError):
+        return None
+    ours = (isinstance(data, dict) and data.get("made_by") == "hpc-ddp" and isinstance(data.get("key"), str)
+            and isinstance(data.get("dir"), list))
+    return data if ours else None
+
+
+def _write_marker(marker: Path, data: dict, made: Path) -> None:
+    """Write the marker for the directory `made` (the temp copy before its rename, or the target)."""
+    replace_durable(marker, json.dumps({**data, "made_by": "hpc-ddp", "dir": _identity(made)}).encode())
 
 
 def _fsync_tree(root: Path) -> None:

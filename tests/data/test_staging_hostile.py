@@ -180,7 +180,9 @@ def test_a_copy_we_staged_is_still_replaced_when_the_source_changes(tmp_path):
 def test_killed_between_rename_and_marker_is_still_ours(tmp_path):
     src = user_tree(tmp_path / "shared" / "mnist")
     local = user_tree(tmp_path / "local" / "mnist").parent
-    (local / "mnist.complete.json").write_text('{"key": "", "state": "publishing"}')  # what _publish leaves
+    from hpc_ddp.data.staging import _write_marker
+
+    _write_marker(local / "mnist.complete.json", {"key": "", "state": "publishing"}, local / "mnist")  # _publish's
     result = stage(src, local, **QUIET)
     assert result.copied and snapshot(result.path) == snapshot(src)
 
@@ -514,3 +516,53 @@ def test_stage_command_refusals_are_one_line_exit_2(tmp_path, case):
     assert done.returncode == 2, done.stderr
     assert len(done.stderr.splitlines()) == 1 and "HINT" in done.stderr and "internal error" not in done.stderr
     assert snapshot(tmp_path) == before
+
+
+# ---- round 3 (issue 30): a marker hpc-ddp did not write, option-like names, FIFOs and devices ----
+
+def test_a_forged_marker_beside_the_users_folder_does_not_make_it_ours(tmp_path):
+    """A marker of our exact shape, written (or copied in) beside a folder of the user's: its key matches the
+    source, but it vouches for another directory, so the folder is neither reused nor replaced."""
+    import json
+
+    src = user_tree(tmp_path / "data")
+    dest = tmp_path / "scratch"
+    done = stage(src, dest, **QUIET)
+    marker = json.loads((dest / "data.complete.json").read_text())
+    (dest / "data").rename(tmp_path / "moved")        # the user's own folder takes the staged copy's place
+    user_tree(dest / "data", files=5)
+    refused(lambda: stage(src, dest, **QUIET), dest / "data", match="was not written by hpc-ddp for data")
+    (dest / "data.complete.json").write_text(json.dumps({"key": marker["key"]}))  # an older or forged shape
+    refused(lambda: stage(src, dest, **QUIET), dest / "data", match="was not written by hpc-ddp")
+    assert done.copied
+
+
+def test_a_staged_copy_is_still_reused_and_replaced(tmp_path):
+    src = user_tree(tmp_path / "data")
+    dest = tmp_path / "scratch"
+    assert stage(src, dest, **QUIET).copied
+    assert not stage(src, dest, **QUIET).copied   # reused: its marker vouches for this very directory
+    (src / "new.txt").write_text("more\n")
+    assert stage(src, dest, **QUIET).copied       # the source changed: our copy is replaced
+    assert (dest / "data" / "new.txt").read_text() == "more\n"
+
+
+def test_a_source_named_like_an_option_is_copied_not_read_as_options(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    user_tree(tmp_path / "-data")
+    result = stage(Path("./-data"), tmp_path / "scratch", name="data", **QUIET)
+    assert snapshot(result.path) == snapshot(tmp_path / "-data")
+
+
+@pytest.mark.parametrize("checksums", [False, True])
+@pytest.mark.parametrize("planted", ["fifo", "link-to-dev-zero"])
+def test_a_fifo_or_device_inside_the_dataset_is_refused_at_once(tmp_path, planted, checksums):
+    src = user_tree(tmp_path / "data")
+    if planted == "fifo":
+        os.mkfifo(src / "pipe")
+    else:
+        (src / "zero").symlink_to("/dev/zero")
+    dest = tmp_path / "scratch"
+    refused(lambda: stage(src, dest, checksums=checksums, **QUIET), src,
+            match="FIFO" if planted == "fifo" else "character device")
+    assert temps(dest) == []
