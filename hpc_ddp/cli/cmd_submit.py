@@ -85,6 +85,9 @@ def submit(ctx: click.Context, **params) -> None:
         else:
             click.echo(plan.dry_run_text(), nl=False)
         return
+    from hpc_ddp.job.debugger import refuse_missing_debugpy
+
+    refuse_missing_debugpy([plan.spec])  # only now that it will run: a dry run executes nothing
     if executor.queues and not params["no_preflight"]:
         _preflight(plan)
     executor.check(plan)  # what the executor refuses, before the snapshot writes anything
@@ -158,6 +161,9 @@ def _submit_sweep(params: dict, spec, sweep) -> None:
                                                                   "run_dir": t.run_dir} for t in plan.tasks]},
                               indent=2) if params["as_json"] else plan.dry_run_text(), nl=params["as_json"])
         return
+    from hpc_ddp.job.debugger import refuse_missing_debugpy
+
+    refuse_missing_debugpy(t.plan.spec for t in plan.tasks)  # each distinct Python once, not once per task
     if executor.queues and not params["no_preflight"]:
         _preflight(plan.tasks[0].plan)
     if snap is not None:

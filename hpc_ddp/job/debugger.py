@@ -22,14 +22,14 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from hpc_ddp.common.errors import EnvError, UserError
 from hpc_ddp.job.ports import first_free_port, port_in_use
 
 __all__ = ["DEBUGGERS", "DEBUG_TIMEOUT_S", "DEFAULT_PORT", "INSTALL_HINT", "check_debugpy", "debug_argv",
-           "debugpy_missing", "listen_host", "log_lines", "record", "stretched", "tunnel_command", "wrap"]
+           "debugpy_missing", "listen_host", "log_lines", "record", "refuse_missing_debugpy", "stretched", "tunnel_command", "wrap"]
 
 DEFAULT_PORT = 5678          # debugpy's own default: what VS Code's "attach" configuration fills in
 DEBUGGERS = ("debugpy", "pdb")
@@ -111,6 +111,20 @@ def debugpy_missing(python: str) -> bool:
 def check_debugpy(python: str, where: str = "--debug-rank") -> None:
     if debugpy_missing(python):
         raise UserError(f"{where}: debugpy is not installed for {python}", hint=INSTALL_HINT)
+
+
+def refuse_missing_debugpy(specs: Iterable[Any]) -> None:
+    """At the submit edge (never on a dry run or render, which execute nothing): a debug rank's Python that
+    cannot import debugpy is refused before anything is written. Each distinct Python is asked once, however
+    many specs (a sweep's tasks) share it; one in a container is left to the rank (it is not runnable here)."""
+    asked: set[str] = set()
+    for spec in specs:
+        if spec.debug_rank is None or spec.debugger != "debugpy" or spec.container is not None:
+            continue
+        key = os.path.realpath(spec.python)
+        if key not in asked:
+            asked.add(key)
+            check_debugpy(spec.python, f"--debug-rank {spec.debug_rank}")
 
 
 def _port(spec: Any, host: str) -> int:

@@ -513,8 +513,10 @@ def _check_whole(values: dict[str, Any], merged: dict[str, tuple[Any, str]], tar
 
 def _check_debug(values: dict[str, Any], python: str) -> None:
     """--debug-rank R: a rank of this job, under a debugger the ranks can run; while it may stop, the others
-    wait a long time instead of timing out (the stretched timeouts are in the spec, so the dry run shows them)."""
-    from hpc_ddp.job.debugger import check_debugpy, stretched
+    wait a long time instead of timing out (the stretched timeouts are in the spec, so the dry run shows them).
+    Whether the ranks' Python has debugpy is asked at the submit edge (job.debugger.refuse_missing_debugpy),
+    not here: building a spec (a dry run, render) executes nothing."""
+    from hpc_ddp.job.debugger import stretched
 
     rank, debugger = values.get("debug_rank"), values.get("debugger", "debugpy")
     if rank is None:
@@ -530,8 +532,6 @@ def _check_debug(values: dict[str, Any], python: str) -> None:
     if debugger == "pdb" and values.get("executor") != "local":
         raise SpecError("--pdb opens pdb in this terminal, so the rank must run on this machine",
                         hint="add --executor local, or drop --pdb to attach an IDE through debugpy")
-    if debugger == "debugpy" and values.get("container") is None:  # an image's Python cannot be asked here
-        check_debugpy(values.get("python", python), f"--debug-rank {rank}")
     for key in ("rendezvous_timeout", "collective_timeout"):
         values[key] = stretched(values.get(key, JobSpec.__dataclass_fields__[key].default))
 

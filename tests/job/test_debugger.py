@@ -43,10 +43,19 @@ def test_bad_debug_settings_are_one_line(flags, message):
         spec(**flags)
 
 
-def test_missing_debugpy_names_the_extra(monkeypatch):
-    monkeypatch.setattr(debugger, "debugpy_missing", lambda python: True)
+def test_missing_debugpy_names_the_extra_at_the_submit_edge_not_when_the_spec_is_built(monkeypatch):
+    asked: list[str] = []
+    missing = {"now": False}
+    monkeypatch.setattr(debugger, "debugpy_missing", lambda python: asked.append(python) or missing["now"])
+    s = spec(debug_rank="0")  # building a spec (a dry run, render) asks nothing
+    assert asked == []
+    debugger.refuse_missing_debugpy([s, s, spec(debug_rank="0", nodes="2")])  # a sweep's tasks: one Python
+    assert asked == [sys.executable]
+    debugger.refuse_missing_debugpy([spec(), spec(debug_rank="0", debugger="pdb", executor="local")])
+    assert asked == [sys.executable]  # no debugpy rank: nothing asked
+    missing["now"] = True
     with pytest.raises(UserError) as err:
-        spec(debug_rank="0")
+        debugger.refuse_missing_debugpy([s])
     assert "debugpy is not installed" in err.value.message and "pip install 'hpc-ddp[debug]'" in err.value.hint
 
 
