@@ -51,9 +51,10 @@ def missing_extra(exc: BaseException) -> UserError | None:
 
 def _fail(message: str, code: int) -> None:
     from hpc_ddp.common import secrets
+    from hpc_ddp.common.terminal import printable
 
-    # A usage error may quote a value the user typed.
-    click.echo(f"hpc-ddp: error: {secrets.current()(message)}", err=True)
+    # A usage error may quote a value the user typed; a name it quotes may hold control characters.
+    click.echo(f"hpc-ddp: error: {printable(secrets.current()(message)).replace(chr(10), ' ')}", err=True)
     sys.exit(code)
 
 

@@ -19,6 +19,7 @@ from hpc_ddp.cli.remote import over_ssh
 from hpc_ddp.common.errors import UserError
 from hpc_ddp.common.procs import SubprocessCommands
 from hpc_ddp.common.rundir import is_sweep_dir
+from hpc_ddp.common.terminal import printable
 from hpc_ddp.launch.executors import executor_for_run
 from hpc_ddp.launch.registry import resolve
 
@@ -73,7 +74,7 @@ def preempt(job: str, sig: str | None, as_json: bool) -> None:
 
 def _done(as_json: bool, action: str, message: str, run, executor: str, **extra: str) -> None:
     if not as_json:
-        click.echo(message)
+        click.echo(printable(message))
         return
     click.echo(json.dumps({"action": action, "job_id": run.job_id, "run_dir": str(run.run_dir), "executor": executor,
                            **extra, "message": message}, indent=2))

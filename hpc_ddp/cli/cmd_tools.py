@@ -12,6 +12,7 @@ import click
 from hpc_ddp.cli.options import build
 from hpc_ddp.cli.remote import over_ssh
 from hpc_ddp.common.errors import SpecError, UserError
+from hpc_ddp.common.terminal import printable
 from hpc_ddp.job.distenv import from_environ
 from hpc_ddp.launch.rundirs import usable_run_dir
 
@@ -54,7 +55,7 @@ def env_cmd(as_json: bool) -> None:
         click.echo(json.dumps(dist.to_json()))
         return
     for key, value in dist.to_json().items():
-        click.echo(f"{key:17} {','.join(value) if isinstance(value, list) else value}")
+        click.echo(printable(f"{key:17} {','.join(value) if isinstance(value, list) else value}"))
 
 
 @click.command("stage")
@@ -97,10 +98,10 @@ def inspect(checkpoint: str, as_json: bool) -> None:
         click.echo(json.dumps(info, indent=2))
         return
     for key in ("path", "step", "epoch", "batch_in_epoch", "model_sha256", "verified"):
-        click.echo(f"{key:15} {info[key]}")
-    click.echo(f"{'code':15} {_code_of(info)}")
+        click.echo(printable(f"{key:15} {info[key]}"))
+    click.echo(printable(f"{'code':15} {_code_of(info)}"))
     for name, meta in info["files"].items():
-        click.echo(f"  {name:20} {meta['size']:>12,} bytes  sha256 {meta['sha256'][:16]}...")
+        click.echo(printable(f"  {name:20} {meta['size']:>12,} bytes  sha256 {meta['sha256'][:16]}..."))
 
 
 def _code_of(info: dict) -> str:

@@ -14,6 +14,7 @@ from hpc_ddp.cli.remote import over_ssh
 from hpc_ddp.common.errors import UserError
 from hpc_ddp.common.procs import SubprocessCommands
 from hpc_ddp.common.rundir import is_sweep_dir
+from hpc_ddp.common.terminal import printable
 from hpc_ddp.launch.registry import resolve
 from hpc_ddp.launch.rundirs import on_kernel_fs
 
@@ -48,7 +49,7 @@ def status(job: str | None, as_json: bool, watch: bool, interval: float, tunnel:
         return
     try:
         while watch and info["state"] in LIVE:
-            click.echo(progress_line(info, time.time()))
+            click.echo(printable(progress_line(info, time.time())))
             time.sleep(interval)
             info = _status(run)
     except KeyboardInterrupt:  # stop watching; the job goes on
@@ -58,7 +59,7 @@ def status(job: str | None, as_json: bool, watch: bool, interval: float, tunnel:
         click.echo(json.dumps(info, indent=2, default=str))
         return
     for line in format_status(info):
-        click.echo(line)
+        click.echo(printable(line))
 
 
 def _one_run(job: str | None):
@@ -84,7 +85,7 @@ def _sweep_status(run, as_json: bool) -> None:
         click.echo(json.dumps(info, indent=2, default=str))
         return
     for line in format_sweep(info):
-        click.echo(line)
+        click.echo(printable(line))
 
 
 def _status(run) -> dict:
@@ -166,7 +167,7 @@ def list_runs(as_json: bool, limit: int) -> None:
         click.echo(json.dumps(records, indent=2))
         return
     for line in format_runs(records):
-        click.echo(line)
+        click.echo(printable(line))
 
 
 @click.command()
@@ -193,8 +194,8 @@ def timeline(job: str | None, output: str | None) -> None:
         save_png(draw(tl, f"{run_dir.name} (job {run.job_id or '-'}): {line}"), out)
     except OSError as exc:
         raise UserError(f"cannot write {str(out)!r}: {exc.strerror or exc}") from None
-    click.echo(line)
-    click.echo(f"Wrote {out}")
+    click.echo(printable(line))
+    click.echo(printable(f"Wrote {out}"))
 
 
 @click.command()
