@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["fsync_dir", "write_durable", "stream_durable", "replace_durable", "read_regular", "NotRegularFile",
-           "TooLarge", "file_kind", "write_file", "appending", "append"]
+           "TooLarge", "file_kind", "write_file", "appending", "append", "read_bounded"]
 
 
 def fsync_dir(path: Path) -> None:
@@ -212,3 +212,18 @@ def append(path: str | os.PathLike, data: bytes | str, *, durable: bool = False,
             view = view[os.write(fd, view):]
         if durable:
             os.fsync(fd)
+
+
+def read_bounded(path: str | os.PathLike, limit: int) -> bytes:
+    """The bytes of a file the user points at (a job file, the profiles file): links are followed (a
+    dotfile manager makes them), but only a regular file is read, never a FIFO or device (no hang, no
+    endless read), and only up to `limit` bytes (TooLarge beyond)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    try:
+        _check(path, os.fstat(fd), limit)
+        data = _read_upto(fd, limit + 1)
+    finally:
+        os.close(fd)
+    if len(data) > limit:
+        raise TooLarge(errno.EFBIG, f"is more than the {limit:,} bytes it can be (not read)", os.fspath(path))
+    return data

@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from hpc_ddp.common.durable import NotRegularFile, TooLarge, read_bounded
 from hpc_ddp.common.errors import SpecError
 from hpc_ddp.spec.container import absolute_image
 from hpc_ddp.spec.jobspec import (
@@ -37,12 +38,16 @@ __all__ = ["read_toml", "job_file_layer", "profile_layer", "profiles_path", "REM
 JOB_FILE_SUFFIXES = (".toml",)
 
 
+MAX_TOML_BYTES = 16 << 20   # a job or profiles file is a page of settings; more is not one
+
+
 def read_toml(path: Path, what: str) -> dict[str, Any]:
     try:
-        with open(path, "rb") as fh:
-            return tomllib.load(fh)
+        return tomllib.loads(read_bounded(path, MAX_TOML_BYTES).decode())
     except FileNotFoundError:
         raise SpecError(f"{what} {str(path)!r} does not exist") from None
+    except (NotRegularFile, TooLarge) as exc:
+        raise SpecError(f"{what} {str(path)!r} {exc.strerror}", hint=f"give a {what} that is a TOML text file") from None
     except OSError as exc:
         raise SpecError(f"cannot read {what} {str(path)!r}: {exc.strerror or exc}") from None
     except UnicodeDecodeError as exc:

@@ -253,7 +253,7 @@ def test_run_dir_refusals_hold_for_dry_run_and_render(project, command, args, me
     (["empty.toml"], "names nothing to run"),
     (["absent.toml"], "does not exist"),
     (["-m", "not a module"], "not a Python module name"),
-    (["dir.toml"], "cannot read job file"),
+    (["dir.toml"], "is a directory, not a regular file"),
     (["binary.toml"], "is not UTF-8 text (byte 10)"),
     (["deep.toml"], "nests arrays or tables too deeply to read"),  # was a RecursionError
     (["deep_table.toml"], "nests arrays or tables too deeply to read"),

@@ -84,3 +84,36 @@ def test_status_of_a_run_dir_with_a_fifo_for_its_events_is_one_line_not_a_hang(t
                           timeout=60)
     assert done.returncode == 2 and "events.jsonl is a FIFO, not a file of records" in done.stderr, done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
+
+
+def _dry_run(cwd, *args, env=None):
+    return subprocess.run([sys.executable, "-m", "hpc_ddp", "submit", "--dry-run", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=60, env={**os.environ, **(env or {})})
+
+
+def test_a_fifo_for_the_job_file_is_one_line_not_a_hang(tmp_path):
+    os.mkfifo(tmp_path / "job.toml")
+    done = _dry_run(tmp_path, "job.toml")
+    assert done.returncode == 2 and "is a FIFO, not a regular file" in done.stderr, done.stderr
+
+
+def test_a_fifo_for_the_profiles_file_is_one_line_not_a_hang(tmp_path):
+    (tmp_path / "t.py").write_text("print(1)\n")
+    os.mkfifo(tmp_path / "profiles.toml")
+    done = _dry_run(tmp_path, "--profile", "gpu", "t.py", env={"HPC_DDP_PROFILES": str(tmp_path / "profiles.toml")})
+    assert done.returncode == 2 and "profiles file" in done.stderr and "FIFO" in done.stderr, done.stderr
+
+
+def test_a_job_file_of_more_than_16_mb_is_refused_unread(tmp_path):
+    with open(tmp_path / "job.toml", "w") as fh:
+        fh.write('script = "t.py"\n')
+        fh.write("# padding\n" * (2 << 20))
+    done = _dry_run(tmp_path, "job.toml")
+    assert done.returncode == 2 and "more than the 16,777,216 it can be" in done.stderr, done.stderr
+
+
+def test_a_job_file_through_a_link_is_read(tmp_path):
+    (tmp_path / "t.py").write_text("print(1)\n")
+    (tmp_path / "real.toml").write_text('script = "t.py"\n')
+    (tmp_path / "job.toml").symlink_to(tmp_path / "real.toml")   # a dotfile manager's link is followed
+    assert _dry_run(tmp_path, "--executor", "local", "job.toml").returncode == 0
