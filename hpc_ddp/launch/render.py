@@ -13,12 +13,15 @@ reads the environment's secret values.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.resources
 import os
 import re
 import shlex
+import signal
 import stat
+import threading
 from pathlib import Path
 
 import jinja2
@@ -112,18 +115,19 @@ def render_sbatch(spec: JobSpec, run_dir: str, *, generated_at: str, command_lin
     name = Path(spec.template).name if spec.template else DEFAULT_TEMPLATE
     try:
         template = env.get_template(name)
-        text = template.render(
-            spec=spec, run_dir=run_dir, directives=directives(spec),
-            runner=runner_command(spec, run_dir), srun_options=srun_options(spec, run_dir),
-            env_exports=env_exports(spec),
-            node_setup=node_setup_command(spec) if spec.node_setup else None,
-            requeue_exit_code=REQUEUE_EXIT_CODE,
-            version=__version__, generated_at=generated_at, command_line=scrub(command_line),
-            script_name=rundir.SCRIPT, attempt_logs=rundir.attempt_logs("$SLURM_JOB_ID", "$ATTEMPT"),
-            rank_log=rundir.RANK_LOG.format(rank="%t"), program=scrub(spec.program()),
-            time_limit=format_time(spec.time) if spec.time else "none",
-            run_complete_exit_code=RUN_COMPLETE_EXIT_CODE,
-        )
+        with _time_limit(RENDER_LIMIT_S if spec.template else None):
+            text = template.render(
+                spec=spec, run_dir=run_dir, directives=directives(spec),
+                runner=runner_command(spec, run_dir), srun_options=srun_options(spec, run_dir),
+                env_exports=env_exports(spec),
+                node_setup=node_setup_command(spec) if spec.node_setup else None,
+                requeue_exit_code=REQUEUE_EXIT_CODE,
+                version=__version__, generated_at=generated_at, command_line=scrub(command_line),
+                script_name=rundir.SCRIPT, attempt_logs=rundir.attempt_logs("$SLURM_JOB_ID", "$ATTEMPT"),
+                rank_log=rundir.RANK_LOG.format(rank="%t"), program=scrub(spec.program()),
+                time_limit=format_time(spec.time) if spec.time else "none",
+                run_complete_exit_code=RUN_COMPLETE_EXIT_CODE,
+            )
     except jinja2.TemplateNotFound as exc:
         if exc.name != name:
             raise SpecError(f"template {name!r} includes {exc.name!r}: a custom template is one file",
@@ -137,6 +141,9 @@ def render_sbatch(spec: JobSpec, run_dir: str, *, generated_at: str, command_lin
                         hint="check the variable names against templates/sbatch.sh.j2") from None
     except RecursionError:
         raise SpecError(f"template {name!r} failed to render: it recurses without end") from None
+    except _TooLong:
+        raise SpecError(f"template {name!r} ran for more than {RENDER_LIMIT_S:g} s and was stopped: a job script "
+                        "renders in milliseconds", hint="look for loops over large ranges in it") from None
     except OverflowError as exc:  # the sandbox's cap on range()
         raise SpecError(f"template {name!r} failed to render: {exc}") from None
     if spec.template:
@@ -261,6 +268,47 @@ def _hint(where: str, leak: secrets.Leak) -> str:
 
 
 MAX_TEMPLATE_BYTES = 1 << 20
+RENDER_LIMIT_S = 10.0        # a custom template that runs longer (nested loops over big ranges) is stopped
+MAX_PRODUCT_ITEMS = 1 << 20  # `"x" * N` or `[0] * N` in a template: at most this many characters or items
+
+
+class _TooLong(Exception):
+    """A custom template ran past RENDER_LIMIT_S."""
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: float | None):
+    """Raise _TooLong in the render once `seconds` have passed (SIGALRM; the main thread only, where the
+    CLI renders; elsewhere, or with None, no limit)."""
+    if seconds is None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(_signum, _frame):
+        raise _TooLong()
+    previous = signal.signal(signal.SIGALRM, stop)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+class _Sandbox(ImmutableSandboxedEnvironment):
+    """jinja2's immutable sandbox, with `*` and `**` bounded: a template cannot make a string or list of
+    gigabytes (`"x" * 10**10`) or a number of millions of digits."""
+
+    intercepted_binops = frozenset(["*", "**"])
+
+    def call_binop(self, context, operator, left, right):
+        if operator == "*":
+            for seq, times in ((left, right), (right, left)):
+                if isinstance(seq, (str, list, tuple)) and isinstance(times, int) and len(seq) * times > MAX_PRODUCT_ITEMS:
+                    raise SecurityError(f"{operator!r} would make more than {MAX_PRODUCT_ITEMS:,} characters or items")
+        if operator == "**" and isinstance(right, (int, float)) and abs(right) > 64:
+            raise SecurityError("an exponent over 64")
+        return super().call_binop(context, operator, left, right)
 
 
 def _environment(template: str | None) -> jinja2.Environment:
@@ -278,7 +326,7 @@ def _package_environment() -> jinja2.Environment:
 
 
 def _sandbox(loader: jinja2.BaseLoader) -> jinja2.Environment:
-    env = ImmutableSandboxedEnvironment(loader=loader, undefined=jinja2.StrictUndefined, autoescape=False,
+    env = _Sandbox(loader=loader, undefined=jinja2.StrictUndefined, autoescape=False,
                                         keep_trailing_newline=True, trim_blocks=True, lstrip_blocks=True)
     env.filters["q"] = lambda value: shlex.quote(str(value))
     env.filters["qjoin"] = lambda values: " ".join(shlex.quote(str(v)) for v in values)

@@ -169,6 +169,10 @@ _HEAD = "#!/bin/bash\n{% for d in directives %}#SBATCH {{ d }}\n{% endfor %}"
     ("{{ ''.__class__.__mro__[1].__subclasses__() }}", "stopped by the sandbox"),
     ("{{ range(10**9) | list }}", "Range too big"),
     ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "recurses without end"),
+    ("{{ 'x' * 10**10 }}", "stopped by the sandbox"),   # issue 30: would take 10 GB
+    ("{{ [0] * 2000000 }}", "stopped by the sandbox"),
+    ("{{ 2 ** 100000000 }}", "stopped by the sandbox"),
+    ("{{ 10 * 'x' * 200000 }}", "stopped by the sandbox"),
     ("{{ x", "failed to render"),
     ("{{ no_such_thing }}", "failed to render"),
 ])
@@ -252,3 +256,14 @@ def test_chain_and_fallback_scripts_pass_bash_n_and_the_custom_template_check():
     bash_n(text)
     check_custom_script(text, spec, "/scratch/ada/runs/train-1")
     assert "Job 1 of a chain of 4" in text and "-m hpc_ddp.job.attempts resubmit" in text
+
+
+def test_a_template_that_loops_for_ever_is_stopped(tmp_path, monkeypatch):
+    """Nested loops over big ranges (issue 30: a dry run that never finished) are stopped by the time limit."""
+    from hpc_ddp.launch import render as render_module
+
+    monkeypatch.setattr(render_module, "RENDER_LIMIT_S", 0.5)
+    tpl = tmp_path / "site.j2"
+    tpl.write_text("{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}")
+    with pytest.raises(SpecError, match="ran for more than 0.5 s and was stopped"):
+        render(spec_of({"template": str(tpl)}))
