@@ -152,7 +152,7 @@ def _log_record(line: str) -> dict:
 
 @click.command("list")
 @click.option("--json", "as_json", is_flag=True)
-@click.option("-n", "limit", type=int, default=20, show_default=True, help="How many recent runs.")
+@click.option("-n", "limit", type=click.IntRange(min=1), default=20, show_default=True, help="How many recent runs.")
 def list_runs(as_json: bool, limit: int) -> None:
     """This user's recent runs, from any directory (newest last)."""
     from hpc_ddp.launch.registry import runs

@@ -18,7 +18,7 @@ from hpc_ddp.common import secrets
 from hpc_ddp.common.durable import NotRegularFile, append, file_kind
 from hpc_ddp.common.errors import UserError
 
-__all__ = ["JsonLines", "read_jsonl"]
+__all__ = ["JsonLines", "read_jsonl", "well_formed"]
 
 
 class JsonLines:
@@ -68,3 +68,31 @@ def read_jsonl(path: str | os.PathLike, limit: int = MAX_RECORDS_BYTES) -> list[
             except ValueError:
                 continue
     return records
+
+
+# The fields status, timeline and plot compute with, and the shape hpc-ddp writes them in. A record that
+# has one in another shape (a string for a step, NaN or 1e308 for a time: edited, or written by another
+# tool) was not written by hpc-ddp as it is, and is left out rather than crash or mislead the arithmetic.
+_LATEST_TIME = 1e11          # the year 5138: later is no time of ours, and past what datetime can show
+_COUNTS = ("attempt", "step", "epoch", "total_steps", "batch_in_epoch")
+_TEXTS = ("event", "reason", "cause", "executor", "state")
+
+
+def _count(value: Any) -> bool:
+    return value is None or (type(value) is int and 0 <= value < 1 << 53)
+
+
+def well_formed(record: Any) -> bool:
+    """Is `record` a dict whose time, counts (attempt, step, epoch, ...), exit code, texts and job id have
+    the types and ranges hpc-ddp writes? (Fields it does not know are not judged.)"""
+    if not isinstance(record, dict):
+        return False
+    when = record.get("time")
+    if when is not None and not (type(when) in (int, float) and 0 <= when < _LATEST_TIME):  # NaN fails too
+        return False
+    code = record.get("exit_code")
+    if code is not None and not (type(code) is int and -(1 << 31) <= code < 1 << 31):
+        return False
+    job = record.get("job_id")
+    return (all(_count(record.get(k)) for k in _COUNTS) and all(isinstance(record.get(k), (str, type(None)))
+            for k in _TEXTS) and (job is None or type(job) in (str, int)))

@@ -341,11 +341,13 @@ def debugger_lines(d: dict[str, Any]) -> list[str]:
 
 def records(path: Path) -> list[dict[str, Any]]:
     """The records of a JSONL file: a damaged line (a kill mid-write) is skipped by read_jsonl, one that
-    parses to something other than a record here; a file that cannot be read is one line, exit 2."""
+    parses to something other than a record of ours here (`events.well_formed`: a step that is a string, a
+    time that is NaN); a file that cannot be read is one line, exit 2."""
     from hpc_ddp.common.errors import UserError
+    from hpc_ddp.common.events import well_formed
 
     try:
-        return [r for r in read_jsonl(path) if isinstance(r, dict)]
+        return [r for r in read_jsonl(path) if well_formed(r)]
     except (OSError, UnicodeDecodeError) as exc:
         raise UserError(f"cannot read {str(path)!r}: {getattr(exc, 'strerror', None) or exc}") from None
 

@@ -145,7 +145,15 @@ def probe_machine(environ: Mapping[str, str] | None = None, exists: Callable[[st
 
 def executor_for_run(name: str | None, commands=None) -> Executor:
     """The executor that manages a run submitted with executor `name` (runs from before the registry
-    recorded it were sbatch's)."""
+    recorded it were sbatch's). A name hpc-ddp does not know (records edited, or written by another tool)
+    is one line, exit 2."""
+    if name and name not in NAMES:
+        from hpc_ddp.common.errors import UserError
+        from hpc_ddp.common.terminal import printable
+
+        raise UserError(f"the run's records name the executor {printable(str(name))!r}, which hpc-ddp does not know "
+                        f"(it knows {', '.join(NAMES)})", hint="its submissions.jsonl was edited or written by another "
+                                                                "tool; fix the executor there")
     return get_executor(name or "sbatch", commands=commands)
 
 
