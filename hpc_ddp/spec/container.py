@@ -107,6 +107,9 @@ def _checked(runtime: str, image: Any, python: Any, args: tuple[str, ...]) -> Co
             raise ValueError(f"the container's {what} contains a control character (newline, NUL, ...)")
         if any(c.isspace() for c in value):
             raise ValueError(f"the container's {what} {value[:60]!r} contains whitespace")
+        if value.startswith("-"):  # the runtime would take it as an option (--privileged), not an image
+            raise ValueError(f"the container's {what} {value[:60]!r} starts with '-': the runtime would read it as "
+                             "an option (give extra runtime options as the table's args)")
     if runtime == "shifter" and set(image) & set("#\"'\\"):  # it becomes an #SBATCH --image line
         raise ValueError(f"the shifter image {image[:60]!r} contains a character an #SBATCH line cannot hold")
     for arg in args:

@@ -63,6 +63,9 @@ def test_the_command_line_overrides_a_profiles_container_even_with_none():
     ({"runtime": "podman"}, "needs runtime and image"),
     ({"runtime": "podman", "image": "x", "mounts": []}, "unknown key 'mounts'"),
     (5, "expected RUNTIME:IMAGE"),
+    ("podman:--privileged", "starts with '-': the runtime would read it as an option"),   # issue 30
+    ("pyxis:-x", "starts with '-'"),
+    ({"runtime": "podman", "image": "x", "python": "-c"}, "container's python '-c' starts with '-'"),
 ])
 def test_bad_containers_are_refused_naming_the_flag(value, message):
     with pytest.raises(SpecError, match=message) as info:
