@@ -114,7 +114,10 @@ def profile_names(env: Mapping[str, str] = os.environ) -> list[str]:
 # ---- the completers ----
 
 def _plain(values: Iterator[tuple[str, str | None]], incomplete: str) -> list[CompletionItem]:
-    return [CompletionItem(value, help=help_) for value, help_ in values
+    """Items for the values that are offerable; a description (zsh and fish show it) only where it is
+    printable: click writes value and description on lines of their own, so a newline in a run dir's name
+    would add a completion of its own (`-rf`)."""
+    return [CompletionItem(value, help=help_ if help_ and help_.isprintable() else None) for value, help_ in values
             if value.startswith(incomplete) and offerable(value)]
 
 

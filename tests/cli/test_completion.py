@@ -3,6 +3,7 @@ registry or profiles file gives no completions and no traceback; bash really com
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -112,6 +113,17 @@ def test_hostile_registry_lines_are_never_offered(home):
     assert complete("hpc-ddp status ") == ["dir,"]
     registry.write_bytes(b"\xff\xfe\x00garbage\n")
     assert complete("hpc-ddp status ") == ["dir,"]
+
+
+def test_a_hostile_run_dir_name_adds_no_completion_in_zsh_or_fish(home):
+    """The run dir's name is the description zsh and fish show: one with a newline would have made `-rf` a
+    completion of its own (issue 30)."""
+    registry = Path(os.environ["HPC_DDP_REGISTRY"])
+    run_dir = home / "runs" / "x\n-rf\nplain"
+    run_dir.mkdir(parents=True)
+    registry.write_text(json.dumps({"job_id": "4712", "run_dir": str(run_dir)}) + "\n")
+    assert complete("hpc-ddp logs 47", "zsh") == ["plain", "4712", "_"]
+    assert "-rf" not in complete("hpc-ddp logs 47", "fish")
 
 
 def test_offerable():
