@@ -14,7 +14,7 @@ from pathlib import Path
 
 from hpc_ddp.common.durable import write_file
 from hpc_ddp.common.errors import HpcDdpError, SubmitError, UserError
-from hpc_ddp.common.procs import CommandRunner, SubprocessCommands
+from hpc_ddp.common.procs import CommandRunner, SubprocessCommands, slurm_unreachable
 from hpc_ddp.common.rundir import RunDir
 from hpc_ddp.job.chain import link, record
 from hpc_ddp.launch.executors.base import Plan, Submission, record_submission, write_run_dir
@@ -144,10 +144,11 @@ def dependency_problem(after: str, state: str | None) -> tuple[str, str] | None:
 def job_state(job_id: str, commands: CommandRunner) -> str | None:
     """Slurm's state of `job_id` (PENDING, RUNNING, COMPLETED, FAILED, ...): from the controller, which
     knows the queued jobs and the recently ended ones, then from accounting. None: neither knows it;
-    UNKNOWN: neither could be asked."""
+    UNKNOWN: neither could be asked. Accounting's silence is no answer while the controller is unreachable:
+    a job queued a minute ago is not in accounting yet."""
     from hpc_ddp.job.attempts import parse_show_job
 
-    known_not = False
+    known_not = unreachable = False
     done = _ask(commands, ["scontrol", "show", "job", job_id])
     if done is not None and done.returncode == 0:
         state = parse_show_job(done.stdout).get("JobState")
@@ -155,10 +156,12 @@ def job_state(job_id: str, commands: CommandRunner) -> str | None:
             return state
     elif done is not None:
         known_not = "Invalid job id" in done.stderr + done.stdout
+        unreachable = slurm_unreachable(done.stderr + done.stdout)
     done = _ask(commands, ["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State"])
     if done is not None and done.returncode == 0:  # not without accounting ("accounting storage is disabled")
         words = done.stdout.split()
-        return words[0] if words else None  # "CANCELLED by 1000" -> CANCELLED
+        if words or not unreachable:
+            return words[0] if words else None  # "CANCELLED by 1000" -> CANCELLED
     return None if known_not else UNKNOWN
 
 
