@@ -117,7 +117,8 @@ def test_an_unreachable_controller_is_not_taken_for_a_job_slurm_does_not_know():
     """Issue 30: with the controller down, accounting's silence said "Slurm knows no job 5" (exit 2); a job
     queued a minute ago is not in accounting yet. Not checked, and sbatch then says Slurm is unreachable."""
     down = Completed(("scontrol",), 1, "", "slurm_load_jobs error: Unable to contact slurm controller (connect failure)")
-    commands = FakeCommands({"scontrol": lambda argv: down, "sacct": lambda argv: Completed(tuple(argv), 0, "")})
+    commands = FakeCommands({"scontrol": lambda argv: down, "sacct": lambda argv: Completed(tuple(argv), 0, "")},
+                            installed=("scontrol", "sacct"))
     assert job_state("5", commands) == "?"
     commands.handlers["sacct"] = lambda argv: Completed(tuple(argv), 0, "COMPLETED\n")
     assert job_state("5", commands) == "COMPLETED"   # accounting that knows it still answers
