@@ -39,6 +39,9 @@ def usable_run_dir(path: Path) -> str:
         why = getattr(exc, "strerror", None) or exc
         raise UserError(f"run dir {str(path)!r} cannot be resolved: {why}") from None
     shown = str(path) if len(str(path)) <= 100 else str(path)[:97] + "..."
+    if not str(path).isprintable():  # a newline splits every line that names it: Slurm's, the logs', ours
+        raise UserError(f"run dir {shown!r} has a control character (a newline, tab, ...) in its name",
+                        hint="give a --run-dir (or --job-name) of printable characters")
     if any(len(part.encode()) > 255 for part in path.parts) or len(str(path).encode()) >= 4096:
         raise UserError(f"run dir {shown!r} has a name longer than the filesystem allows (255 bytes a name)",
                         hint="use a shorter --job-name or --run-dir")

@@ -93,3 +93,11 @@ def test_a_run_dir_whose_slurm_job_is_queued_is_refused_and_an_ended_one_is_take
     check_not_live(str(run), FakeCommands({"squeue": lambda argv: Completed(tuple(argv), 0, "")}))
     check_not_live(str(run), FakeCommands(installed=()))  # no Slurm here: nothing to ask
     check_not_live(str(tmp_path / "new"), queued)  # not a run dir yet
+
+
+@pytest.mark.parametrize("name", ["a\nb", "tab\there", "esc\x1b[2J"])
+def test_a_run_dir_name_with_a_control_character_is_refused(tmp_path, name):
+    (tmp_path / "train.py").write_text("print(1)\n")
+    done = _submit(tmp_path, name)
+    assert done.returncode == 2 and "has a control character" in done.stderr, done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["train.py"]
