@@ -1,6 +1,7 @@
-"""rerun: replay one attempt of a run here (the logic: `launch.rerun`).
+"""rerun: replay one attempt of a run here (the logic: `launch.rerun`); attach: the owner's way to a debug
+rank (`launch.debugattach`).
 
-`--json` prints {"rerun": the plan as rerun.json records it, "executor", "job_id", "state", "returncode",
+rerun's `--json` prints {"rerun": the plan as rerun.json records it, "executor", "job_id", "state", "returncode",
 "original_failure", "rerun_failure"}; a refusal is one line on stderr, exit 2, nothing written.
 """
 
@@ -14,7 +15,7 @@ import click
 
 from hpc_ddp.common import verbosity
 
-__all__ = ["COMMANDS", "rerun"]
+__all__ = ["COMMANDS", "attach", "rerun"]
 
 
 @click.command()
@@ -104,4 +105,42 @@ def _compare(outcome: dict) -> list[str]:
     return lines
 
 
-COMMANDS = [rerun]
+@click.command()
+@click.argument("job", required=False)
+@click.option("--port", type=click.IntRange(1, 65535),
+              help="Also listen on localhost:PORT here, for an IDE on this machine (VS Code Remote-SSH); only your "
+                   "own connections are taken.")
+def attach(job: str | None, port: int | None) -> None:
+    """Relay to the rank of JOB that waits for a debugger (submit --debug-rank), for you alone; without JOB,
+    the most recent run. Run it on the login node and leave it running: it serves a socket of yours here
+    and reaches the rank's node through srun; it prints the ssh command that forwards your laptop's
+    localhost:5678 to it.
+
+    \b
+      hpc-ddp attach 8123
+      hpc-ddp attach runs/train-20261122-054742 --port 5678
+    """
+    from hpc_ddp.common.errors import UserError
+    from hpc_ddp.common.procs import SubprocessCommands
+    from hpc_ddp.launch.debugattach import serve
+    from hpc_ddp.launch.registry import resolve
+    from hpc_ddp.launch.status import run_status
+
+    run = resolve(job)
+    _source(run)  # a sweep: one of its tasks, please
+
+    def waiting() -> dict | None:
+        debug = run_status(run.run_dir, run.job_id, run.executor, SubprocessCommands()).get("debugger") or {}
+        return debug if debug.get("owner_only") and debug.get("socket") else None
+
+    event = waiting()
+    if event is None:
+        raise UserError(f"no rank of job {run.job_id or run.run_dir} waits for a debugger now",
+                        hint="submit with --debug-rank R; `hpc-ddp status` shows the rank once it waits")
+    try:
+        serve(event, port=port, live=lambda: waiting() is not None, say=lambda m: click.echo(m, err=True))
+    except KeyboardInterrupt:
+        click.echo("", err=True)
+
+
+COMMANDS = [rerun, attach]

@@ -180,10 +180,12 @@ def prepare(spec_path: str) -> tuple[list[str], dict[str, str]]:
 
 
 def _under_debugger(spec: JobSpec, dist: DistEnv, argv: list[str], env: dict[str, str], run_dir: str) -> list[str]:
-    """--debug-rank: that rank's program starts under its debugger, and says where in its log and events."""
+    """--debug-rank: that rank's program starts under its debugger (debugpy: connected to the owner-only
+    relay that `wrap` starts first), and says how to attach in its log and events."""
     from hpc_ddp.job import debugger
 
-    argv, record = debugger.wrap(spec, dist.rank, argv, env, say=lambda m: print(m, flush=True))
+    argv, record = debugger.wrap(spec, dist.rank, argv, env, say=lambda m: print(m, flush=True),
+                                 job_id=dist.job_id or "")
     if record is not None and spec.code is not None and spec.debugger == "debugpy":
         # The rank runs the snapshot's copy; your editor sets breakpoints in the working tree's files.
         # debugpy (pydevd) translates between the two, both ways, so breakpoints hit and frames name your files.

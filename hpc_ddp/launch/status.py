@@ -335,7 +335,17 @@ def debugger_lines(d: dict[str, Any]) -> list[str]:
                 f"collective {d.get('collective_timeout')} s)")
     if d.get("debugger") == "pdb":
         return [f"debugger         rank {d.get('rank')} under pdb in the submitting terminal {timeouts}"]
-    return [f"debugger         rank {d.get('rank')} waits for debugpy on {d.get('listen')} {timeouts}",
+    if not d.get("owner_only"):  # an event of an older hpc-ddp, whose rank listened itself
+        return [f"debugger         rank {d.get('rank')} waits for debugpy on {d.get('listen')} {timeouts}",
+                f"  tunnel         {d.get('tunnel')}  then attach to localhost:{d.get('port')}"]
+    if d.get("loopback"):
+        return [f"debugger         rank {d.get('rank')} waits for debugpy on {d.get('listen')}, your connections "
+                f"only {timeouts}",
+                f"  attach         localhost:{d.get('port')} on this machine",
+                f"  tunnel         {d.get('tunnel')}  then attach to localhost:{d.get('port')}"]
+    return [f"debugger         rank {d.get('rank')} waits for debugpy on {d.get('node')}, your connections only "
+            f"{timeouts}",
+            f"  attach         {d.get('attach')}  (on the login node; leave it running: it relays through srun)",
             f"  tunnel         {d.get('tunnel')}  then attach to localhost:{d.get('port')}"]
 
 

@@ -10,11 +10,23 @@ from typing import Any
 
 
 class DapClient:
-    def __init__(self, host: str, port: int, timeout: float = 60):
-        self.sock = socket.create_connection((host, port), timeout=timeout)
+    def __init__(self, host: str, port: int, timeout: float = 60, *, sock: socket.socket | None = None):
+        self.sock = sock if sock is not None else socket.create_connection((host, port), timeout=timeout)
         self.buf = b""
         self.seq = 0
         self.pending: list[dict[str, Any]] = []  # messages read while waiting for another
+
+    @classmethod
+    def unix(cls, path: str, timeout: float = 60) -> "DapClient":
+        """A client through a Unix socket (`hpc-ddp attach`'s, or the relay's on the node)."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout)
+        try:
+            sock.connect(path)
+        except OSError:
+            sock.close()
+            raise
+        return cls("", 0, sock=sock)
 
     def close(self) -> None:
         self.sock.close()

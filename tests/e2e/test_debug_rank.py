@@ -118,8 +118,9 @@ def test_a_taken_debug_port_is_refused_before_anything_runs(tmp_path):
 
 @pytest.mark.slurm
 def test_attach_to_rank_3_of_a_2x2_job_on_the_test_slurm(slurm_conf, tmp_path):
-    """On a cluster the debug rank listens on its node's own address (hpcn2 here) and says how to tunnel there
-    through the submit host; the client attaches as it would through that tunnel."""
+    """On a cluster the debug rank (on hpcn2 here) is reached through `hpc-ddp attach JOB` on the submit host,
+    which relays through srun into the job; the client attaches to the socket attach serves, as a laptop
+    does through `ssh -L PORT:SOCKET`."""
     script = tmp_path / "job.py"
     script.write_text(SCRIPT)
     line = next(i for i, x in enumerate(SCRIPT.splitlines(), 1) if "# BREAK" in x)
@@ -128,12 +129,14 @@ def test_attach_to_rank_3_of_a_2x2_job_on_the_test_slurm(slurm_conf, tmp_path):
                    "--run-dir", str(run_dir), "--json", str(script), cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     job_id = json.loads(done.stdout[done.stdout.index("{"):])["job_id"]
+    attach = None
     try:
         event = wait_until(lambda: _debugger_event(run_dir), 120, "the debugger event")
-        assert event["node"] == "hpcn2" and event["listen"] == f"127.0.1.12:{event['port']}"  # hpcn2's address
-        assert event["tunnel"] == f"ssh -N -L {event['port']}:hpcn2:{event['port']} {socket.gethostname()}"
-        host, port = event["listen"].rsplit(":", 1)
-        client = wait_until(lambda: _connect(int(port), host), 30, "debugpy listening")
+        assert event["node"] == "hpcn2" and event["attach"] == f"hpc-ddp attach {job_id}"
+        assert event["tunnel"] == f"ssh -N -L 5678:{event['login_socket']} {socket.gethostname()}"
+        attach = subprocess.Popen([sys.executable, "-m", "hpc_ddp", "attach", job_id], cwd=tmp_path,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        client = wait_until(lambda: _connect_unix(event["login_socket"]), 30, "hpc-ddp attach serving")
         try:
             stopped = client.attach_and_break(str(script), line)
             assert client.local_variable(stopped["body"]["threadId"], "secret") == "22"  # rank 3: 3 * 7 + 1
@@ -141,11 +144,23 @@ def test_attach_to_rank_3_of_a_2x2_job_on_the_test_slurm(slurm_conf, tmp_path):
         finally:
             client.close()
         assert wait_for_job(job_id, timeout=120) == "COMPLETED"
+        _, said = attach.communicate(timeout=60)
     finally:
         subprocess.run(["scancel", job_id], capture_output=True)
+        if attach is not None and attach.poll() is None:
+            attach.kill()
+    assert f"ssh -N -L 5678:{event['login_socket']}" in said and "a debugger attached" in said, said
     logs = [p.read_text() for p in sorted(run_dir.glob(f"logs/job-{job_id}/attempt-0/rank-*.log"))]
     assert all("total=46" in log for log in logs), logs
-    assert "hpc-ddp: from your laptop: ssh -N -L" in logs[3]
+    assert f"hpc-ddp: on the login node run: hpc-ddp attach {job_id}" in logs[3]
+    assert f"hpc-ddp: then from your laptop: {event['tunnel']}" in logs[3]
+
+
+def _connect_unix(path: str) -> DapClient | None:
+    try:
+        return DapClient.unix(path)
+    except OSError:
+        return None
 
 
 def test_the_warning_signal_still_checkpoints_a_job_with_a_rank_in_the_debugger(tmp_path):
