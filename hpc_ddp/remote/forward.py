@@ -214,28 +214,38 @@ def _picture(ssh: Ssh, hpc_ddp: str, command: click.Command, params: dict[str, A
 
 
 def _tunnel(ssh: Ssh, hpc_ddp: str, record: dict[str, Any]) -> int:
-    """Open localhost:PORT -> the debug rank's node:PORT through the shared connection (`ssh -O forward`:
-    no new login); it lasts as long as that connection. Another port here where PORT is taken."""
+    """Open localhost:PORT -> the debug rank, for its owner alone, through the shared connection: the
+    cluster's `hpc-ddp attach` (started there in the background; it ends when the rank no longer waits)
+    serves a Unix socket of the user's on the login node and relays through srun to the rank's node; `ssh -O
+    forward` (no new login) forwards the port here to that socket. Another port here where PORT is taken."""
     done = ssh.run(f"exec {hpc_ddp} status --json {shlex.quote(record['run_dir'])}\n")
     try:
         debug = json.loads(done.stdout).get("debugger") or {}
     except ValueError:
         debug = {}
-    node, port = debug.get("node"), debug.get("port")
-    if not node or not isinstance(port, int):
+    node, port, sock = debug.get("node"), debug.get("port"), debug.get("login_socket")
+    if not node or not isinstance(port, int) or not isinstance(sock, str) or not debug.get("owner_only"):
         raise UserError(f"no rank of job {record.get('job_id')} on {ssh.host} waits for a debugger now",
                         hint="submit with --debug-rank R; `hpc-ddp status` shows the rank once it waits")
+    quoted = shlex.quote(sock)
+    # One attach per rank: a second one started here finds the socket served and ends at once.
+    started = ssh.run(f"setsid {hpc_ddp} attach {shlex.quote(record['run_dir'])} </dev/null >/dev/null 2>&1 &\n"
+                      f"i=0; while [ ! -S {quoted} ] && [ $i -lt 100 ]; do sleep 0.1; i=$((i+1)); done\n"
+                      f"[ -S {quoted} ]\n", check=False)
+    if started.returncode != 0:
+        raise UserError(f"`hpc-ddp attach` did not start on {ssh.host} within 10 s",
+                        hint=f"run it there to see why: ssh {ssh.host} {hpc_ddp} attach {record.get('job_id')}")
     local = _free(port) or _free(0)
-    # the status call above made (or reused) the shared connection: the forward goes through it
-    opened = subprocess.run(["ssh", *ssh.options(), "-O", "forward", "-L", f"127.0.0.1:{local}:{node}:{port}",
+    opened = subprocess.run(["ssh", *ssh.options(), "-O", "forward", "-L", f"127.0.0.1:{local}:{sock}",
                              "--", ssh.host], capture_output=True, check=False)
     if opened.returncode != 0:
-        raise UserError(f"could not open the tunnel to {node}:{port} through {ssh.host}: "
+        raise UserError(f"could not open the tunnel to {sock} on {ssh.host}: "
                         f"{opened.stderr.decode(errors='replace').strip() or opened.returncode}",
-                        hint=f"open it by hand: ssh -N -L {local}:{node}:{port} {ssh.host}")
-    click.echo(f"tunnel open: localhost:{local} -> {node}:{port} through {ssh.host} (rank {debug.get('rank')} "
-               f"waits there); attach VS Code or PyCharm to localhost:{local}; your project's paths are mapped "
-               "to the run's copy")
+                        hint=f"run `hpc-ddp attach {record.get('job_id')}` on {ssh.host}, then: "
+                             f"ssh -N -L {local}:{sock} {ssh.host}")
+    click.echo(f"tunnel open: localhost:{local} -> {node}: rank {debug.get('rank')} waits there, reached through "
+               f"`hpc-ddp attach` on {ssh.host}, for you alone; attach VS Code or PyCharm to localhost:{local}; "
+               "your project's paths are mapped to the run's copy")
     return 0
 
 
