@@ -10,6 +10,12 @@ task of one Slurm array gets the same nodes, GPUs and time). Keys:
   as `train.KEY`;
 - `args.NAME`: your own script's option; the task's program gets `--NAME=VALUE` after its arguments.
 
+Values are typed by what they set (`_typed`): a setting's by its own parser (`--sweep lr=1e-3` is the float
+0.001, `--sweep epochs=x` is refused naming the axis), an `args.NAME` value is the script's text exactly as
+written on the command line (`1.10` stays `1.10`; a job file's `[sweep]` table keeps TOML's types). On the
+command line values are split at commas; a value wholly in double quotes keeps its commas and spaces, `""`
+in it is one quote (`split_values`).
+
 Every task's values are also exported to its ranks as HPC_DDP_SWEEP_<KEY> (and HPC_DDP_SWEEP_TASK).
 """
 
@@ -20,30 +26,30 @@ import difflib
 import itertools
 import math
 import re
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from hpc_ddp.common.errors import SpecError
-from hpc_ddp.spec.jobspec import SPEC_KEYS, JobSpec, Layer
+from hpc_ddp.spec.jobspec import PARSERS, SPEC_KEYS, JobSpec, Layer
+from hpc_ddp.spec.trainconfig import _PARSERS as TRAIN_PARSERS
 from hpc_ddp.spec.trainconfig import TrainConfig
-from hpc_ddp.spec.values import count
+from hpc_ddp.spec.values import count, flag
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
-
-__all__ = ["Axis", "Sweep", "parse_axis", "sweep_from", "task_layer", "task_args", "task_env", "task_spec", "describe",
+__all__ = ["Axis", "Sweep", "parse_axis", "split_values", "sweep_from", "task_layer", "task_args", "task_env", "task_spec", "describe",
            "check_spec", "check_no_flag_conflict", "METRIC_MODES"]
 
 SPEC_SWEEPABLE = ("lr", "epochs", "batch_size")
 TRAIN_KEYS = tuple(f.name for f in dataclasses.fields(TrainConfig))
+_TRAIN_FLAGS = frozenset(f.name for f in dataclasses.fields(TrainConfig) if f.type in (bool, "bool"))
 MAX_TASKS = 10_000        # above any site's MaxArraySize; the cluster's own limit is checked before sbatch
 TABLE_OPTIONS = ("max_running", "metric")  # [sweep] keys that are not settings to vary
 METRIC_MODES = ("max", "min")
 _ARG_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")
 _NOT_SWEEPABLE = "sweeps vary training settings; every task of one Slurm array gets the same allocation"
+# One value: "quoted" (commas and spaces kept, "" is a quote) or plain (no quote, spaces around it dropped),
+# then a comma or the end.
+_VALUE = re.compile(r'\s*(?:"((?:[^"]|"")*)"|([^,"]*?))\s*(,|\Z)')
+_QUOTING = 'values are split at commas; wrap a value holding a comma in double quotes: args.name="a,b",c'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,22 +79,34 @@ class Sweep:
 
 
 def parse_axis(item: str) -> Axis:
-    """`KEY=V1,V2,...` (a --sweep flag) -> Axis; each value read as TOML would (0.1, 32, true, "x"), else
-    as a string."""
+    """`KEY=V1,V2,...` (a --sweep flag) -> Axis of the values as written (strings, split by `split_values`);
+    `sweep_from` types them once the key says what they set."""
     key, sep, rest = item.partition("=")
     if not sep:
         raise SpecError(f"--sweep {item!r} is not KEY=VALUE,VALUE,...", hint="e.g. --sweep lr=0.1,0.01")
-    values = [v.strip() for v in rest.split(",")] if rest.strip() else []
-    if any(not v for v in values):
-        raise SpecError(f"--sweep {item!r} has an empty value", hint="separate values by single commas: lr=0.1,0.01")
-    return Axis(key.strip(), tuple(_literal(v) for v in values))
+    return Axis(key.strip(), tuple(split_values(rest, key.strip())))
 
 
-def _literal(text: str) -> Any:
-    try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        return text
+def split_values(text: str, key: str) -> list[str]:
+    """The values of one --sweep flag: split at commas; a value wholly in double quotes is what is between
+    them (commas and spaces kept, `""` is one quote), a plain one loses the spaces around it. A quote
+    anywhere else, an unclosed one or an empty plain value is refused."""
+    if not text.strip():
+        return []
+    values, at = [], 0
+    while True:
+        m = _VALUE.match(text, at)
+        if m is None:
+            raise SpecError(f"--sweep {key}: {text[at:][:40]!r}: a double quote must wrap a whole value",
+                            hint=_QUOTING)
+        quoted, plain, comma = m.groups()
+        if quoted is None and not plain:
+            raise SpecError(f"--sweep {key}={text[:40]!r} has an empty value",
+                            hint='separate values by single commas: lr=0.1,0.01 (an empty text: "")')
+        values.append(quoted.replace('""', '"') if quoted is not None else plain)
+        if not comma:
+            return values
+        at = m.end()
 
 
 def sweep_from(flags: Sequence[str], table: Mapping[str, Any] | None, max_running: Any, target_kind: str) -> Sweep | None:
@@ -108,10 +126,18 @@ def sweep_from(flags: Sequence[str], table: Mapping[str, Any] | None, max_runnin
         canonical = _key(key, target_kind, "[sweep]")
         if canonical in axes:
             raise SpecError(f"[sweep] sets {canonical} twice ({key!r} and another spelling)", hint="keep one of them")
-        axes[canonical] = Axis(key, tuple(values))
+        axes[canonical] = _typed(Axis(canonical, tuple(values)), f"[sweep] {key}")
+    flagged: dict[str, str] = {}
     for item in flags:
         axis = parse_axis(item)
-        axes[_key(axis.key, target_kind, "--sweep")] = axis
+        canonical = _key(axis.key, target_kind, "--sweep")
+        if canonical in flagged:
+            both = (f"--sweep {axis.key} is given twice" if flagged[canonical] == axis.key
+                    else f"--sweep {flagged[canonical]} and --sweep {axis.key} both vary {canonical}")
+            raise SpecError(f"{both}: one axis would be lost",
+                            hint=f"give all its values in one flag: --sweep {canonical}=V1,V2,...")
+        flagged[canonical] = axis.key
+        axes[canonical] = _typed(Axis(canonical, axis.values), f"--sweep {axis.key}")
     if max_running is None:
         max_running = options.get("max_running")
     if not axes:
@@ -121,7 +147,7 @@ def sweep_from(flags: Sequence[str], table: Mapping[str, Any] | None, max_runnin
         if max_running is not None:
             raise SpecError("--max-running limits a sweep, but no sweep is given", hint="add --sweep KEY=V1,V2")
         return None
-    checked = tuple(_checked(Axis(key, axis.values)) for key, axis in axes.items())
+    checked = tuple(_checked(axis) for axis in axes.values())
     _check_env_names([a.key for a in checked])
     sweep = Sweep(checked, _max_running(max_running), _metric(options.get("metric")))
     if sweep.size > MAX_TASKS:
@@ -147,7 +173,9 @@ def _key(key: str, target_kind: str, where: str) -> str:
         if target_kind != "trainer":
             raise SpecError(f"{where} {key}: a [train] setting, but this job runs your own program",
                             hint=f"for your script's own option use args.{name} (it gets --{name}=VALUE)")
-        return f"train.{name}"
+        # train.epochs is the spec's epochs: --epochs (or a job file's epochs) would otherwise override the
+        # task's [train] value, and the task would train what its label does not say.
+        return name if name in SPEC_SWEEPABLE else f"train.{name}"
     if key in SPEC_KEYS:
         raise SpecError(f"{where} {key}: {_NOT_SWEEPABLE}", hint="submit one sweep per allocation")
     known = [*SPEC_SWEEPABLE, *(TRAIN_KEYS if target_kind == "trainer" else ())]
@@ -158,32 +186,55 @@ def _key(key: str, target_kind: str, where: str) -> str:
     raise SpecError(f"{where} {key}: not a setting", hint=hint)
 
 
+def _typed(axis: Axis, where: str) -> Axis:
+    """The axis's values as what they set takes them: an `args.NAME` value is the script's text, kept as
+    given (a flag's as spelled, a table's as TOML typed it); a setting's is parsed by that setting's own
+    parser, so a bad one is refused here, naming the axis."""
+    for value in axis.values:
+        _plain(value, where)
+    if axis.key.startswith("args."):
+        return axis
+    parse = _setting_parser(axis.key)
+    typed = []
+    for value in axis.values:
+        try:
+            typed.append(parse(value))
+        except ValueError as exc:
+            raise SpecError(f"{where}: {exc}") from None
+    return Axis(axis.key, tuple(typed))
+
+
+def _setting_parser(key: str) -> Callable[[Any], Any]:
+    """The parser of the setting a canonical key names; a [train] flag written on the command line is read as
+    --flags are (true/false, yes/no, 1/0)."""
+    if key in SPEC_SWEEPABLE:
+        return PARSERS[key]
+    name = key.removeprefix("train.")
+    if name in _TRAIN_FLAGS:
+        return lambda raw: TRAIN_PARSERS[name](flag(raw) if isinstance(raw, str) else raw)
+    return TRAIN_PARSERS[name]
+
+
+def _plain(value: Any, where: str) -> None:
+    """A number, true/false or a string of printable characters, as written."""
+    if not isinstance(value, (str, int, float, bool)):
+        raise SpecError(f"{where}: {str(value)[:40]!r} is not a plain value (a number, true/false or a string)")
+    if isinstance(value, str) and any(ord(c) < 32 or ord(c) == 127 for c in value):
+        raise SpecError(f"{where}: {value[:40]!r} contains a control character (a newline, NUL, ...)")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise SpecError(f"{where}: {value} is not a finite number")
+
+
 def _checked(axis: Axis) -> Axis:
+    """Typed values, each once: two values that give the same text (1 and 1.0 as a learning rate, "1" and 1
+    as --x=1) would train the same."""
     if not axis.values:
         raise SpecError(f"--sweep {axis.key}: no values", hint=f"give at least one: --sweep {axis.key}=V1,V2")
-    for value in axis.values:
-        if not isinstance(value, (str, int, float, bool)):
-            raise SpecError(f"--sweep {axis.key}: {str(value)[:40]!r} is not a plain value (a number, true/false or "
-                            "a string)")
-        if isinstance(value, str) and any(ord(c) < 32 or ord(c) == 127 for c in value):
-            raise SpecError(f"--sweep {axis.key}: {value[:40]!r} contains a control character (a newline, NUL, ...)")
-        if isinstance(value, float) and not math.isfinite(value):
-            raise SpecError(f"--sweep {axis.key}: {value} is not a finite number")
-    seen = [_same(v) for v in axis.values]
-    twice = next((v for v in axis.values if seen.count(_same(v)) > 1), None)
+    seen = [_text(v) for v in axis.values]
+    twice = next((v for v in axis.values if seen.count(_text(v)) > 1), None)
     if twice is not None:
         raise SpecError(f"--sweep {axis.key}: {twice!r} is listed twice (two tasks would train the same)")
     return axis
-
-
-def _same(value: Any) -> Any:
-    """What makes two values one: 1 and 1.0 are the same learning rate; "1" and 1 the same --x=1."""
-    if isinstance(value, bool):
-        return _text(value)
-    try:
-        return float(value)
-    except ValueError:
-        return _text(value)
 
 
 def _env_name(key: str) -> str:

@@ -94,7 +94,7 @@ def test_one_array_each_task_in_its_own_run_dir_recorded_by_its_own_id(tmp_path)
     record = read_sweep(tmp_path / "sweep")
     assert is_sweep_dir(tmp_path / "sweep") and record["array_job_id"] == "4711"
     assert [t["run_dir"] for t in record["tasks"]] == ["task-0", "task-1", "task-2", "task-3"]
-    assert record["tasks"][2]["values"] == {"lr": 0.01, "args.dropout": 0.1}
+    assert record["tasks"][2]["values"] == {"lr": 0.01, "args.dropout": "0.1"}  # the script's text, as given
 
 
 def test_a_bad_dependency_writes_nothing(tmp_path):

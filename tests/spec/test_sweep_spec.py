@@ -10,6 +10,7 @@ from hpc_ddp.spec.sweep import (
     check_no_flag_conflict,
     check_spec,
     parse_axis,
+    split_values,
     sweep_from,
     task_args,
     task_env,
@@ -29,9 +30,38 @@ def test_flags_make_a_grid_first_axis_slowest():
                              {"lr": 0.01, "batch_size": 32}, {"lr": 0.01, "batch_size": 64}]
 
 
-def test_values_are_read_as_toml_would_read_them():
-    axis = parse_axis("args.x=1, 2.5,true,adamw,\"a b\"")
-    assert axis.values == (1, 2.5, True, "adamw", "a b")
+def test_a_flags_values_are_kept_as_written_until_their_key_types_them():
+    axis = parse_axis("args.x=1, 2.50,true,adamw,\"a b\"")
+    assert axis.values == ("1", "2.50", "true", "adamw", "a b")
+
+
+@pytest.mark.parametrize("text, values", [
+    ("0.1, 0.01", ["0.1", "0.01"]),
+    ('"a,b",c', ["a,b", "c"]),
+    ('  " a , b " , c ', [" a , b ", "c"]),
+    ('"say ""hi""",""', ['say "hi"', ""]),
+    ("1.10,0x10,1e3", ["1.10", "0x10", "1e3"]),
+])
+def test_values_split_at_commas_outside_double_quotes(text, values):
+    assert split_values(text, "args.x") == values
+
+
+@pytest.mark.parametrize("text", ['"a,b', 'a"b', '"a"b', "a,,b", "a,"])
+def test_a_stray_quote_or_an_empty_plain_value_is_refused(text):
+    with pytest.raises(SpecError, match="double quote must wrap a whole value|empty value"):
+        split_values(text, "args.x")
+
+
+def test_settings_are_typed_by_their_own_parser_and_script_args_are_text():
+    sweep = sweep_from(["lr=1e-3,0.5", "train.sync_bn=true,no", "train.optimizer=adamw"], {"seed": ["7", 8]},
+                       None, "trainer")
+    assert [(a.key, a.values) for a in sweep.axes] == [
+        ("train.seed", (7, 8)), ("lr", (0.001, 0.5)), ("train.sync_bn", (True, False)),
+        ("train.optimizer", ("adamw",))]
+    script = sweep_from(["args.v=1.10,true", "epochs=3"], {"args.w": [1.10, True]}, None, "script")
+    assert [(a.key, a.values) for a in script.axes] == [("args.w", (1.1, True)), ("args.v", ("1.10", "true")),
+                                                       ("epochs", (3,))]
+    assert task_args({"args.w": 1.1, "args.v": "1.10"}) == ("--w=1.1", "--v=1.10")
 
 
 def test_a_table_gives_axes_and_options_and_flags_replace_its_axes():
@@ -61,15 +91,17 @@ def test_a_table_with_an_unquoted_dotted_key_or_one_key_twice():
         sweep_from([], {"weight_decay": [0.1], "train.weight_decay": [0.2]}, None, "trainer")
 
 
-@pytest.mark.parametrize("values", ["1,1.0", "1,'1'"])
-def test_values_that_train_the_same_are_one(values):
+@pytest.mark.parametrize("flag", ["lr=1,1.0", "epochs=2,02", "args.x=a,\"a\""])
+def test_values_that_train_the_same_are_one(flag):
     with pytest.raises(SpecError, match="listed twice"):
-        sweep_from([f"args.x={values}"], None, None, "script")
+        sweep_from([flag], None, None, "script")
 
 
 def test_non_finite_values_are_refused():
     with pytest.raises(SpecError, match="not a finite number"):
-        sweep_from(["args.x=nan"], None, None, "script")
+        sweep_from(["lr=nan"], None, None, "script")
+    with pytest.raises(SpecError, match="not a finite number"):
+        sweep_from([], {"args.x": [float("nan")]}, None, "script")
 
 
 @pytest.mark.parametrize("flags, table, kind, message", [
