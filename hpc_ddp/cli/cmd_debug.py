@@ -138,7 +138,7 @@ def attach(job: str | None, port: int | None) -> None:
         raise UserError(f"no rank of job {run.job_id or run.run_dir} waits for a debugger now",
                         hint="submit with --debug-rank R; `hpc-ddp status` shows the rank once it waits")
     try:
-        serve(event, port=port, live=lambda: waiting() is not None, say=lambda m: click.echo(m, err=True))
+        serve(event, port=port, current=waiting, say=lambda m: click.echo(m, err=True))
     except KeyboardInterrupt:
         click.echo("", err=True)
 

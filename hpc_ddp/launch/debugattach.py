@@ -54,11 +54,12 @@ def intro_lines(event: Mapping[str, Any], path: str, port: int | None, login: st
     return lines
 
 
-def serve(event: Mapping[str, Any], *, port: int | None, live: Callable[[], bool], say: Callable[[str], None],
-          poll_s: float | None = None) -> None:
-    """Serve the owner's debugger sessions, one at a time, until the rank no longer waits (`live()` false,
-    asked after each session and every `poll_s` seconds while none runs: 2 s for a local run, 10 s where
-    asking means asking Slurm)."""
+def serve(event: Mapping[str, Any], *, port: int | None, current: Callable[[], Mapping[str, Any] | None],
+          say: Callable[[str], None], poll_s: float | None = None) -> None:
+    """Serve the owner's debugger sessions, one at a time, until the rank no longer waits. `current()`: the
+    debugger event of the run's current attempt (None: none waits), asked after each session and every
+    `poll_s` seconds while none runs (2 s for a local run, 10 s where asking means asking Slurm); a requeued
+    job's rank may wait on another node, and the next session goes there."""
     poll_s = poll_s if poll_s is not None else 2.0 if event.get("loopback") else 10.0
     path = socket_path(event)
     listeners = [listen_unix(path)]
@@ -73,10 +74,12 @@ def serve(event: Mapping[str, Any], *, port: int | None, live: Callable[[], bool
                 conn, _ = listener.accept()
                 if owner_only(conn, lambda m: say(f"hpc-ddp: attach: {m}")):
                     _session(conn, bridge_command(event), say)
-            if not live():
+            now = current()
+            if now is None or (now.get("job_id"), now.get("rank")) != (event.get("job_id"), event.get("rank")):
                 say(f"hpc-ddp: rank {event['rank']} of job {event['job_id']} no longer waits for a debugger; "
                     "attach ends")
                 return
+            event = now
     finally:
         for listener in listeners:
             listener.close()
