@@ -1,7 +1,9 @@
 """The site environment: variables a profile (`env` table), a job file or `--env KEY=VALUE` sets on every rank
 (NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME, NCCL_IB_HCA, HF_HOME, ...).
 
-Owns what a name and a value may be, the names hpc-ddp sets itself (refused, with the setting to use), and
+Owns what a name and a value may be, the names hpc-ddp sets itself (refused, with the setting to use), the
+names the batch script's own bash depends on (refused: PATH, IFS, BASH_ENV, ...; a PATH that keeps $PATH is
+fine), and
 one expansion grammar used in two places: `expand` in Python (the runner, on every rank) and `bash_value`
 (the batch script's `export` lines, for the setup lines, the per-node setup and a container runtime). In a
 value, `$NAME` and `${NAME}` expand to that variable (empty if unset) and `$$` is a `$`; nothing else is
@@ -41,6 +43,19 @@ _MANAGED_PREFIXES = {
     "TORCHELASTIC_": "it would make the runner take the job for torchrun's",
 }
 _YOURS = ("HPC_DDP_BACKEND", "HPC_DDP_RUN_ID")  # knobs hpc-ddp reads and never sets over yours
+# Names the batch script's own bash depends on (it exports the env table before its srun): set there, the
+# job breaks after it was queued, before any rank starts. (why, the fix)
+_BATCH_SHELL = {
+    "PATH": ("the batch script would no longer find srun, bash or python",
+             "add to it instead, keeping the rest: PATH=/your/bin:$PATH (or change it in a setup line)"),
+    "IFS": ("it changes how the batch script's bash splits words", "set it inside your program"),
+    "BASH_ENV": ("every bash the job starts (srun's steps, node_setup) would source it first",
+                 "put what it does in setup or node_setup lines"),
+    "ENV": ("a shell the job starts would source it first", "put what it does in setup or node_setup lines"),
+    **{name: ("bash's own read-only variable: the batch script cannot export it", "remove it from env")
+       for name in ("SHELLOPTS", "BASHOPTS", "BASH_VERSINFO", "UID", "EUID", "PPID")},
+}
+_KEEPS_PATH = re.compile(r"\$(?:\{PATH\}|PATH(?![A-Za-z0-9_]))")
 
 
 def managed_problem(name: str) -> str | None:
@@ -63,7 +78,19 @@ def parse_env(raw: Any) -> tuple[tuple[str, str], ...]:
     out: dict[str, str] = {}
     for name, value in pairs:
         out[_checked_name(name)] = _checked_value(name, value)
+        _check_batch_shell(name, out[name])
     return tuple(out.items())
+
+
+def _check_batch_shell(name: str, value: str) -> None:
+    """A name the batch script's bash depends on is refused (one line, with the fix), before anything is
+    queued; PATH only where its value drops the PATH it extends."""
+    if name not in _BATCH_SHELL or (name == "PATH" and _KEEPS_PATH.search(value.replace("$$", ""))):
+        return
+    from hpc_ddp.common.errors import SpecError  # standard library only: the runner imports this module
+
+    why, fix = _BATCH_SHELL[name]
+    raise SpecError(f"{name} cannot be set through env: {why}", hint=fix)
 
 
 def _split(item: Any) -> tuple[str, Any]:

@@ -85,3 +85,34 @@ def test_expansion_is_only_of_references():
     env = {"SLURM_TMPDIR": "/tmp/job7", "RANK": "3"}
     assert expand("$SLURM_TMPDIR/hf-$RANK", env) == "/tmp/job7/hf-3"
     assert expand("$(reboot) `id` $$5", env) == "$(reboot) `id` $5"
+
+
+# ---- issue 30: names the batch script's own bash depends on (it exports env before its srun) ----
+
+@pytest.mark.parametrize("value, message, hint", [
+    ("PATH=/opt/tools/bin", "PATH cannot be set through env: the batch script would no longer find srun",
+     "PATH=/your/bin:$PATH"),
+    ("PATH=$$PATH:/x", "PATH cannot be set", "keeping the rest"),   # a literal $PATH, not the PATH it extends
+    ("PATH=$PATHS", "PATH cannot be set", "keeping the rest"),
+    ("IFS=,", "IFS cannot be set through env", "inside your program"),
+    ("BASH_ENV=/home/ada/rc", "BASH_ENV cannot be set through env", "setup or node_setup"),
+    ("SHELLOPTS=xtrace", "SHELLOPTS cannot be set through env: bash's own read-only variable", "remove it"),
+    ("UID=0", "UID cannot be set through env: bash's own read-only variable", "remove it"),
+])
+def test_a_variable_the_batch_script_needs_is_refused_with_the_fix(value, message, hint):
+    with pytest.raises(SpecError, match=message) as info:
+        build(Layer("command line", {"env": [value]}, is_cli=True))
+    assert str(info.value).startswith("--env: ") and hint in (info.value.hint or "")
+    name, _, raw = value.partition("=")
+    for layer in (Layer("profile 'site'", {"env": {name: raw}}, frozenset(PROFILE_KEYS)),
+                  Layer("job file 'j.toml'", {"env": {name: raw}})):
+        with pytest.raises(SpecError, match=f"^{layer.origin}: env: {message}"):
+            build(layer)
+
+
+@pytest.mark.parametrize("value", ["/opt/tools/bin:$PATH", "${PATH}:/opt/tools/bin", "$$x:$PATH"])
+def test_a_path_that_keeps_the_path_it_extends_is_fine_and_srun_is_still_found(value, tmp_path):
+    spec = build(Layer("command line", {"env": [f"PATH={value}"]}, is_cli=True))
+    script = f"export PATH={bash_value(dict(spec.env)['PATH'])}\ncommand -v env\n"
+    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"})
+    assert done.returncode == 0 and done.stdout.strip().endswith("/env"), done
