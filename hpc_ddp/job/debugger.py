@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shlex
 import socket
 import subprocess
 import sys
@@ -72,11 +73,11 @@ def debug_argv(argv: list[str], debugger: str, relay_port: int) -> list[str]:
 
 def record(rank: int, debugger: str, rendezvous_timeout: int, collective_timeout: int, *, node: str = "",
            job_id: str = "", login: str = "", ready: Ready | None = None, python: str = "",
-           slurm_job_id: str | None = None, laptop_port: int = DEFAULT_PORT) -> dict[str, Any]:
+           slurm_job_id: str | None = None, laptop_port: int = DEFAULT_PORT, attach_as: str = "") -> dict[str, Any]:
     """The `debugger` event (events.jsonl) that `hpc-ddp status` shows: where the rank waits and the exact
     commands that reach it. `ready`: the relay's sockets; a local run has an IDE port, a cluster's not.
     `login`: the machine a laptop can ssh to (the submit host on a cluster; this machine under the local
-    executor)."""
+    executor). `attach_as`: how `hpc-ddp attach` names the run (the job id where none is given)."""
     out: dict[str, Any] = {"event": "debugger", "rank": rank, "debugger": debugger,
                            "rendezvous_timeout": rendezvous_timeout, "collective_timeout": collective_timeout}
     if debugger != "debugpy" or ready is None:
@@ -89,7 +90,7 @@ def record(rank: int, debugger: str, rendezvous_timeout: int, collective_timeout
         return out
     at_login = login_socket_path(job_id, rank)
     out.update(listen=f"{node}:{ready.socket}", port=laptop_port, loopback=False, slurm_job_id=slurm_job_id,
-               login_socket=at_login, attach=f"hpc-ddp attach {job_id}",
+               login_socket=at_login, attach=f"hpc-ddp attach {shlex.quote(attach_as or job_id)}",
                tunnel=tunnel_command(at_login, laptop_port, login))
     return out
 
@@ -162,7 +163,15 @@ def wrap(spec: Any, rank: int, argv: list[str], env: Mapping[str, str], say=prin
     rec = record(rank, spec.debugger, spec.rendezvous_timeout, spec.collective_timeout,
                  node=env.get("SLURMD_NODENAME") or socket.gethostname(), job_id=job_id, login=login, ready=ready,
                  python=sys.executable, slurm_job_id=None if local else env.get("SLURM_JOB_ID"),
-                 laptop_port=spec.debug_port or DEFAULT_PORT)
+                 laptop_port=spec.debug_port or DEFAULT_PORT, attach_as=_attach_as(job_id, env))
     for line in log_lines(rec):
         say(line)
     return debug_argv(argv, spec.debugger, ready.rank_port), rec
+
+
+def _attach_as(job_id: str, env: Mapping[str, str]) -> str:
+    """The run as `hpc-ddp attach` is told it: its job id, where that is the id the registry knows (a plain
+    Slurm job), else its run dir (a sweep's task is registered by its array id)."""
+    if job_id.isdigit() and not env.get("SLURM_ARRAY_JOB_ID"):
+        return job_id
+    return env.get("HPC_DDP_RUN_DIR") or job_id

@@ -123,6 +123,9 @@ def test_wrap_changes_only_the_debug_rank_and_starts_its_relay_first(tmp_path, m
                                  job_id="77")
     assert started[-1] == (debugrelay.node_socket_path("77", 1), None, False)  # no TCP port for an IDE on a node
     assert rec["node"] == "n3" and rec["attach"] == "hpc-ddp attach 77" and rec["slurm_job_id"] == "77"
+    _, rec = debugger.wrap(s, 1, argv, {"SLURM_JOB_ID": "78", "SLURM_ARRAY_JOB_ID": "70",
+                                        "HPC_DDP_RUN_DIR": "/p/sweep/task-1"}, say=said.append, job_id="78")
+    assert rec["attach"] == "hpc-ddp attach /p/sweep/task-1"  # a sweep's task: its run dir, which resolves
 
 
 def test_status_shows_where_it_waits_and_the_commands_to_attach():
