@@ -18,7 +18,9 @@ size is refused; scaled down otherwise, where this machine has fewer cores, or o
 here: gloo on the CPU), the time limit (none) and requeues (none: a rerun runs once).
 
 The new run dir (default: beside the original, NAME-rerun-JOB-aN-TIME) records where it came from in
-rerun.json. Planning is pure (`choose_attempt`, `plan_sizes`, `rerun_spec`); reading the original and
+rerun.json. Refused before anything is made: a script or python that is not here, an env entry naming a rank
+variable the rerun sets (the rerun's own win), a job id no executor makes. The cluster's setup and node_setup
+lines are not run, and the plan says so. Planning is pure (`choose_attempt`, `plan_sizes`, `rerun_spec`); reading the original and
 making the new run dir are the edges.
 """
 
@@ -43,14 +45,19 @@ from hpc_ddp.common.events import JsonLines, read_jsonl
 from hpc_ddp.common.rundir import LATEST, RunDir, checkpoint_name, checkpoint_step
 from hpc_ddp.job.attempts import Attempt, attempts_from_events
 from hpc_ddp.spec.jobspec import JobSpec, load_spec
+from hpc_ddp.spec.siteenv import managed_problem
 
 __all__ = ["AttemptRecord", "RerunPlan", "Sizes", "attempt_records", "choose_attempt", "plan_sizes", "rerun_spec",
-           "plan_rerun", "make_rerun_dir", "attempt_failure", "exception_line", "copy_checkpoint", "RERUN_RECORD", "REPLAYABLE"]
+           "plan_rerun", "make_rerun_dir", "check_program", "check_rank_env", "check_job_id", "JOB_ID", "attempt_failure", "exception_line", "copy_checkpoint", "RERUN_RECORD", "REPLAYABLE"]
 
 RERUN_RECORD = "rerun.json"
 MANIFEST = "manifest.json"             # the checkpointer's (trainer/checkpoint.py), read here without torch
 REPLAYABLE = ("failed",)               # causes replayed without --any-outcome
 _CHUNK = 8 << 20
+# The job ids hpc-ddp's executors record (the rerun's dir and the logs it reads are named by them): Slurm's
+# (8123, an array task's 8123_4), the local executor's (local-PID-TIME) and the srun executor's
+# (ALLOC-srun-PID-TIME, none-srun-... outside an allocation), each with a sweep task's -tN.
+JOB_ID = re.compile(r"\d+(?:_\d+)?|(?:local|(?:\d+|none)-srun)-\d+-\d+(?:-t\d+)?")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,10 +207,11 @@ def _gpus(spec: JobSpec, n: int, t: int, gpus_here: int) -> tuple[int, list[str]
 
 
 def rerun_spec(spec: JobSpec, sizes: Sizes, run_dir: str) -> JobSpec:
-    """The original spec on the local executor: its sizes, no time limit, no requeue, a free port."""
+    """The original spec on the local executor: its sizes, no time limit, no requeue, a free port, and none
+    of the cluster's setup: its setup and node_setup lines are not run here (`fixed_notes` says so)."""
     return dataclasses.replace(spec, executor="local", run_dir=run_dir, nodes=sizes.nodes,
                                tasks_per_node=sizes.tasks_per_node, gpus=sizes.gpus, time=None, master_port=None,
-                               max_requeues=0, max_preemptions=0, chain=1, after=None)
+                               max_requeues=0, max_preemptions=0, chain=1, after=None, node_setup=())
 
 
 def fixed_notes(spec: JobSpec, record: AttemptRecord) -> list[str]:
@@ -218,6 +226,9 @@ def fixed_notes(spec: JobSpec, record: AttemptRecord) -> list[str]:
                  "shell exported is not recorded: export here what the crash needs)")
     if spec.setup:
         notes.append(f"setup lines not run here ({len(spec.setup)}: module loads and the like belong to the cluster)")
+    if spec.node_setup:
+        notes.append(f"node_setup not run here ({len(spec.node_setup)} line(s), the first: {spec.node_setup[0][:60]!r}): "
+                     "per-node setup belongs to the cluster's nodes; do here what the crash needs first")
     return notes
 
 
@@ -250,7 +261,9 @@ def plan_rerun(source: Path, *, attempt: int | None, job: str | None, any_outcom
                tasks_per_node: int | None, run_dir: str | None, cpus: int, gpus_here: int,
                now: _dt.datetime) -> RerunPlan:
     spec = load_spec(RunDir(source).spec)
+    check_rank_env(spec, RunDir(source).spec)
     record = choose_attempt(attempt_records(read_jsonl(RunDir(source).events)), attempt, job, any_outcome)
+    check_job_id(record)
     checkpoint = _starting_checkpoint(source, record)
     saved = _saved_world(checkpoint) if checkpoint else None
     sizes = plan_sizes(spec, saved, checkpoint.name if checkpoint else None, nodes=nodes,
@@ -259,8 +272,45 @@ def plan_rerun(source: Path, *, attempt: int | None, job: str | None, any_outcom
     datasets, data_notes = _datasets(spec, source, record)
     code, code_notes = attempt_code(spec, record)
     new_spec = dataclasses.replace(rerun_spec(spec, sizes, str(target)), datasets=datasets, code=code)
+    check_program(new_spec)
     return RerunPlan(source, record, checkpoint, target, new_spec,
                      (*sizes.notes, *data_notes, *code_notes, *fixed_notes(spec, record)))
+
+
+def check_rank_env(spec: JobSpec, path: Path) -> None:
+    """The rerun sets the rank variables (RANK, MASTER_ADDR, ...) itself; the runner sets a spec's env after
+    them, so an env entry that names one (a spec.json edited by hand: submit refuses them) is refused here,
+    rather than let it decide what the ranks are. A sweep task's HPC_DDP_SWEEP_* values are hpc-ddp's own."""
+    for name, _ in spec.env:
+        problem = None if name.startswith("HPC_DDP_SWEEP_") else managed_problem(name)
+        if problem:
+            raise UserError(f"{path}: its env sets {name}, which the rerun sets itself ({problem}); hpc-ddp never "
+                            "writes that", hint=f"remove {name} from the env in {path.name}")
+
+
+def check_job_id(record: AttemptRecord) -> None:
+    """The attempt's job id names the rerun's dir and the logs read: only an id an executor makes passes
+    (a `../x` or `/tmp/x` in the records would put them outside the run dir's folder)."""
+    if record.job_id is not None and not JOB_ID.fullmatch(record.job_id):
+        raise UserError(f"{record.label[:80]!r}: the records give it a job id that no executor makes; the run dir's "
+                        "events.jsonl was edited", hint="replay another attempt (--attempt N, --job ID)")
+
+
+def check_program(spec: JobSpec) -> None:
+    """What the rerun runs must be here before anything is made: the script (the snapshot's copy where
+    there is one) and the python; else it would make a run dir, fail, and find no failure to compare."""
+    script = spec.code.script if spec.code is not None and spec.code.script else None
+    if spec.target.kind == "script":
+        script = script or spec.target.value
+    if script:
+        path = Path(spec.workdir, script)
+        if not path.is_file():
+            raise UserError(f"the script {path} is not here (removed since the run, or on another machine): "
+                            "nothing is replayed", hint="restore it, or rerun where the run's files are")
+    python = spec.python if "/" in spec.python else shutil.which(spec.python)
+    if not python or not os.path.isfile(python) or not os.access(python, os.X_OK):
+        raise UserError(f"the run's python {python or spec.python} is not an executable here: nothing is replayed",
+                        hint="rerun where its environment is, or make that path a python here")
 
 
 def attempt_code(spec: JobSpec, record: AttemptRecord):

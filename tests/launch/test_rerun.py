@@ -139,11 +139,21 @@ def make_checkpoint(root: Path, name: str, world: int) -> Path:
     return path
 
 
+def spec_here(root: Path, **values):
+    """A spec whose script and python are on this machine (a rerun refuses one whose are not)."""
+    import sys
+
+    (root / "w").mkdir(exist_ok=True)
+    (root / "w" / "train.py").write_text("raise SystemExit(1)\n")
+    return build_spec([Layer("t", values)], target=Target("script", "train.py", ("--crash-at", "12")),
+                      workdir=str(root / "w"), python=sys.executable)
+
+
 @pytest.fixture
 def run_dir(tmp_path: Path) -> Path:
     run = tmp_path / "runs" / "crash-20261123-120000"
     run.mkdir(parents=True)
-    (run / "spec.json").write_text(json.dumps(spec(nodes=2, tasks_per_node=1).to_dict()))
+    (run / "spec.json").write_text(json.dumps(spec_here(tmp_path, nodes=2, tasks_per_node=1).to_dict()))
     (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in EVENTS))
     for name in ("step-000000006", "step-000000006-r1", "step-000000010"):
         make_checkpoint(run / "checkpoints", name, 2)
@@ -274,3 +284,70 @@ def test_a_rerun_runs_the_code_snapshot_its_attempt_ran(tmp_path):
     assert code == latest and "is gone" in notes[0]
     assert attempt_code(spec, record("new"))[0] == latest
     assert attempt_code(dataclasses.replace(spec, code=None), record(None))[0] is None
+
+
+# ---- issue 30: refused before anything is made; the rerun runs what it plans ----
+
+def rewrite_spec(run: Path, **changes) -> None:
+    data = json.loads((run / "spec.json").read_text())
+    (run / "spec.json").write_text(json.dumps({**data, **changes}))
+
+
+@pytest.mark.parametrize("change, says", [
+    ("script", "the script {w}/train.py is not here (removed since the run, or on another machine)"),
+    ("python", "the run's python /gone/bin/python is not an executable here"),
+    ("env", "its env sets RANK, which the rerun sets itself (hpc-ddp sets it on every rank"),
+    ("env_addr", "its env sets MASTER_ADDR, which the rerun sets itself"),
+])
+def test_what_cannot_be_replayed_as_planned_is_refused_in_one_line_writing_nothing(run_dir, tmp_path, capsys,
+                                                                                  change, says):
+    if change == "script":
+        (tmp_path / "w" / "train.py").unlink()
+    elif change == "python":
+        rewrite_spec(run_dir, python="/gone/bin/python")
+    else:
+        rewrite_spec(run_dir, env=[["NCCL_DEBUG", "INFO"], ["RANK" if change == "env" else "MASTER_ADDR", "5"]])
+    with pytest.raises(SystemExit) as caught:
+        cli.main(["rerun", str(run_dir)])
+    err = capsys.readouterr().err
+    assert caught.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert says.format(w=tmp_path / "w") in err and "HINT:" in err, err
+    assert sorted(p.name for p in run_dir.parent.iterdir()) == [run_dir.name]  # nothing made
+
+
+def test_a_sweep_tasks_own_values_in_env_are_replayed(run_dir):
+    rewrite_spec(run_dir, env=[["HPC_DDP_SWEEP_TASK", "1"], ["HPC_DDP_SWEEP_LR", "0.1"]])
+    assert dict(plan_for(run_dir).spec.env) == {"HPC_DDP_SWEEP_TASK": "1", "HPC_DDP_SWEEP_LR": "0.1"}
+
+
+@pytest.mark.parametrize("job_id", ["../../x", "/tmp/x", "8/../../x", "8\nx", "..", "local-1-2/../x"])
+def test_a_job_id_no_executor_makes_is_refused_before_it_names_anything(run_dir, job_id):
+    events = [dict(e, job_id=job_id) if e.get("job_id") == "8" else e for e in EVENTS]
+    (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    with pytest.raises(UserError, match="give it a job id that no executor makes"):
+        plan_for(run_dir)
+    assert sorted(p.name for p in run_dir.parent.iterdir()) == [run_dir.name]
+    assert not (run_dir.parent.parent / "x").exists()
+
+
+@pytest.mark.parametrize("job_id", ["8123", "8123_4", "local-4242-1764230000", "local-4242-1764230000-t3",
+                                    "900-srun-4242-1764230000", "none-srun-1-2-t0"])
+def test_the_ids_the_executors_make_pass(job_id):
+    rr.check_job_id(rr.AttemptRecord(job_id, 0, "failed", 1, None, None, None))
+
+
+def test_node_setup_is_in_the_plan_or_not_run(run_dir, tmp_path, capsys):
+    """The cluster's per-node setup is not run here, and the plan says so; the rerun runs only what it shows."""
+    marker = tmp_path / "node-setup-ran"
+    rewrite_spec(run_dir, node_setup=[f"touch {marker}"])
+    plan = plan_for(run_dir)
+    assert plan.spec.node_setup == ()
+    assert any(n.startswith("node_setup not run here (1 line(s), the first: 'touch ") for n in plan.notes)
+    with pytest.raises(SystemExit) as caught:
+        cli.main(["rerun", str(run_dir), "--dry-run"])
+    assert caught.value.code == 0 and "node_setup not run here" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as caught:
+        cli.main(["rerun", str(run_dir), "--json"])
+    outcome = json.loads(capsys.readouterr().out)
+    assert caught.value.code == 1 and outcome["returncode"] == 1  # the script exits 1, as planned
+    assert not marker.exists()
