@@ -193,3 +193,56 @@ def test_the_warning_signal_still_checkpoints_a_job_with_a_rank_in_the_debugger(
         proc.wait(timeout=30)
     assert ended["exit_code"] == 75, ended
     assert (run_dir / "checkpoints" / "latest").exists()
+
+
+LOOP = """\
+import time
+step = 0
+while step < 600:
+    step += 1
+    time.sleep(0.1)  # BREAK
+print(f"looped to {step}", flush=True)
+"""
+
+
+def test_a_debugger_may_detach_and_another_attach_later(tmp_path):
+    """The first debugger attaches on the loopback port and detaches (the rank runs on); a second one comes
+    through `hpc-ddp attach`'s socket, stops the rank again, and lets it finish."""
+    script = tmp_path / "loop.py"
+    script.write_text(LOOP)
+    line = next(i for i, x in enumerate(LOOP.splitlines(), 1) if "# BREAK" in x)
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "hpc_ddp", "submit", "--executor", "local", "--debug-rank", "0",
+                             "--run-dir", str(run_dir), str(script)], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    attach = None
+    try:
+        event = wait_until(lambda: _debugger_event(run_dir), 60, "the debugger event")
+        first = wait_until(lambda: _connect(event["port"]), 30, "the relay")
+        with first.sock:
+            stopped = first.attach_and_break(str(script), line)
+            step = int(first.local_variable(stopped["body"]["threadId"], "step"))
+            first.request("disconnect")
+        attach = subprocess.Popen([sys.executable, "-m", "hpc_ddp", "attach", str(run_dir)], cwd=tmp_path,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        second = wait_until(lambda: _connect_unix(_login_socket(event)), 30, "hpc-ddp attach serving")
+        with second.sock:
+            stopped = second.attach_and_break(str(script), line)
+            thread = stopped["body"]["threadId"]
+            assert int(second.local_variable(thread, "step")) > step  # it ran on meanwhile
+            frame = second.request("stackTrace", threadId=thread)["body"]["stackFrames"][0]["id"]
+            second.request("evaluate", expression="step = 1000", frameId=frame, context="repl")  # end the loop
+            second.request("setBreakpoints", source={"path": str(script)}, breakpoints=[])
+            second.request("continue", threadId=thread)
+            out, err = proc.communicate(timeout=90)
+    finally:
+        for child in (proc, attach):
+            if child is not None and child.poll() is None:
+                child.kill()
+    assert proc.returncode == 0 and "looped to 1000" in out, out + err
+
+
+def _login_socket(event) -> str:
+    from hpc_ddp.job.debugrelay import login_socket_path
+
+    return login_socket_path(event["job_id"], event["rank"])
