@@ -40,7 +40,6 @@ __all__ = ["Axis", "Sweep", "parse_axis", "split_values", "sweep_from", "task_la
 
 SPEC_SWEEPABLE = ("lr", "epochs", "batch_size")
 TRAIN_KEYS = tuple(f.name for f in dataclasses.fields(TrainConfig))
-_TRAIN_FLAGS = frozenset(f.name for f in dataclasses.fields(TrainConfig) if f.type in (bool, "bool"))
 MAX_TASKS = 10_000        # above any site's MaxArraySize; the cluster's own limit is checked before sbatch
 TABLE_OPTIONS = ("max_running", "metric")  # [sweep] keys that are not settings to vary
 METRIC_MODES = ("max", "min")
@@ -205,14 +204,35 @@ def _typed(axis: Axis, where: str) -> Axis:
 
 
 def _setting_parser(key: str) -> Callable[[Any], Any]:
-    """The parser of the setting a canonical key names; a [train] flag written on the command line is read as
-    --flags are (true/false, yes/no, 1/0)."""
+    """The parser of the setting a canonical key names. A [train] setting that takes true/false (a TOML
+    boolean) gets a command line's text read as --flags are (true/false, yes/no, 1/0) where the text itself
+    is refused; the setting's own error is the one shown."""
     if key in SPEC_SWEEPABLE:
         return PARSERS[key]
-    name = key.removeprefix("train.")
-    if name in _TRAIN_FLAGS:
-        return lambda raw: TRAIN_PARSERS[name](flag(raw) if isinstance(raw, str) else raw)
-    return TRAIN_PARSERS[name]
+    parse = TRAIN_PARSERS[key.removeprefix("train.")]
+
+    def parse_text(raw: Any) -> Any:
+        try:
+            return parse(raw)
+        except ValueError as refused:
+            as_flag = _as_flag(raw)
+            if as_flag is not None:
+                try:
+                    return parse(as_flag)
+                except ValueError:
+                    pass
+            raise refused from None
+    return parse_text
+
+
+def _as_flag(raw: Any) -> bool | None:
+    """A text that reads as true or false, else None."""
+    if not isinstance(raw, str):
+        return None
+    try:
+        return flag(raw)
+    except ValueError:
+        return None
 
 
 def _plain(value: Any, where: str) -> None:
