@@ -4,9 +4,12 @@ a breakpoint, reads a variable, continues, and the job completes: the other rank
 from __future__ import annotations
 
 import json
+import os
+import pty
 import socket
 import subprocess
 import sys
+import termios
 from pathlib import Path
 
 import pytest
@@ -83,16 +86,25 @@ def _connect(port: int, host: str = "127.0.0.1") -> DapClient | None:
 
 
 def test_pdb_on_rank_1_reads_the_terminal(tmp_path):
-    """--pdb: rank 1's pdb reads this process's stdin (a pipe here, the terminal for a user); the other ranks'
+    """--pdb: rank 1's pdb reads this process's stdin (a terminal: a pseudo-terminal here); the other ranks'
     output is still shown, prefixed, and the job completes."""
     script = tmp_path / "job.py"
     script.write_text(SCRIPT)
     line = next(i for i, x in enumerate(SCRIPT.splitlines(), 1) if "# BREAK" in x)
     # After the program ends `python -m pdb` offers to restart it: q ends it there.
     commands = f"b {line}\nc\np secret * 100\nc\nq\n"
-    done = subprocess.run([sys.executable, "-m", "hpc_ddp", "submit", "--executor", "local", "--nodes", "2",
-                           "--tasks-per-node", "2", "--debug-rank", "1", "--pdb", "--run-dir", "run", str(script)],
-                          cwd=tmp_path, input=commands, capture_output=True, text=True, timeout=90)
+    terminal, stdin = pty.openpty()
+    attrs = termios.tcgetattr(stdin)
+    attrs[3] &= ~termios.ECHO  # what is typed is not echoed back into the terminal's output, unread here
+    termios.tcsetattr(stdin, termios.TCSANOW, attrs)
+    os.write(terminal, commands.encode())  # typed ahead: the terminal holds it until pdb reads
+    try:
+        done = subprocess.run([sys.executable, "-m", "hpc_ddp", "submit", "--executor", "local", "--nodes", "2",
+                               "--tasks-per-node", "2", "--debug-rank", "1", "--pdb", "--run-dir", "run",
+                               str(script)], cwd=tmp_path, stdin=stdin, capture_output=True, text=True, timeout=90)
+    finally:
+        os.close(stdin)
+        os.close(terminal)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "(Pdb) 800" in done.stdout  # rank 1's secret, 8, printed by pdb itself
     assert "[rank 0] total=46" in done.stdout and "[rank 3] total=46" in done.stdout
