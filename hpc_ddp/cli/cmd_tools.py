@@ -132,12 +132,19 @@ def _holds_checkpoints(path: Path) -> bool:
 @click.option("--test", "n_test", type=click.IntRange(1, 10_000_000),
               help="Test/validation samples (imagefolder: per class).")
 @click.option("--seed", type=click.IntRange(0, 2**31 - 1), default=0, show_default=True)
-def make_dataset(kind: str, root: str, n_train: int | None, n_test: int | None, seed: int) -> None:
-    """Write a small learnable dataset in a real format (MNIST IDX, ImageFolder PNGs, CIFAR-10 batches)."""
+@click.option("--size", type=click.IntRange(8, 4096), help="imagefolder: the images' side in pixels [default: 32].")
+@click.option("--jpeg", is_flag=True, help="imagefolder: JPEG files (what the GPU data path decodes), not PNG.")
+def make_dataset(kind: str, root: str, n_train: int | None, n_test: int | None, seed: int, size: int | None,
+                 jpeg: bool) -> None:
+    """Write a small learnable dataset in a real format (MNIST IDX, ImageFolder PNGs or JPEGs, CIFAR-10
+    batches)."""
     from hpc_ddp.data.datagen import GENERATORS
 
+    if kind != "imagefolder" and (size is not None or jpeg):
+        raise UserError("--size and --jpeg are for imagefolder datasets", hint="leave them out for " + kind)
     sizes = {"imagefolder": ("per_class_train", "per_class_val")}.get(kind, ("train", "test"))
     kwargs = {name: value for name, value in zip(sizes, (n_train, n_test)) if value is not None}
+    kwargs.update({"size": size} if size is not None else {}, **({"image_format": "jpeg"} if jpeg else {}))
     path = GENERATORS[kind](root, seed=seed, **kwargs)
     click.echo(f"Wrote the {kind} dataset to {path}")
 

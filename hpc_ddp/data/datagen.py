@@ -198,8 +198,9 @@ def write_mnist(root: str | os.PathLike[str], *, train: int = 10_000, test: int 
 
 def write_imagefolder(root: str | os.PathLike[str], *, classes: int = 10, per_class_train: int = 100,
                       per_class_val: int = 20, size: int = 32, channels: int = 3,
-                      seed: int = 0) -> Path:
-    """`root/{train,val}/class_NN/NNNNN.png`; returns root.
+                      seed: int = 0, image_format: str = "png") -> Path:
+    """`root/{train,val}/class_NN/NNNNN.png` (or .jpg with image_format="jpeg": what the GPU data path
+    decodes; quality 90, 4:2:0, as cameras and ImageNet write them); returns root.
 
     Load with `torchvision.datasets.ImageFolder(root / "train")` (and "val"). Zero-padded class names
     keep ImageFolder's alphabetical class order equal to the generated label order. Up to about 20
@@ -213,10 +214,12 @@ def write_imagefolder(root: str | os.PathLike[str], *, classes: int = 10, per_cl
     _check_count("size", size, 8)
     if channels not in (1, 3):
         raise UserError(f"channels must be 1 or 3, not {channels!r}")
+    if image_format not in ("png", "jpeg"):
+        raise UserError(f"image format must be png or jpeg, not {image_format!r}")
     root = Path(root)
     want = {"format": "imagefolder", "version": FORMAT_VERSION, "classes": classes,
             "per_class_train": per_class_train, "per_class_val": per_class_val, "size": size,
-            "channels": channels, "seed": seed}
+            "channels": channels, "seed": seed, **({"image_format": "jpeg"} if image_format == "jpeg" else {})}
     width = len(str(classes - 1))
 
     def build(tmp: Path) -> dict[str, str]:
@@ -228,8 +231,11 @@ def write_imagefolder(root: str | os.PathLike[str], *, classes: int = 10, per_cl
                 d.mkdir(parents=True)
             for i, (image, label) in enumerate(zip(images, labels)):
                 pixels = image[..., 0] if channels == 1 else image
-                # Pillow writes no timestamp chunk, so the same pixels give the same PNG bytes.
-                Image.fromarray(pixels).save(dirs[label] / f"{i:05d}.png")
+                # Pillow writes no timestamp chunk, so the same pixels give the same PNG (or JPEG) bytes.
+                if image_format == "jpeg":
+                    Image.fromarray(pixels).save(dirs[label] / f"{i:05d}.jpg", "JPEG", quality=90)
+                else:
+                    Image.fromarray(pixels).save(dirs[label] / f"{i:05d}.png")
         return {}
 
     _publish(root, want, build)

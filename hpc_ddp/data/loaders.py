@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, g
 
 from hpc_ddp.common.errors import SpecError
 from hpc_ddp.data.arrays import ArrayImages
+from hpc_ddp.data.augment import sample_seed
 from hpc_ddp.spec.trainconfig import TrainConfig
 
 __all__ = ["DataBundle", "build_data", "shutdown_workers", "ResumableSampler", "SeededSamples", "EvalSampler",
@@ -36,7 +37,7 @@ _MEAN_STD = {1: ((0.5,), (0.5,)), 3: ((0.5, 0.5, 0.5), (0.25, 0.25, 0.25))}
 
 @dataclasses.dataclass
 class DataBundle:
-    train: DataLoader
+    train: DataLoader                  # or the device path's batches (data.devicebatches), which wrap one
     eval: DataLoader | None
     sampler: "ResumableSampler"
     num_classes: int
@@ -84,7 +85,7 @@ class SeededSamples(Dataset):
 
     def _load(self, key):
         epoch, index = key if isinstance(key, tuple) else (0, key)
-        self._seed((self.seed * 1_000_003 + epoch * 7_919 + index) % (2**63))
+        self._seed(sample_seed(self.seed, epoch, index))
         return self.base[index]
 
     def _seed(self, seed: int) -> None:
@@ -165,6 +166,18 @@ def _resized(channels: int, size: int, native: int, train: bool, augment: bool):
     return pipeline if size == native else T.Compose([T.Resize(size), pipeline])
 
 
+def _folder_transforms(size: int, train: bool, augment: bool):
+    """An ImageFolder's: RandomResizedCrop and a flip for training (drawing from torch's generator, which
+    SeededSamples seeds per sample: the decisions `augment.resized_crop_decisions` takes on the device
+    path); otherwise the central square, resized."""
+    from torchvision import transforms as T
+
+    mean, std = _MEAN_STD[3]
+    steps = [T.RandomResizedCrop(size), T.RandomHorizontalFlip()] if train and augment else \
+        [T.Resize(size), T.CenterCrop(size)]
+    return T.Compose([*steps, T.ToTensor(), T.Normalize(mean, std)])
+
+
 def _images(base, channels: int, size: int, native: int, train: bool, augment: bool):
     """An MNIST or CIFAR10 set with the trainer's transforms: done on its arrays at the native size (the
     same samples, bitwise, for a fifth of the CPU: arrays.py), through PIL when resized."""
@@ -193,7 +206,7 @@ def _datasets(cfg: TrainConfig):
     if cfg.dataset == "imagefolder":
         size = cfg.image_size or 32
         make = lambda train: D.ImageFolder(str(root / ("train" if train else "val")),  # noqa: E731
-                                           transform=_resized(3, size, size, train, cfg.augment))
+                                           transform=_folder_transforms(size, train, cfg.augment))
         (train, val) = _opened(make, cfg)
         return (train, val), len(train.classes), 3, size
     size = cfg.image_size or 32
@@ -289,24 +302,74 @@ def shield_loader_workers() -> None:
     torch.utils.data._utils.signal_handling._set_worker_signal_handlers = _worker_signal_handlers_ignoring_stops
 
 
+def torchvision_folder():
+    from torchvision.datasets import ImageFolder
+
+    return ImageFolder
+
+
 def shutdown_workers(loader: DataLoader | None) -> None:
     """Stop a loader's (persistent) workers now. They ignore SIGTERM, so the terminate() that
-    multiprocessing would send at interpreter exit cannot end them: the trainer ends them here."""
+    multiprocessing would send at interpreter exit cannot end them: the trainer ends them here. (A device
+    path's batches wrap their loader.)"""
+    loader = getattr(loader, "loader", loader)
     iterator = getattr(loader, "_iterator", None)
     if iterator is not None and hasattr(iterator, "_shutdown_workers"):
         iterator._shutdown_workers()
         loader._iterator = None
 
 
-def build_data(cfg: TrainConfig, *, rank: int, world_size: int, pin_memory: bool,
-               worker_niceness: int = 0) -> DataBundle:
+def device_path_fits(cfg: TrainConfig) -> tuple[bool, bool]:
+    """(native_size, jpegs): MNIST/CIFAR asked at their own image size; an ImageFolder whose first training
+    file is a JPEG (the device path decodes JPEGs only). What `trainer.speed.decide` needs for "auto"."""
+    native = {"mnist": 28, "cifar10": 32}.get(cfg.dataset)
+    jpegs = False
+    if cfg.dataset == "imagefolder" and cfg.data_dir:
+        train = Path(_staged(cfg.data_dir)) / "train"
+        first = next((f for d in sorted(train.iterdir()) if d.is_dir() for f in sorted(d.iterdir()) if f.is_file()),
+                     None) if train.is_dir() else None
+        if first is not None:
+            with open(first, "rb") as fh:
+                jpegs = fh.read(2) == b"\xff\xd8"
+    return native is not None and cfg.image_size in (None, native), jpegs
+
+
+def _device_train(train_set, cfg: TrainConfig, sampler: ResumableSampler, device: torch.device,
+                  channels_last: bool, workers: dict):
+    """The training batches of the device path: loader workers read bytes (ImageFolder) or draw only the
+    decisions (MNIST/CIFAR arrays); the rank decodes and augments on `device` (data.devicebatches)."""
+    from hpc_ddp.data.devicebatches import ArrayBatches, ArrayDecisions, DeviceBatches, JpegFiles, collate_jpegs
+
+    fixed = torch.Generator().manual_seed(cfg.seed)
+    if isinstance(train_set, ArrayImages):
+        decisions = ArrayDecisions(train_set.targets, cfg.seed, train_set.padding, train_set.flip)
+        loader = DataLoader(decisions, batch_size=cfg.batch_size, sampler=sampler, drop_last=True, generator=fixed,
+                            **workers)
+        mean, std = train_set.mean.flatten().tolist(), train_set.std.flatten().tolist()
+        return ArrayBatches(loader, train_set.images, device, train_set.padding, mean, std, channels_last)
+    files = JpegFiles(train_set.samples, cfg.seed, cfg.augment)
+    loader = DataLoader(files, batch_size=cfg.batch_size, sampler=sampler, drop_last=True, generator=fixed,
+                        collate_fn=collate_jpegs, **workers)
+    mean, std = _MEAN_STD[3]
+    return DeviceBatches(loader, device, cfg.image_size or 32, mean, std, channels_last)
+
+
+def build_data(cfg: TrainConfig, *, rank: int, world_size: int, pin_memory: bool, worker_niceness: int = 0,
+               data_path: str = "cpu", device: torch.device | None = None, channels_last: bool = False) -> DataBundle:
+    """The training and evaluation data of this rank. `data_path` "device": training batches are decoded and
+    augmented on `device` (evaluation keeps the CPU path: it runs once an epoch)."""
     (train_set, eval_set), classes, channels, size = _datasets(cfg)
     sampler = ResumableSampler(len(train_set), rank=rank, world_size=world_size, seed=cfg.seed)
     workers = dict(num_workers=cfg.num_workers, persistent_workers=cfg.num_workers > 0, pin_memory=pin_memory,
                    worker_init_fn=worker_init(worker_niceness) if cfg.num_workers else None)
+    if data_path == "device" and not isinstance(train_set, (ArrayImages, torchvision_folder())):
+        raise SpecError(f"data_path = \"device\" has no device path for the {cfg.dataset} data at image_size "
+                        f"{cfg.image_size}", hint='set data_path = "cpu" (or "auto") in the [train] table')
     # A fixed generator: creating the iterator must not draw from the training RNG streams.
-    train = DataLoader(SeededSamples(train_set, cfg.seed), batch_size=cfg.batch_size, sampler=sampler,
-                       drop_last=True, generator=torch.Generator().manual_seed(cfg.seed), **workers)
+    train = _device_train(train_set, cfg, sampler, device or torch.device("cpu"), channels_last, workers) \
+        if data_path == "device" else \
+        DataLoader(SeededSamples(train_set, cfg.seed), batch_size=cfg.batch_size, sampler=sampler,
+                   drop_last=True, generator=torch.Generator().manual_seed(cfg.seed), **workers)
     evaluation = None
     if cfg.eval_every_epoch and len(eval_set):
         evaluation = DataLoader(SeededSamples(eval_set, cfg.seed), batch_size=cfg.batch_size,

@@ -19,7 +19,8 @@ __all__ = ["TrainConfig", "parse_train", "FINGERPRINT_FIELDS"]
 
 DATASETS = ("mnist", "cifar10", "imagefolder", "fake")
 OPTIMIZERS = ("sgd", "adamw")
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")   # auto: bf16 where the GPU supports it, else fp32
+DATA_PATHS = ("auto", "cpu", "device")
 BUILTIN_MODELS = ("cnn", "mlp")
 
 
@@ -40,7 +41,7 @@ class TrainConfig:
     weight_decay: float = 5e-4
     warmup_steps: int = 0
     schedule: str = "cosine"           # cosine | constant
-    precision: str = "fp32"
+    precision: str = "auto"
     sync_bn: bool = False
     clip_grad: float = 0.0             # 0: off
     num_workers: int = 2
@@ -55,6 +56,10 @@ class TrainConfig:
     stop_lead_seconds: float = 0.0     # stop this long before the job's end time; 0: from measured times
     fake_size: int = 1024              # samples in the `fake` dataset's training split
     loggers: tuple[str, ...] = ()      # also log to "tensorboard" (RUN_DIR/tensorboard) and/or "wandb"
+    # The GPU defaults (each "auto": on where it pays on a GPU, off on CPUs; true or false to choose):
+    data_path: str = "auto"            # "device": decode and augment on the GPU (data.devicebatches); "cpu"
+    channels_last: bool | str = "auto" # NHWC memory format for conv nets (tensor cores' own layout)
+    compile: bool | str = "auto"       # torch.compile, its cache kept in RUN_DIR/compile-cache across requeues
 
 
 # Changing any of these between attempts would make a resumed run differ from an uninterrupted one.
@@ -84,6 +89,12 @@ def _loggers(value: Any) -> tuple[str, ...]:
     return tuple(dict.fromkeys(value))
 
 
+def _auto_bool(value: Any) -> bool | str:
+    if value == "auto" or isinstance(value, bool):
+        return value
+    raise ValueError(f"{value!r} is not true, false or \"auto\"")
+
+
 def _path(value: Any) -> str:
     if not isinstance(value, str) or not value.strip():
         raise ValueError(f"{value!r} is not a path")
@@ -109,7 +120,7 @@ _PARSERS = {
     "checkpoint_every_steps": _int(0, MAX_STEPS), "checkpoint_every_minutes": number(0.0, maximum=DAY_MINUTES * 365),
     "keep_checkpoints": _int(2, 10_000), "log_every": _int(1, MAX_STEPS), "fake_size": _int(1, 10**9),
     "stop_lead_seconds": number(0.0, maximum=86400.0 * 365), "async_checkpoint": _bool,
-    "loggers": _loggers,
+    "loggers": _loggers, "data_path": _choice(DATA_PATHS), "channels_last": _auto_bool, "compile": _auto_bool,
 }
 assert set(_PARSERS) == {f.name for f in dataclasses.fields(TrainConfig)}
 

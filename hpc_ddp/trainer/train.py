@@ -33,12 +33,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hpc_ddp.common.errors import HpcDdpError, report
 from hpc_ddp.common.exitcodes import REQUEUE_EXIT_CODE
-from hpc_ddp.data.loaders import build_data, shutdown_workers, worker_niceness
+from hpc_ddp.data.loaders import build_data, device_path_fits, shutdown_workers, worker_niceness
 from hpc_ddp.spec.jobspec import JobSpec
 from hpc_ddp.spec.trainconfig import FINGERPRINT_FIELDS, TrainConfig
 from hpc_ddp.trainer.models import build_model
 from hpc_ddp.trainer.reduce import StepFlags, flags_hook
 from hpc_ddp.trainer.session import IncompatibleResume, Progress, Session
+from hpc_ddp.trainer.speed import COMPILE_CACHE, Speed, decide
 
 __all__ = ["run", "main", "Progress", "IncompatibleResume", "Trainer"]
 
@@ -82,8 +83,13 @@ class Trainer:
         torch.manual_seed(cfg.seed + rank)
         random.seed(cfg.seed + rank)
         np.random.seed(cfg.seed + rank)
-        self.data = build_data(cfg, rank=rank, world_size=world, pin_memory=session.device.type == "cuda",
-                               worker_niceness=worker_niceness(session.device.type))
+        # Decided once the data and model are known (trainer/speed.py); the data path first, from a draft.
+        gpu = session.device.type == "cuda"
+        fits = device_path_fits(cfg) if gpu or cfg.data_path == "device" else (False, False)
+        draft = self._speed(convolutional=True, total_steps=0, fits=fits)
+        self.data = build_data(cfg, rank=rank, world_size=world, pin_memory=gpu,
+                               worker_niceness=worker_niceness(session.device.type), data_path=draft.data_path,
+                               device=session.device)
         if self.data.root and cfg.data_dir and str(self.data.root) != cfg.data_dir:
             session.log(f"hpc-ddp: reading the staged copy {self.data.root} of {cfg.data_dir}")
         self.steps_per_epoch = self.data.micro_batches_per_epoch // cfg.grad_accum
@@ -91,10 +97,17 @@ class Trainer:
         self.total_steps = min(total, cfg.max_steps) if cfg.max_steps else total
         self.flags: StepFlags | None = None   # set by _model when DDP carries the step's flags
         self.model = self._model()
+        convolutional = any(isinstance(m, nn.Conv2d) for m in self.model.modules())
+        self.speed = self._speed(convolutional=convolutional, total_steps=self.total_steps, fits=fits)
+        chosen = (self.speed.precision, self.speed.data_path, self.speed.channels_last, self.speed.compile)
+        if gpu or chosen != ("fp32", "cpu", False, False):  # on CPUs, said only when the job file chose
+            session.log(f"hpc-ddp: {self.speed.describe()}" +
+                        (f" ({'; '.join(self.speed.notes)})" if self.speed.notes else ""))
+        self.forward = self._compiled() if self.speed.compile else self.model
         self.optimizer = self._optimizer()
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _schedule(cfg, self.total_steps))
-        self.scaler = torch.amp.GradScaler(session.device.type, enabled=cfg.precision == "fp16")
-        self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
+        self.scaler = torch.amp.GradScaler(session.device.type, enabled=self.speed.precision == "fp16")
+        self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.speed.precision)
         session.track(model=self.module, optimizer=self.optimizer,
                       train_state=_Schedules(self.scheduler, self.scaler))
         session.follow(self.data.sampler, batch_size=cfg.batch_size)
@@ -106,10 +119,27 @@ class Trainer:
 
     # ---- building ----
 
+    def _speed(self, *, convolutional: bool, total_steps: int, fits: tuple[bool, bool]) -> Speed:
+        gpu = self.session.device.type == "cuda"
+        return decide(self.cfg, device_type=self.session.device.type,
+                      bf16_supported=gpu and torch.cuda.is_bf16_supported(), convolutional=convolutional,
+                      total_steps=total_steps, native_size=fits[0], jpegs=fits[1])
+
+    def _compiled(self):
+        """torch.compile of the (DDP) model, its caches in the run dir: a requeued attempt loads the kernels
+        the first one compiled instead of compiling again (a variable the user set is kept)."""
+        cache = Path(self.session.run_dir) / COMPILE_CACHE
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache / "inductor"))
+        os.environ.setdefault("TRITON_CACHE_DIR", str(cache / "triton"))
+        return torch.compile(self.model)
+
     def _model(self) -> nn.Module:
         cfg, session = self.cfg, self.session
         model = build_model(cfg.model, num_classes=self.data.num_classes, in_channels=self.data.in_channels,
                             image_size=self.data.image_size).to(session.device)
+        if session.device.type == "cuda" and cfg.channels_last is not False and \
+                any(isinstance(m, nn.Conv2d) for m in model.modules()):
+            model = model.to(memory_format=torch.channels_last)  # "auto" or true: decided with the model below
         if cfg.sync_bn and session.distributed:
             if session.device.type == "cuda":
                 model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
@@ -186,12 +216,14 @@ class Trainer:
         for micro in range(cfg.grad_accum):
             x, y = next(batches)
             x, y = x.to(self.session.device, non_blocking=True), y.to(self.session.device, non_blocking=True)
+            if self.speed.channels_last and x.dim() == 4:
+                x = x.contiguous(memory_format=torch.channels_last)  # a no-op for the device path's batches
             last = micro == cfg.grad_accum - 1
             sync = contextlib.nullcontext() if last or not isinstance(self.model, DDP) else self.model.no_sync()
             with sync:
                 with torch.autocast(self.session.device.type, dtype=self.autocast_dtype or torch.float32,
                                     enabled=self.autocast_dtype is not None):
-                    loss = nn.functional.cross_entropy(self.model(x), y) / cfg.grad_accum
+                    loss = nn.functional.cross_entropy(self.forward(x), y) / cfg.grad_accum
                 total = total + (loss.detach().double() if on_device else loss.item())
                 if last:
                     # This rank's flags, set before the synchronising backward that carries them (reduce.py).

@@ -178,3 +178,33 @@ def test_flags_live_where_the_process_group_does_whatever_device_the_loss_is_on(
     finally:
         run._sent = None
         run.close()
+
+
+def test_the_device_data_path_never_waits_for_the_host(tmp_path):
+    """Issue 34: ImageFolder JPEGs decoded by nvjpeg and augmented on the GPU, and CIFAR arrays kept on the GPU,
+    give batches with no host synchronisation (the decisions are host ints made in the loader)."""
+    from torch.utils.data import DataLoader
+
+    from hpc_ddp.data.datagen import write_cifar10, write_imagefolder
+    from hpc_ddp.data.devicebatches import ArrayBatches, ArrayDecisions, DeviceBatches, JpegFiles, collate_jpegs
+    from hpc_ddp.data.loaders import ResumableSampler
+
+    write_imagefolder(tmp_path / "f", classes=2, per_class_train=16, per_class_val=1, size=64, image_format="jpeg")
+    from torchvision.datasets import ImageFolder
+    samples = ImageFolder(str(tmp_path / "f" / "train")).samples
+    loader = DataLoader(JpegFiles(samples, 0), batch_size=8, sampler=ResumableSampler(len(samples), rank=0,
+                        world_size=1, seed=0), collate_fn=collate_jpegs, num_workers=2)
+    write_cifar10(tmp_path / "c", train=64, test=8)
+    from hpc_ddp.data.datagen import SyntheticCIFAR10
+    cifar = SyntheticCIFAR10(str(tmp_path / "c"), train=True)
+    arrays = DataLoader(ArrayDecisions(cifar.targets, 0, 4, True), batch_size=8,
+                        sampler=ResumableSampler(64, rank=0, world_size=1, seed=0), pin_memory=True)
+    device = torch.device("cuda")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for batches in (DeviceBatches(loader, device, 56, (0.5,) * 3, (0.25,) * 3, channels_last=True),
+                        ArrayBatches(arrays, cifar.data, device, 4, (0.5,) * 3, (0.25,) * 3)):
+            for x, y in batches:
+                assert x.is_cuda and y.is_cuda and x.dtype == torch.float32
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

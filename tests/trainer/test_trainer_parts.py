@@ -23,7 +23,7 @@ from hpc_ddp.trainer.stopping import StopFlag
     ({"epochs": 0}, "epochs: 0 is below the minimum of 1"),
     ({"lr": 0}, "lr: 0.0 must be greater than 0"),
     ({"optimizer": "lbfgs"}, "not one of sgd, adamw"),
-    ({"precision": "fp8"}, "not one of fp32, bf16, fp16"),
+    ({"precision": "fp8"}, "not one of auto, fp32, bf16, fp16"),
     ({"batchsize": 3}, "unknown key 'batchsize' (did you mean 'batch_size'?)"),
     ({"keep_checkpoints": 1}, "keep_checkpoints: 1 is below the minimum of 2"),
     ({"dataset": "mnist"}, "needs data_dir"),
