@@ -31,7 +31,7 @@ from typing import Any
 
 from hpc_ddp.common.errors import SpecError
 from hpc_ddp.spec.jobspec import PARSERS, SPEC_KEYS, JobSpec, Layer
-from hpc_ddp.spec.trainconfig import _PARSERS as TRAIN_PARSERS
+from hpc_ddp.spec.trainconfig import SETTINGS as TRAIN_PARSERS
 from hpc_ddp.spec.trainconfig import TrainConfig
 from hpc_ddp.spec.values import count, flag
 

@@ -15,7 +15,7 @@ from hpc_ddp.spec.values import choice as _choice
 from hpc_ddp.spec.values import count as _int
 from hpc_ddp.spec.values import number
 
-__all__ = ["TrainConfig", "parse_train", "FINGERPRINT_FIELDS"]
+__all__ = ["TrainConfig", "parse_train", "FINGERPRINT_FIELDS", "SETTINGS"]
 
 DATASETS = ("mnist", "cifar10", "imagefolder", "fake")
 OPTIMIZERS = ("sgd", "adamw")
@@ -123,6 +123,7 @@ _PARSERS = {
     "loggers": _loggers, "data_path": _choice(DATA_PATHS), "channels_last": _auto_bool, "compile": _auto_bool,
 }
 assert set(_PARSERS) == {f.name for f in dataclasses.fields(TrainConfig)}
+SETTINGS: Mapping[str, Any] = _PARSERS   # key -> its parser (raises ValueError): what a sweep axis of it must pass
 
 
 def parse_train(table: Any) -> TrainConfig:
