@@ -29,7 +29,8 @@ from hpc_ddp.launch.rundirs import on_kernel_fs
 @click.option("--tunnel", is_flag=True,
               help="For a rank waiting for a debugger (--debug-rank): a job submitted from here over ssh gets its "
                    "tunnel opened, through the shared connection (attach to the localhost port it prints); "
-                   "another prints the ssh command to run on your laptop.")
+                   "another prints the ssh command to run on your laptop, which reaches `hpc-ddp attach JOB` "
+                   "(keep it running on the login node).")
 @over_ssh()
 def status(job: str | None, as_json: bool, watch: bool, interval: float, tunnel: bool) -> None:
     """State, restarts, last checkpoint, progress, ETA, where the time went and last event of JOB (a job

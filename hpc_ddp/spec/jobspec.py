@@ -467,7 +467,7 @@ def build_spec(layers: Sequence[Layer], *, target: Target, workdir: str, python:
     values.setdefault("tasks_per_node", gpus or 1)
     values.setdefault("job_name", _default_job_name(target))
     _check_whole(values, merged, target)
-    _check_debug(values, python)
+    _check_debug(values)
     if target.kind == "trainer":
         values["train"] = _trainer_overrides(values.get("train") or TrainConfig(), values)
     return JobSpec(target=target, workdir=workdir, python=values.pop("python", python), **values)
@@ -511,7 +511,7 @@ def _check_whole(values: dict[str, Any], merged: dict[str, tuple[Any, str]], tar
     _check_chain(values)
 
 
-def _check_debug(values: dict[str, Any], python: str) -> None:
+def _check_debug(values: dict[str, Any]) -> None:
     """--debug-rank R: a rank of this job, under a debugger the ranks can run; while it may stop, the others
     wait a long time instead of timing out (the stretched timeouts are in the spec, so the dry run shows them).
     Whether the ranks' Python has debugpy is asked at the submit edge (job.debugger.refuse_missing_debugpy),
