@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_ddp.common import rundir
+from hpc_ddp.common.durable import write_file
 from hpc_ddp.common.errors import SpecError, UserError
 from hpc_ddp.common.events import read_jsonl
 from hpc_ddp.common.rundir import RunDir
@@ -159,9 +160,7 @@ def _queued_jobs(sweep_dir: Path, executor) -> list[str]:
 def _write_sweep(plan: SweepPlan, array_job: str | None) -> None:
     path = Path(plan.sweep_dir) / rundir.SWEEP
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(plan.record(array_job), indent=2) + "\n")
-    tmp.replace(path)
+    write_file(path, json.dumps(plan.record(array_job), indent=2) + "\n")  # a link planted there is replaced
 
 
 def read_sweep(sweep_dir: Path) -> dict[str, Any]:

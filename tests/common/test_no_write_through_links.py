@@ -139,3 +139,19 @@ def test_the_cli_writes_no_output_through_links_planted_in_a_run_dir(tmp_path, o
         assert done.returncode != 0 and "symbolic link" in done.stderr, done.stderr
         (local / name).unlink()
     assert outside.read_text() == "the user's own file\n"
+
+
+def test_a_sweep_replaces_a_link_planted_at_sweep_json_and_its_fixed_temp_name(tmp_path, outside):
+    (tmp_path / "t.py").write_text("print(1)\n")
+    sweep = tmp_path / "sw"
+    sweep.mkdir()
+    (sweep / ".sweep.json.tmp").symlink_to(outside)   # the temp name it used to write through
+    done = _cli(tmp_path, "submit", "--executor", "local", "--run-dir", "sw", "--sweep", "args.x=1,2", "t.py")
+    assert done.returncode == 2  # a folder holding a file of someone else's is not a sweep dir hpc-ddp made
+    (sweep / ".sweep.json.tmp").unlink()
+    assert _cli(tmp_path, "submit", "--executor", "local", "--run-dir", "sw", "--sweep", "args.x=1,2",
+                "t.py").returncode == 0
+    (sweep / "sweep.json").rename(sweep / "real.json")
+    (sweep / "sweep.json").symlink_to(outside)
+    _cli(tmp_path, "submit", "--executor", "local", "--run-dir", "sw", "--sweep", "args.x=1,2", "t.py")
+    assert outside.read_text() == "the user's own file\n"
