@@ -27,7 +27,8 @@ from hpc_ddp.trainer.models import SmallCNN
 
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser()
-    p.add_argument("--data", required=True, help="an MNIST directory, or `fake` (torchvision FakeData)")
+    p.add_argument("--data", required=True, help="an MNIST directory, `fake` (torchvision FakeData), or "
+                                                 "imagefolder:DIR (DIR/train of JPEGs, as the seeds read ImageNet)")
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--batch", type=int, required=True)
     p.add_argument("--workers", type=int, required=True)
@@ -49,6 +50,10 @@ def dataset(a: argparse.Namespace):
     if a.data == "fake":  # what the trainer's `dataset = "fake"` reads
         tf = T.Compose([T.ToTensor(), T.Normalize((0.5, 0.5, 0.5), (0.25, 0.25, 0.25))])
         return D.FakeData(a.batch * (a.steps + 2), (3, a.image_size, a.image_size), a.num_classes, transform=tf)
+    if a.data.startswith("imagefolder:"):  # the seeds' ImageNet loop: PIL decode, RandomResizedCrop, flip
+        tf = T.Compose([T.RandomResizedCrop(a.image_size), T.RandomHorizontalFlip(), T.ToTensor(),
+                        T.Normalize((0.5, 0.5, 0.5), (0.25, 0.25, 0.25))])
+        return D.ImageFolder(os.path.join(a.data.removeprefix("imagefolder:"), "train"), transform=tf)
     tf = T.Compose([T.RandomCrop(28, padding=3), T.ToTensor(), T.Normalize((0.5,), (0.5,))])
     return D.MNIST(a.data, train=True, download=False, transform=tf)
 
