@@ -1,5 +1,6 @@
 """The edge to external commands (sbatch, squeue, scontrol, ...): a tiny interface with a real and a fake;
-and the edge to our own processes: pid files checked before any signal, children that die with us.
+and the edge to our own processes: pid files checked before any signal, children that die with us, and
+process trees that end as a whole (`Supervised`, below).
 
 Executors and status commands take a `CommandRunner`; tests pass a `FakeCommands` with scripted answers
 instead of patching subprocess (in the spirit of httpx's MockTransport).
@@ -8,6 +9,7 @@ instead of patching subprocess (in the spirit of httpx's MockTransport).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import os
 import shlex
@@ -15,15 +17,18 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import NoReturn, Protocol
 
-from hpc_ddp.common import verbosity
-from hpc_ddp.common.errors import SubmitError
+# Only the standard library at import: this file also runs as a script, the supervisor of one process tree
+# (`python -I -S procs.py supervise ...`, started by `Supervised`), and hpc_ddp's own modules are imported
+# where they are used.
 
 __all__ = ["Completed", "CommandRunner", "SubprocessCommands", "FakeCommands", "slurm_unreachable", "ProcessIdentity",
-           "write_pid_file", "read_pid_file", "signal_process", "die_with_parent_preexec", "exit_after_handlers"]
+           "write_pid_file", "read_pid_file", "signal_process", "die_with_parent_preexec", "exit_after_handlers",
+           "Supervised", "supervise"]
 
 # What Slurm's commands print when the controller is down: not the user's mistake, try again later.
 _UNREACHABLE = ("Unable to contact slurm controller", "Socket timed out", "Connection refused")
@@ -51,6 +56,9 @@ class CommandRunner(Protocol):
 class SubprocessCommands:
     def run(self, argv: Sequence[str], *, cwd: str | None = None, env: Mapping[str, str] | None = None,
             timeout: float = 60) -> Completed:
+        from hpc_ddp.common import verbosity
+        from hpc_ddp.common.errors import SubmitError
+
         verbosity.detail(f"running {shlex.join(argv)}" + (f" (in {cwd})" if cwd else ""))  # -v
         try:
             proc = subprocess.run(list(argv), cwd=cwd, env=None if env is None else dict(env),
@@ -238,3 +246,238 @@ def _libc():
         except OSError:
             _LIBC.append(None)
     return _LIBC[0]
+
+
+# ---- process trees that end as a whole ----
+#
+# A rank (or a node_setup script) may start processes of its own: DataLoader workers, `sleep 1000 &`, a
+# daemon that moves to a session of its own. A signal to the rank's process group misses the last kind, and
+# nothing reached any of them once the rank had ended, or when hpc-ddp was SIGKILLed (PDEATHSIG is not
+# inherited by a fork). So each such command runs under a supervisor: this file run as a script, leader of
+# the command's session and group, and its child subreaper (PR_SET_CHILD_SUBREAPER): a descendant whose
+# parent dies becomes the supervisor's child, whatever session it moved to, so none can get away. The
+# supervisor exits only when no descendant is left, with the command's own exit status.
+
+_PR_SET_CHILD_SUBREAPER = 36
+_KILL_NOW = b"K"  # on the control pipe: SIGKILL every descendant now
+_TICK_S = 0.05
+_NOT_IGNORED = {"SIGKILL", "SIGSTOP", "SIGCHLD", "SIGCONT", "SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGABRT",
+                "SIGTRAP", "SIGSYS"}
+
+
+class Supervised(subprocess.Popen):
+    """`argv` run under a supervisor, in a session and process group of its own.
+
+    signal_group(): a signal to every process of the group (the supervisor ignores it); kill_group(): SIGKILL
+    to every descendant, those that left the group too; stop(): SIGTERM, then kill_group() `grace` s later.
+    When the command ends, the supervisor stops what it left running (SIGTERM, SIGKILL `grace` s later);
+    when this process dies, however (SIGKILL included), it stops everything the same way. poll() and wait()
+    give the command's exit status (negative: the signal that killed it). Linux only; elsewhere a plain
+    session: its group is signalled, and nothing stops it when this process is SIGKILLed."""
+
+    def __init__(self, argv: Sequence[str], *, grace: float, **popen_kwargs):
+        self._control: int | None = None
+        if not sys.platform.startswith("linux"):
+            super().__init__(list(argv), start_new_session=True, **popen_kwargs)
+            return
+        env = popen_kwargs.get("env")
+        read, self._control = os.pipe()  # both ends not inheritable: the write end stays ours alone
+        try:
+            super().__init__(supervisor_argv(argv, read, grace, os.environ if env is None else env), pass_fds=(read,),
+                             start_new_session=True, **popen_kwargs)
+        except BaseException:
+            self._close_control()
+            raise
+        finally:
+            os.close(read)
+
+    def signal_group(self, signum: int) -> None:
+        """`signum` to the command's group, only while its leader (the supervisor, whose pid names the group)
+        is not reaped: the group's id is then ours, never a stranger's."""
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.pid, signum)
+
+    def kill_group(self) -> None:
+        """SIGKILL to every descendant of the supervisor, which then exits."""
+        if self._control is None:
+            self.signal_group(signal.SIGKILL)
+            return
+        with contextlib.suppress(OSError):  # it has just exited
+            os.write(self._control, _KILL_NOW)
+        self._close_control()
+
+    def stop(self, grace: float) -> int:
+        """SIGTERM to the group; what still runs `grace` s later, killed. The command's exit status."""
+        self.signal_group(signal.SIGTERM)
+        try:
+            return self.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            self.kill_group()
+            return self.wait()
+
+    def poll(self):
+        code = super().poll()
+        if code is not None:
+            self._close_control()
+        return code
+
+    def wait(self, timeout=None):
+        code = super().wait(timeout)
+        self._close_control()
+        return code
+
+    def _close_control(self) -> None:
+        if self._control is not None:
+            os.close(self._control)
+            self._control = None
+
+
+def supervisor_argv(argv: Sequence[str], control: int, grace: float, env: Mapping[str, str]) -> list[str]:
+    """This file as a script, with this Python, isolated (-I -S: no user's PYTHONPATH or site can change
+    it). Python sets LC_CTYPE where the locale is C (PEP 538): the command gets the value `env` has."""
+    lc_ctype = env.get("LC_CTYPE")
+    return [sys.executable, "-I", "-S", os.path.abspath(__file__), "supervise", str(control), f"{grace:g}",
+            "-" if lc_ctype is None else f"={lc_ctype}", "--", *argv]
+
+
+def supervise(args: Sequence[str]) -> NoReturn:
+    """The supervisor: `supervise CONTROL_FD GRACE LC_CTYPE -- ARGV...` (see Supervised). The command is
+    its child; hpc-ddp's byte on CONTROL_FD means "kill everything now", its end (EOF) "stop everything"."""
+    control, grace, lc_ctype, argv = int(args[0]), float(args[1]), args[2], list(args[4:])
+    os.set_inheritable(control, False)
+    libc = _libc()
+    if libc is not None:
+        libc.prctl(_PR_SET_CHILD_SUBREAPER, 1)
+    for signum in signal.valid_signals():  # a handler, not SIG_IGN: exec resets it for the command
+        if getattr(signum, "name", "") not in _NOT_IGNORED:
+            with contextlib.suppress(OSError, ValueError):
+                signal.signal(signum, _ignore)
+    if lc_ctype == "-":
+        os.environ.pop("LC_CTYPE", None)
+    else:
+        os.environ["LC_CTYPE"] = lc_ctype[1:]
+    _exit_as(_watch(_spawn(argv, libc), control, grace))
+
+
+def _ignore(_signum, _frame) -> None:
+    """The group's signals are the command's: the supervisor lets them pass."""
+
+
+def _spawn(argv: list[str], libc) -> int:
+    """Fork and exec the command; it dies with its supervisor, should anyone SIGKILL that."""
+    parent = os.getpid()
+    pid = os.fork()
+    if pid:
+        return pid
+    try:
+        if libc is not None:
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+            if os.getppid() != parent:
+                os._exit(137)
+        os.execvp(argv[0], argv)
+    except OSError as exc:
+        os.write(2, f"hpc-ddp: cannot run {argv[0]}: {exc.strerror}\n".encode(errors="replace"))
+        os._exit(127 if isinstance(exc, FileNotFoundError) else 126)
+    finally:
+        os._exit(127)
+
+
+def _watch(child: int, control: int, grace: float) -> int:
+    """Wait for the command, then for every descendant; the command's wait status. When the command has
+    ended, or hpc-ddp is gone, every descendant gets SIGTERM, and SIGKILL `grace` s later (at once on
+    hpc-ddp's word). A process that becomes its child meanwhile (its parent died) gets the SIGTERM too."""
+    status, kill_at, listening, termed = None, None, True, set()
+    while True:
+        reaped, others = _reap(child)
+        status = reaped if status is None else status
+        if status is not None and not others:
+            return status
+        now = time.monotonic()
+        order = _order(control) if listening else None
+        if order == b"":  # hpc-ddp closed its end: it ended, or it stops everything
+            listening = False
+        if kill_at is None and (status is not None or order == b""):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(0, signal.SIGTERM)  # the group: the command and what it started in it
+            kill_at = now + grace
+        if kill_at is not None:  # and each child outside the group, once (the command's group got it)
+            _signal_children(signal.SIGTERM, skip=termed, outside_group=True)
+        if order and _KILL_NOW in order:
+            kill_at = now
+        if kill_at is not None and now >= kill_at:
+            _signal_children(signal.SIGKILL)  # never the group: the supervisor is in it
+        if not listening:
+            time.sleep(_TICK_S)
+
+
+def _reap(child: int) -> tuple[int | None, bool]:
+    """Reap every ended child: (the command's wait status if it was among them, whether any child is left)."""
+    status = None
+    while True:
+        try:
+            pid, code = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return status, False
+        if pid == 0:
+            return status, True
+        if pid == child:
+            status = code
+
+
+def _order(control: int) -> bytes | None:
+    """What hpc-ddp wrote on the control pipe (b"": it closed it), waiting a tick; None: nothing."""
+    import select
+
+    ready, _, _ = select.select([control], [], [], _TICK_S)
+    return os.read(control, 64) if ready else None
+
+
+def _signal_children(signum: int, skip: set[int] | None = None, outside_group: bool = False) -> None:
+    """`signum` to each child of the supervisor (but those in `skip`, to which it adds them; with
+    `outside_group`, only those that left the supervisor's process group)."""
+    group = os.getpgrp()
+    for pid in _children():
+        if skip is not None and pid in skip:
+            continue
+        with contextlib.suppress(OSError):
+            if outside_group and os.getpgid(pid) == group:
+                continue
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+        if skip is not None:
+            skip.add(pid)
+
+
+def _children() -> list[int]:
+    """The supervisor's own children: not reaped but by it, so their pids cannot be another's."""
+    me = os.getpid()
+    try:
+        return [int(pid) for pid in Path(f"/proc/{me}/task/{me}/children").read_text().split()]
+    except OSError:  # a kernel without CONFIG_PROC_CHILDREN: every process's parent, from its stat
+        found = []
+        for entry in Path("/proc").iterdir():
+            stat = _proc_read(int(entry.name), "stat") if entry.name.isdigit() else None
+            fields = stat[stat.rfind(b")") + 2:].split() if stat else []
+            if len(fields) > 1 and fields[1] == str(me).encode():
+                found.append(int(entry.name))
+        return found
+
+
+def _exit_as(status: int) -> NoReturn:
+    """Exit as the command did: with its code, or killed by its signal (no core dump of our own)."""
+    if os.WIFSIGNALED(status):
+        import resource
+
+        signum = os.WTERMSIG(status)
+        with contextlib.suppress(OSError, ValueError):  # SIGKILL's cannot be set, nor needs to be
+            signal.signal(signum, signal.SIG_DFL)
+        with contextlib.suppress(OSError, ValueError):
+            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        os.kill(os.getpid(), signum)
+        os._exit(128 + signum)
+    os._exit(os.waitstatus_to_exitcode(status))
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["supervise"]:
+    supervise(sys.argv[2:])
