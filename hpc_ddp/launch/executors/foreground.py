@@ -1,7 +1,8 @@
 """How a job that runs in the foreground of the submitting process (the local and srun executors) is
 watched and managed from another shell: a pid file names that very process (start time, command line,
 never a recycled pid); cancel is its Ctrl-C (SIGINT: the ranks checkpoint and stop); a signal is passed
-to it, and it passes it on to every rank. Also how such a run records being cancelled.
+to it, and it passes it on to every rank. Also how such a run records being cancelled, and how it ended:
+COMPLETED, CANCELLED, CHECKPOINTED, TIMEOUT (its last attempt stopped at the time limit) or FAILED.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from hpc_ddp.common.procs import ProcessIdentity, read_pid_file, signal_process,
 from hpc_ddp.common.rundir import RunDir
 from hpc_ddp.launch.executors.base import Run, Submission, record_submission
 
-__all__ = ["ForegroundControl", "CANCELLED_EXIT_CODE", "say"]
+__all__ = ["ForegroundControl", "CANCELLED_EXIT_CODE", "say", "last_cause"]
 
 CANCELLED_EXIT_CODE = 130  # as a shell reports a job stopped by Ctrl-C
 CANCEL_WAIT_S = 60         # how long `hpc-ddp cancel` waits for the ranks' checkpoint before it returns
@@ -50,7 +51,7 @@ class ForegroundControl:
 
     def run_here(self, run_dir: Path, attempts: Callable[[], int]) -> Submission:
         """Run `attempts()` (the job, to its end) in this process, named by the pid file meanwhile, and
-        return what happened: COMPLETED, CANCELLED, CHECKPOINTED (stopped, resumable) or FAILED."""
+        return what happened: COMPLETED, CANCELLED, CHECKPOINTED (stopped, resumable), TIMEOUT or FAILED."""
         pid_file = self.pid_file(Run(run_dir, self.job_id, self.name))
         previous = self.ctrl_c.install()  # before the pid file names us: `hpc-ddp cancel` may act at once
         try:
@@ -64,7 +65,7 @@ class ForegroundControl:
             if previous is not None:
                 signal.signal(signal.SIGINT, previous)
         state = "COMPLETED" if rc == 0 else "CANCELLED" if self.ctrl_c.requested else \
-            "CHECKPOINTED" if rc == REQUEUE_EXIT_CODE else "FAILED"
+            "CHECKPOINTED" if rc == REQUEUE_EXIT_CODE else "TIMEOUT" if last_cause(run_dir) == "time_limit" else "FAILED"
         sub = Submission(self.name, self.job_id, str(run_dir), None, state=state, returncode=rc)
         record_submission(sub)
         return sub
@@ -86,8 +87,9 @@ class ForegroundControl:
         deadline = time.monotonic() + CANCEL_WAIT_S
         while who.alive() and time.monotonic() < deadline:
             time.sleep(0.1)
-        if who.alive():
-            return f"Asked job {run.job_id} to stop ({run.run_dir}); its ranks are still checkpointing"
+        if who.alive():  # what it is still doing is not known here: its setup, or ranks saving, or stuck
+            return (f"Asked job {run.job_id} to stop ({run.run_dir}); it has not ended {CANCEL_WAIT_S} s later: "
+                    f"`hpc-ddp status {run.run_dir}` says when it has")
         return f"Cancelled job {run.job_id} ({run.run_dir})"
 
     def signal(self, run: Run, name: str) -> None:
@@ -116,6 +118,14 @@ class ForegroundControl:
             if rc == REQUEUE_EXIT_CODE else ""
         say(f"cancelled{saved}")
         return CANCELLED_EXIT_CODE
+
+
+def last_cause(run_dir: Path) -> str | None:
+    """How the run's newest attempt ended, as its events record it (time_limit, preempted, failed, ...)."""
+    from hpc_ddp.job.attempts import attempts_from_events
+
+    attempts = attempts_from_events(read_jsonl(RunDir(run_dir).events))
+    return attempts[-1].cause if attempts else None
 
 
 def _cancel_pending(run: Run) -> bool:

@@ -7,9 +7,13 @@ the executor (SIGUSR2, SIGTERM, ...) are forwarded to every rank (as Slurm signa
 the ranks exit with the "checkpointed, requeue me" code, the same requeue policy as the batch script's
 (`attempts`) decides whether to start it again. SIGINT (Ctrl-C, or `hpc-ddp cancel`) cancels: every rank is
 asked to checkpoint and stop (SIGTERM), no attempt starts after it, and the run ends CANCELLED; a second
-SIGINT, or KILL_WAIT_S without an exit, kills the ranks. The ranks die with the executor (PDEATHSIG), and
-`local.pid` records the executor's start time and command line, so a recycled pid is never signalled. With --time, each attempt gets the warning signal
-`signal_lead` seconds before its limit, SIGTERM at the limit and SIGKILL 30 s later, as on Slurm.
+SIGINT, or KILL_WAIT_S without an exit, kills the ranks; a cancel during the per-node setup stops it, and
+no rank starts. Each rank and each node's setup runs under a supervisor (`procs.Supervised`), in a process
+group of its own: signals reach the whole group, and whatever ends it (its own exit, a failed rank, the time
+limit, a cancel, the executor's death, SIGKILL included) nothing it started outlives it, not even a process
+that left the group. `local.pid` records the executor's start time and command line, so a recycled pid is
+never signalled. With --time, each attempt gets the warning signal `signal_lead` seconds before its limit,
+SIGTERM at the limit and SIGKILL 30 s later, as on Slurm; an attempt so stopped ends `time_limit`.
 Output goes to the same per-rank log files as on Slurm and, prefixed by rank, to the terminal.
 """
 
@@ -31,7 +35,7 @@ from hpc_ddp.common import rundir, secrets
 from hpc_ddp.common.errors import EnvError, UserError
 from hpc_ddp.common.exitcodes import REQUEUE_EXIT_CODE
 from hpc_ddp.common.machine import physical_gpus
-from hpc_ddp.common.procs import die_with_parent_preexec
+from hpc_ddp.common.procs import Supervised
 from hpc_ddp.common.rundir import RANK_LOG, RunDir
 from hpc_ddp.job import attempts
 from hpc_ddp.job.containersrc import ensure_source
@@ -40,7 +44,7 @@ from hpc_ddp.job.ports import first_free_port, port_in_use
 from hpc_ddp.job.runner import site_environment
 from hpc_ddp.launch import container
 from hpc_ddp.launch.executors.base import Plan, Submission, write_run_dir
-from hpc_ddp.launch.executors.foreground import CANCELLED_EXIT_CODE, ForegroundControl
+from hpc_ddp.launch.executors.foreground import CANCELLED_EXIT_CODE, ForegroundControl, last_cause
 from hpc_ddp.launch.executors.foreground import say as _say
 from hpc_ddp.launch.render import env_exports, node_setup_command, runner_command
 from hpc_ddp.launch.shellwords import bash_word, comment_text  # noqa: F401 - srun.py and tests import them here
@@ -213,7 +217,9 @@ class LocalExecutor(ForegroundControl):
     def check(self, plan: Plan) -> None:
         """Refusals before anything is written (the snapshot included)."""
         container.refuse_missing_runtime(plan.spec, shutil.which)  # the ranks run here: so must the runtime
+        refuse_missing_python(plan.spec)
         refuse_taken_debug_port(plan.spec)
+        refuse_pdb_without_terminal(plan.spec, sys.stdin)
 
     def submit(self, plan: Plan, on_job_id=None) -> Submission:
         self.check(plan)
@@ -254,10 +260,15 @@ class LocalExecutor(ForegroundControl):
             for env in envs:
                 _own_scratch(Path(env["TMPDIR"]))
             received: list[str] = []
-            rc = node_setup(spec, str(run_dir), envs, echo=self.echo) or \
-                _run_ranks(argv, envs, log_dir, echo=self.echo, cwd=spec.workdir,
-                           timeline=_timeline(spec, deadline), cancel=self.ctrl_c, received=received,
-                           terminal_rank=spec.debug_rank if spec.debugger == "pdb" else None)
+            live: list[Supervised] = []  # what runs now (a node's setup, the ranks): forwarded signals go there
+            with _forwarding(live, received):
+                rc = node_setup(spec, str(run_dir), envs, echo=self.echo, cancel=self.ctrl_c, live=live)
+                if rc == 0 and (self.ctrl_c.requested or "SIGTERM" in received):  # stopped before any rank started
+                    rc = CANCELLED_EXIT_CODE if self.ctrl_c.requested else -signal.SIGTERM
+                elif rc == 0:
+                    rc = _run_ranks(argv, envs, log_dir, echo=self.echo, cwd=spec.workdir, live=live,
+                                    timeline=_timeline(spec, deadline), cancel=self.ctrl_c, received=received,
+                                    terminal_rank=spec.debug_rank if spec.debugger == "pdb" else None)
             # A cancel is a cancel whatever the exit code (a program may catch the SIGTERM and exit 0), unless
             # the run recorded its finish: one that completed all the same completed.
             if self.ctrl_c.requested and (rc != 0 or not attempts.finished_in_last_attempt(run_dir)):
@@ -272,6 +283,8 @@ class LocalExecutor(ForegroundControl):
             if not requeue:
                 if rc == REQUEUE_EXIT_CODE:
                     _say(f"checkpointed, not restarting: {reason}")
+                elif rc != 0 and last_cause(run_dir) == "time_limit":
+                    _say(f"stopped at the time limit, not restarting: {reason}")
                 return rc
             attempt += 1
             _say(f"checkpointed at a stop request; restarting ({reason})")
@@ -285,26 +298,84 @@ def refuse_taken_debug_port(spec: JobSpec) -> None:
                         hint="choose another --debug-port, or leave it out to take the first free one from 5678")
 
 
-def node_setup(spec: JobSpec, run_dir: str, envs: list[dict[str, str]], echo: bool = True) -> int:
+def refuse_missing_python(spec: JobSpec) -> None:
+    """The ranks start `spec.python` here (outside a container): one that is not there, or cannot be run, is
+    the user's to fix, said now instead of as a crash once the run dir is made."""
+    if spec.container is not None:
+        return
+    python = spec.python
+    path = os.path.join(spec.workdir, python) if os.sep in python else shutil.which(python)
+    hint = "give the path of a Python that has hpc_ddp installed (e.g. --python .venv/bin/python), or leave " \
+           "--python out to use the one running hpc-ddp"
+    if path is None or not os.path.isfile(path):
+        raise UserError(f"--python {python}: no such program" + ("" if os.sep in python else " on PATH"), hint=hint)
+    if not os.access(path, os.X_OK):
+        raise UserError(f"--python {python} is not executable", hint=hint)
+
+
+def refuse_pdb_without_terminal(spec: JobSpec, stdin) -> None:
+    """--pdb gives the rank this terminal: with none (stdin a file, a pipe, /dev/null) pdb reads end-of-file
+    at its first prompt and quits, and the program never runs."""
+    if spec.debug_rank is not None and spec.debugger == "pdb" and not (stdin is not None and stdin.isatty()):
+        raise UserError("--pdb needs a terminal, and stdin is not one: pdb would quit at its first prompt and the "
+                        "program would never run",
+                        hint="run it from an interactive terminal, or leave --pdb out to attach an editor's "
+                             "debugger to --debug-rank (debugpy)")
+
+
+def node_setup(spec: JobSpec, run_dir: str, envs: list[dict[str, str]], echo: bool = True,
+               cancel: "_Cancel | None" = None, live: list[Supervised] | None = None) -> int:
     """The per-node setup, once for each simulated node (with that node's TMPDIR), before its ranks start;
-    its lines echoed as `[node k]`. The first failure ends it: its exit code (0: all ran, or none to run)."""
+    its lines echoed as `[node k]`. The first failure ends it: its exit code (0: all ran, or none to run).
+    Each node's setup is a supervised group (in `live` while it runs): what it starts in the background ends
+    with it, as with the step that runs it on Slurm. A cancel stops it, and no other node's starts."""
     if not spec.node_setup:
         return 0
     script = node_setup_command(spec)[-1]  # the lines as one bash script, as the Slurm step runs them
-    scrubber = secrets.current()
+    cancel = cancel or _Cancel()
+    live = live if live is not None else []
     for node in range(spec.nodes):
+        if cancel.requested:
+            return CANCELLED_EXIT_CODE
         env = {**os.environ, "TMPDIR": envs[node * spec.tasks_per_node]["TMPDIR"], "HPC_DDP_RUN_DIR": run_dir}
         env.update(site_environment(spec, env))  # $TMPDIR in a value is this node's
-        proc = subprocess.Popen(["bash", "-c", script], env=env, cwd=spec.workdir, stdin=subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
-        for line in scrubber.lines(proc.stdout):
-            if echo:
-                sys.stdout.write(f"[node {node}] {line}")
-        if proc.wait():
-            _say(f"the per-node setup failed on simulated node {node} (exit code {proc.returncode}); "
-                 "the ranks were not started")
-            return proc.returncode
+        proc = Supervised(["bash", "-c", script], grace=_GRACE_S, env=env, cwd=spec.workdir,
+                          stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        live[:] = [proc]
+        echoing = threading.Thread(target=_echo_setup, args=(proc, node, echo, secrets.current()), daemon=True)
+        echoing.start()
+        rc = _wait_setup(proc, cancel)
+        echoing.join(timeout=5)
+        live.clear()
+        if rc:
+            _say(f"the per-node setup {'was stopped' if cancel.requested else 'failed'} on simulated node {node} "
+                 f"(exit code {rc}); the ranks were not started")
+            return rc
     return 0
+
+
+def _echo_setup(proc: subprocess.Popen, node: int, echo: bool, scrubber: secrets.Scrubber) -> None:
+    """One node's setup output, secrets masked, each line as `[node k] LINE`."""
+    raw = (line.decode("utf-8", "replace") for line in iter(proc.stdout.readline, b""))
+    for line in scrubber.lines(raw):
+        if echo:
+            sys.stdout.write(f"[node {node}] {line}")
+            sys.stdout.flush()
+
+
+def _wait_setup(proc: Supervised, cancel: "_Cancel") -> int:
+    """Wait for one node's setup. A cancel stops it: SIGTERM to its group, then SIGKILL to all it started at a
+    second cancel or KILL_WAIT_S later."""
+    acted = 0
+    while proc.poll() is None:
+        if cancel.count != acted:
+            acted = cancel.count
+            _say("cancelling: stopping the per-node setup" if acted == 1 else "cancelling: killing the per-node setup")
+            _signal_group(proc, signal.SIGTERM if acted == 1 else signal.SIGKILL)
+        if cancel.at is not None and time.monotonic() > cancel.at + KILL_WAIT_S:
+            _signal_group(proc, signal.SIGKILL)
+        time.sleep(0.05)
+    return proc.returncode
 
 
 class _Cancel:
@@ -342,20 +413,24 @@ def _timeline(spec: JobSpec, deadline: float | None) -> list[tuple[float, int]]:
 
 def _run_ranks(argv: list[str], envs: list[dict[str, str]], log_dir: Path, *, echo: bool, cwd: str,
                timeline: list[tuple[float, int]] | None = None, cancel: _Cancel | None = None,
-               received: list[str] | None = None, terminal_rank: int | None = None) -> int:
+               received: list[str] | None = None, terminal_rank: int | None = None,
+               live: list[Supervised] | None = None) -> int:
     """Start every rank and wait for them. `terminal_rank` (--pdb) gets this terminal (stdin and output,
-    unprefixed, so pdb's prompt shows) instead of a pump; its log file says where its output went."""
-    procs = []
+    unprefixed, so pdb's prompt shows) instead of a pump; its log file says where its output went. The ranks
+    are in `live` while they run."""
+    procs: list[Supervised] = []
     scrubber = secrets.current()  # built once: the pumps call it for every line
-    # Each rank dies with the executor, even a SIGKILLed one: in their own sessions, nothing else would
-    # stop them. Every rank is started before any pump thread, so no thread runs while we fork.
-    die_with_us = die_with_parent_preexec()
-    for rank, extra in enumerate(envs):
-        # In a session of its own, the terminal rank has no controlling terminal: it reads this one without
-        # being stopped (SIGTTIN), and Ctrl-C still reaches the executor (a cancel), not pdb.
-        piped = {} if rank == terminal_rank else {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT}
-        procs.append(subprocess.Popen(argv, env={**os.environ, **extra}, cwd=cwd, start_new_session=True,
-                                      preexec_fn=die_with_us, **piped))
+    try:
+        for rank, extra in enumerate(envs):
+            # In a session of its own, the terminal rank has no controlling terminal: it reads this one without
+            # being stopped (SIGTTIN), and Ctrl-C still reaches the executor (a cancel), not pdb.
+            piped = {} if rank == terminal_rank else {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT}
+            procs.append(Supervised(argv, grace=_GRACE_S, env={**os.environ, **extra}, cwd=cwd, **piped))
+    except BaseException:
+        _stop(procs)  # a rank that could not start: the ones already started must not run on
+        raise
+    if live is not None:
+        live[:] = procs
     if terminal_rank is not None:
         (log_dir / RANK_LOG.format(rank=terminal_rank)).write_text(
             f"hpc-ddp: rank {terminal_rank} ran under pdb; its output went to the terminal, not here\n")
@@ -364,28 +439,32 @@ def _run_ranks(argv: list[str], envs: list[dict[str, str]], log_dir: Path, *, ec
              for rank, proc in enumerate(procs) if rank != terminal_rank]
     for pump in pumps:
         pump.start()
-    previous = _forward_signals(procs, received if received is not None else [])
-    try:
-        rc = _wait_all(procs, list(timeline or []), cancel or _Cancel(), received)
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+    rc = _wait_all(procs, list(timeline or []), cancel or _Cancel(), received)
     for pump in pumps:
         pump.join(timeout=5)
+    if live is not None:
+        live.clear()
     return rc
 
 
-def _forward_signals(procs: list[subprocess.Popen], received: list[str]) -> dict:
-    """Pass stop signals on to every rank, as Slurm signals every task of the step; note their names."""
+@contextlib.contextmanager
+def _forwarding(live: list[Supervised], received: list[str]):
+    """Meanwhile, stop signals to the executor are passed on to the groups in `live` (a node's setup, or
+    every rank, as Slurm signals every task of the step), and their names noted in `received`."""
     if threading.current_thread() is not threading.main_thread():
-        return {}
+        yield
+        return
 
     def forward(signum, _frame):
         received.append(signal.Signals(signum).name)
-        for p in procs:
-            if p.poll() is None:
-                _signal_group(p, signum)
-    return {signum: signal.signal(signum, forward) for signum in _FORWARDED}
+        for p in list(live):
+            _signal_group(p, signum)
+    previous = {signum: signal.signal(signum, forward) for signum in _FORWARDED}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def _pump(proc: subprocess.Popen, log_path: Path, prefix: str, echo: bool, scrubber: secrets.Scrubber) -> None:
@@ -467,6 +546,9 @@ def _stop(procs: list[subprocess.Popen], cancel: _Cancel | None = None) -> None:
             p.wait()
 
 
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError):  # the rank already exited
-        os.killpg(proc.pid, sig)
+def _signal_group(proc: Supervised, sig: int) -> None:
+    """`sig` to a rank's (or a setup's) group; SIGKILL to everything it started, what left the group too."""
+    if sig == signal.SIGKILL:
+        proc.kill_group()
+    else:
+        proc.signal_group(sig)
