@@ -29,15 +29,23 @@ may call `init_process_group()` with env:// or use `hpc_ddp.start()`.
 When a rank raises, `RankError` names it and carries its traceback text (the first rank to fail, in time: the
 others usually failed because it left); the ranks still running get FAILURE_GRACE_S seconds, then they are
 killed. `timeout=` kills every rank still running after that many seconds (`LaunchTimeout`, naming them);
-Ctrl-C (the notebook's interrupt) kills them all too. No rank outlives the call.
+Ctrl-C (the notebook's interrupt) kills them all too. No rank outlives the call, nor any process a rank
+started (`spawn`: each rank runs under a supervisor that ends its whole process tree).
+
+A `submit()` that fails (sbatch refuses the job, the call cannot be pickled) removes what it created for the
+call, so that trying again is not refused; nothing that was there before is touched.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
+import math
+import numbers
 import os
 import random
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -89,6 +97,8 @@ def launch(fn: Callable, *args: Any, nprocs: int = 2, gpus: int = 0, timeout: fl
     `hpc_ddp.start()` keeps checkpoints); by default a temporary one, removed afterwards. env: more variables
     for every rank. echo: show the ranks' output here, each line prefixed `[rank N]`."""
     _check_callable(fn)
+    _check_timeout(timeout)
+    env = _checked_env(env)
     spec = local_spec(nprocs, gpus, _job_name(fn))
     _check_gpus_here(gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
     with tempfile.TemporaryDirectory(prefix="hpc-ddp-call-") as tmp:  # 0700: only we may put a pickle there
@@ -97,7 +107,7 @@ def launch(fn: Callable, *args: Any, nprocs: int = 2, gpus: int = 0, timeout: fl
         ranks_dir = _own_run_dir(run_dir) if run_dir is not None else str(call_dir)
         port = first_free_port(PORT_BASE + random.randrange(PORT_SPAN - 100))
         job_id = f"notebook-{os.getpid()}-{int(_time.time())}"
-        base = {**os.environ, **(env or {})}
+        base = {**os.environ, **env}
         driver = physical_gpus() > 0  # once: without /proc's entries it asks nvidia-smi
         envs = [spawn.rank_env(spec, rank, port, ranks_dir, job_id, base, nvidia_driver=driver)
                 for rank in range(nprocs)]
@@ -179,6 +189,7 @@ class SlurmCall:
         """Wait for the job to end, then rank 0's return value (or the RankError of the rank that failed).
         After `timeout` seconds the job is cancelled and LaunchTimeout raised. Ctrl-C stops the waiting, not
         the job: call result() again, or cancel()."""
+        _check_timeout(timeout)
         start = _time.monotonic()
         while not self.done():
             if timeout is not None and _time.monotonic() - start > timeout:
@@ -211,16 +222,17 @@ def submit(fn: Callable, *args: Any, nodes: int = 1, tasks_per_node: int = 1, gp
     if (Path(chosen) / calls.CALL_DIR).exists():  # its outcome files would be taken for this call's
         raise UserError(f"run dir {chosen} already holds a call submitted earlier",
                         hint="give submit() a new run_dir, or none (runs/NAME-YYYYmmdd-HHMMSS)")
-    run = write_run_dir(Plan("submitit", spec, chosen, None, summary=""))
-    call_dir = run / calls.CALL_DIR
-    call_dir.mkdir(mode=0o700)
-    _pickle_call(call_dir, fn, args, kwargs or {})
-    executor = submitit.SlurmExecutor(folder=str(RunDir(run).submitit / "%j"), python=spec.python)
-    params = submitit_parameters(spec)
-    # One rank that raises ends the step, as under hpc-ddp's own srun: its peers may be blocked in a collective.
-    params["srun_args"] = [*params.get("srun_args", []), "--kill-on-bad-exit=1"]
-    executor.update_parameters(**params)
-    job = executor.submit(calls.SlurmRank(str(RunDir(run).spec)))
+    with _removed_on_failure(Path(chosen)):  # sbatch may refuse it: a retry must not find a half-made call
+        run = write_run_dir(Plan("submitit", spec, chosen, None, summary=""))
+        call_dir = run / calls.CALL_DIR
+        call_dir.mkdir(mode=0o700)
+        _pickle_call(call_dir, fn, args, kwargs or {})
+        executor = submitit.SlurmExecutor(folder=str(RunDir(run).submitit / "%j"), python=spec.python)
+        params = submitit_parameters(spec)
+        # One rank that raises ends the step, as under hpc-ddp's own srun: its peers may be blocked in a collective.
+        params["srun_args"] = [*params.get("srun_args", []), "--kill-on-bad-exit=1"]
+        executor.update_parameters(**params)
+        job = executor.submit(calls.SlurmRank(str(RunDir(run).spec)))
     record_submission(Submission("submitit", str(job.job_id), str(run), None))
     record_run(spec, str(run), str(job.job_id), "submitit", warn=lambda m: print(f"hpc-ddp: warning: {m}", file=sys.stderr))
     return SlurmCall(str(job.job_id), str(run), spec.world_size)
@@ -284,6 +296,59 @@ def _first_line(text: str) -> str:
 def _check_callable(fn: Any) -> None:
     if not callable(fn):
         raise UserError(f"{fn!r} is not a function", hint="pass the training function itself: launch(train, ...)")
+
+
+def _check_timeout(timeout: Any) -> None:
+    """None, or a number of seconds above 0 (NaN would never time out; a string is a mistake)."""
+    if timeout is None:
+        return
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not math.isfinite(timeout) \
+            or timeout <= 0:
+        raise UserError(f"timeout={timeout!r}: give the seconds the ranks may run, a number above 0",
+                        hint="e.g. timeout=600, or timeout=None for no limit")
+
+
+def _checked_env(env: Any) -> dict[str, str]:
+    """The ranks' extra variables: names to strings, as a process environment holds them."""
+    if env is None:
+        return {}
+    if not isinstance(env, Mapping):
+        raise UserError(f"env={env!r}: give a dict of variable names to values", hint="e.g. env={'NCCL_DEBUG': 'INFO'}")
+    for name, value in env.items():
+        if not isinstance(name, str) or not name or "=" in name or "\0" in name:
+            raise UserError(f"env: {name!r} is not a variable name", hint="names are strings such as 'NCCL_DEBUG'")
+        if not isinstance(value, str) or "\0" in value:
+            fix = f"env={{{name!r}: {str(value).replace(chr(0), '')!r}}}"
+            raise UserError(f"env[{name!r}]={value!r}: a variable's value is a string", hint=f"write {fix}")
+    return dict(env)
+
+
+@contextlib.contextmanager
+def _removed_on_failure(path: Path):
+    """If the block raises, remove what it created at `path`: the folder itself and the missing folders
+    above it (only while empty), or, in a folder that was there, the entries that were not."""
+    made = []
+    folder = path
+    while not os.path.lexists(folder):
+        made.append(folder)
+        folder = folder.parent
+    before = None if made else set(os.listdir(path))
+    try:
+        yield
+    except BaseException:
+        if made:
+            shutil.rmtree(path, ignore_errors=True)
+            for parent in made[1:]:
+                with contextlib.suppress(OSError):
+                    parent.rmdir()
+        else:
+            for name in set(os.listdir(path)) - before:
+                entry = path / name
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry, ignore_errors=True)
+                else:
+                    entry.unlink(missing_ok=True)
+        raise
 
 
 def _check_gpus_here(gpus: int, cuda_visible: str | None) -> None:

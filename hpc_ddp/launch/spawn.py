@@ -1,12 +1,14 @@
 """The ranks of a Python call as processes on this machine (`hpc_ddp.notebook.launch`): their environment,
 then `watch` until every one has ended.
 
-Each rank is a fresh interpreter (`python -m hpc_ddp.job.calls CALL_DIR`) in a session of its own, so it is
-signalled with its DataLoader workers as one group, and it dies with the launcher (PDEATHSIG). `watch` echoes
+Each rank is a fresh interpreter (`python -m hpc_ddp.job.calls CALL_DIR`) under a supervisor, in a session of
+its own (`procs.Supervised`): it is signalled with its DataLoader workers as one group, what it starts ends
+when it does (a process that left its group too), and all of it stops when the launcher dies. `watch` echoes
 the ranks' output, prefixed by rank; after the first rank fails the others get `grace` seconds to fail or
 finish on their own (a peer in a collective usually fails at once), then they are killed; at `timeout` every
 rank still running is killed. Whatever ends the watch, an exception or Ctrl-C in the notebook included, no
-rank outlives it: its `finally` sends SIGTERM, then SIGKILL, and reaps every rank.
+rank, nor any process a rank started, outlives it: its `finally` sends SIGTERM to every rank's group, then
+SIGKILL to all they started, and reaps every rank.
 
 `rank_env` is pure: the same variables hpc-ddp's per-rank runner gives every rank (`job.runner.rank_environment`)
 for one simulated node on 127.0.0.1.
@@ -15,7 +17,6 @@ for one simulated node on 127.0.0.1.
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import os
 import selectors
@@ -26,7 +27,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import IO
 
-from hpc_ddp.common.procs import die_with_parent_preexec
+from hpc_ddp.common.procs import Supervised
 from hpc_ddp.job.distenv import DistEnv
 from hpc_ddp.job.runner import rank_environment
 from hpc_ddp.spec.jobspec import JobSpec
@@ -57,14 +58,12 @@ def rank_env(spec: JobSpec, rank: int, port: int, run_dir: str, job_id: str, bas
     return env
 
 
-def start_ranks(argv: Sequence[str], envs: Sequence[Mapping[str, str]], cwd: str) -> list[subprocess.Popen]:
-    procs: list[subprocess.Popen] = []
-    die_with_us = die_with_parent_preexec()
+def start_ranks(argv: Sequence[str], envs: Sequence[Mapping[str, str]], cwd: str) -> list[Supervised]:
+    procs: list[Supervised] = []
     try:
         for env in envs:
-            procs.append(subprocess.Popen(list(argv), env=dict(env), cwd=cwd, stdin=subprocess.DEVNULL,
-                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                          start_new_session=True, preexec_fn=die_with_us))
+            procs.append(Supervised(list(argv), grace=TERM_GRACE_S, env=dict(env), cwd=cwd, stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE))
     except BaseException:
         end_all(procs)  # a rank that failed to start: the ones already started must not linger
         raise
@@ -82,7 +81,7 @@ class Ended:
     tails: dict[int, list[str]] = dataclasses.field(default_factory=dict)
 
 
-def watch(procs: list[subprocess.Popen], *, timeout: float | None = None, grace: float = FAILURE_GRACE_S,
+def watch(procs: list[Supervised], *, timeout: float | None = None, grace: float = FAILURE_GRACE_S,
           echo: bool = True, out: IO[str] | None = None, err: IO[str] | None = None) -> Ended:
     output = _Output(procs, echo, out or sys.stdout, err or sys.stderr)
     start, failed_at, ended = time.monotonic(), None, Ended(codes=[])
@@ -111,30 +110,26 @@ def watch(procs: list[subprocess.Popen], *, timeout: float | None = None, grace:
     return ended
 
 
-def end_all(procs: Sequence[subprocess.Popen]) -> None:
-    """SIGTERM to every rank still running (its whole group), SIGKILL to those alive TERM_GRACE_S later,
-    then reap them all. Only live ranks are signalled: a reaped rank's pid may belong to someone else."""
-    _signal_live(procs, signal.SIGTERM)
+def end_all(procs: Sequence[Supervised]) -> None:
+    """SIGTERM to every rank still running (its whole group), SIGKILL to all that those alive TERM_GRACE_S
+    later started, then reap them all. Only live ranks are signalled: a reaped rank's pid may belong to
+    someone else. A rank that has ended has no process left: its supervisor ended them before it exited."""
+    for p in procs:
+        p.signal_group(signal.SIGTERM)
     deadline = time.monotonic() + TERM_GRACE_S
     while time.monotonic() < deadline and any(p.poll() is None for p in procs):
         time.sleep(0.05)
-    _signal_live(procs, signal.SIGKILL)
+    for p in procs:
+        p.kill_group()
     for p in procs:
         p.wait()
-
-
-def _signal_live(procs: Sequence[subprocess.Popen], sig: int) -> None:
-    for p in procs:
-        if p.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, sig)
 
 
 class _Output:
     """Every rank's stdout and stderr, read in this thread (a notebook shows what its own cell's thread
     prints), cut into lines, echoed with a `[rank N] ` prefix, and the last lines of each kept."""
 
-    def __init__(self, procs: Sequence[subprocess.Popen], echo: bool, out: IO[str], err: IO[str]):
+    def __init__(self, procs: Sequence[Supervised], echo: bool, out: IO[str], err: IO[str]):
         self.selector = selectors.DefaultSelector()
         self.partial: dict[tuple[int, int], bytes] = {}
         self.tail = {rank: collections.deque(maxlen=TAIL_LINES) for rank in range(len(procs))}
