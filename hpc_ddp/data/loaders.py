@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, g
 from hpc_ddp.common.errors import SpecError
 from hpc_ddp.data.arrays import ArrayImages
 from hpc_ddp.data.augment import sample_seed
+from hpc_ddp.data.elastic import rank_share
 from hpc_ddp.spec.trainconfig import TrainConfig
 
 __all__ = ["DataBundle", "build_data", "shutdown_workers", "ResumableSampler", "SeededSamples", "EvalSampler",
@@ -103,18 +104,38 @@ def _seed_all(seed: int) -> None:
 
 
 class ResumableSampler(Sampler):
-    """This rank's share of DistributedSampler's shuffled order for an epoch, from position `start`.
-    It yields (epoch, index) keys for `SeededSamples`, or plain indices with keys=False."""
+    """This rank's share of DistributedSampler's shuffled order for an epoch, from a position in it.
+    It yields (epoch, index) keys for `SeededSamples`, or plain indices with keys=False.
+
+    The share is taken from the epoch's global order (`data.elastic`): from `consumed` samples of it on,
+    this rank's every world_size-th. With an unchanged world size that is DistributedSampler's own share
+    from its `consumed / world_size`-th entry; with another one (a resume on fewer or more ranks) it goes on
+    with the same global order where the run left it."""
 
     def __init__(self, size: int, *, rank: int, world_size: int, seed: int, shuffle: bool = True,
                  keys: bool = True):
         self.inner = DistributedSampler(range(size), num_replicas=world_size, rank=rank, shuffle=shuffle,
                                         seed=seed, drop_last=True)
+        self.size, self.rank, self.world_size, self.seed, self.shuffle = size, rank, world_size, seed, shuffle
         self.epoch, self.start, self.keys = 0, 0, keys
 
+    @property
+    def consumed(self) -> int:
+        """Samples of the epoch's global order before this rank's next one (every rank's together)."""
+        return self.start * self.world_size
+
     def set_position(self, epoch: int, start: int) -> None:
+        """Start `epoch` at this rank's `start`-th sample (all ranks at theirs: start x world_size consumed)."""
         self.epoch, self.start = epoch, start
         self.inner.set_epoch(epoch)
+
+    def order(self) -> list[int]:
+        """The epoch's global order: DistributedSampler's permutation (seed + epoch), whatever the world size."""
+        if not self.shuffle:
+            return list(range(self.size))
+        generator = torch.Generator()
+        generator.manual_seed(self.seed + self.epoch)
+        return torch.randperm(self.size, generator=generator).tolist()
 
     def set_epoch(self, epoch: int) -> None:
         """DistributedSampler's call, so loops written for it run unchanged: the epoch the sampler was
@@ -123,11 +144,12 @@ class ResumableSampler(Sampler):
             self.set_position(epoch, 0)
 
     def __iter__(self) -> Iterator[tuple[int, int]] | Iterator[int]:
-        indices = list(self.inner)[self.start:]
+        order = self.order()
+        indices = [order[p] for p in rank_share(self.size, self.consumed, self.rank, self.world_size)]
         return iter([(self.epoch, i) for i in indices] if self.keys else indices)
 
     def __len__(self) -> int:
-        return max(len(self.inner) - self.start, 0)
+        return len(rank_share(self.size, self.consumed, self.rank, self.world_size))
 
 
 class EvalSampler(Sampler):
