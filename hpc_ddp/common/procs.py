@@ -239,9 +239,12 @@ def _libc():
     if not _LIBC:
         try:
             import ctypes
-            import ctypes.util
 
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+            libc = ctypes.CDLL(None, use_errno=True)  # this program's own libc, without a search (ldconfig)
+            if not hasattr(libc, "prctl"):
+                import ctypes.util
+
+                libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
             _LIBC.append(libc if hasattr(libc, "prctl") else None)
         except OSError:
             _LIBC.append(None)
@@ -357,7 +360,12 @@ def supervise(args: Sequence[str]) -> NoReturn:
         os.environ.pop("LC_CTYPE", None)
     else:
         os.environ["LC_CTYPE"] = lc_ctype[1:]
-    _exit_as(_watch(_spawn(argv, libc), control, grace))
+    wake, woken = os.pipe()  # a child's end (SIGCHLD) wakes the wait: no polling while the command runs
+    os.set_blocking(wake, False)
+    os.set_blocking(woken, False)
+    signal.set_wakeup_fd(woken, warn_on_full_buffer=False)
+    signal.signal(signal.SIGCHLD, _ignore)
+    _exit_as(_watch(_spawn(argv, libc), control, wake, grace))
 
 
 def _ignore(_signum, _frame) -> None:
@@ -383,7 +391,7 @@ def _spawn(argv: list[str], libc) -> int:
         os._exit(127)
 
 
-def _watch(child: int, control: int, grace: float) -> int:
+def _watch(child: int, control: int, wake: int, grace: float) -> int:
     """Wait for the command, then for every descendant; the command's wait status. When the command has
     ended, or hpc-ddp is gone, every descendant gets SIGTERM, and SIGKILL `grace` s later (at once on
     hpc-ddp's word). A process that becomes its child meanwhile (its parent died) gets the SIGTERM too."""
@@ -393,22 +401,26 @@ def _watch(child: int, control: int, grace: float) -> int:
         status = reaped if status is None else status
         if status is not None and not others:
             return status
-        now = time.monotonic()
-        order = _order(control) if listening else None
+        if kill_at is None and status is not None:  # the command ended: what it left is stopped
+            kill_at = _terminate_group(grace)
+        if kill_at is not None:  # each child outside the group, once (the command's group got it)
+            _signal_children(signal.SIGTERM, skip=termed, outside_group=True)
+            if time.monotonic() >= kill_at:
+                _signal_children(signal.SIGKILL)  # never the group: the supervisor is in it
+        order = _order(control if listening else None, wake, None if kill_at is None else _TICK_S)
         if order == b"":  # hpc-ddp closed its end: it ended, or it stops everything
             listening = False
-        if kill_at is None and (status is not None or order == b""):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(0, signal.SIGTERM)  # the group: the command and what it started in it
-            kill_at = now + grace
-        if kill_at is not None:  # and each child outside the group, once (the command's group got it)
-            _signal_children(signal.SIGTERM, skip=termed, outside_group=True)
+            if kill_at is None:
+                kill_at = _terminate_group(grace)
         if order and _KILL_NOW in order:
-            kill_at = now
-        if kill_at is not None and now >= kill_at:
-            _signal_children(signal.SIGKILL)  # never the group: the supervisor is in it
-        if not listening:
-            time.sleep(_TICK_S)
+            kill_at = time.monotonic()
+
+
+def _terminate_group(grace: float) -> float:
+    """SIGTERM to the supervisor's group (the command and what it started in it); when to SIGKILL the rest."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(0, signal.SIGTERM)
+    return time.monotonic() + grace
 
 
 def _reap(child: int) -> tuple[int | None, bool]:
@@ -425,12 +437,16 @@ def _reap(child: int) -> tuple[int | None, bool]:
             status = code
 
 
-def _order(control: int) -> bytes | None:
-    """What hpc-ddp wrote on the control pipe (b"": it closed it), waiting a tick; None: nothing."""
+def _order(control: int | None, wake: int, timeout: float | None) -> bytes | None:
+    """Wait for a signal (a child's end) or hpc-ddp's word, at most `timeout` s; what hpc-ddp wrote on the
+    control pipe (b"": it closed it), or None."""
     import select
 
-    ready, _, _ = select.select([control], [], [], _TICK_S)
-    return os.read(control, 64) if ready else None
+    ready, _, _ = select.select([fd for fd in (control, wake) if fd is not None], [], [], timeout)
+    if wake in ready:
+        with contextlib.suppress(BlockingIOError):
+            os.read(wake, 4096)
+    return os.read(control, 64) if control in ready else None
 
 
 def _signal_children(signum: int, skip: set[int] | None = None, outside_group: bool = False) -> None:
