@@ -280,7 +280,8 @@ class Supervised(subprocess.Popen):
 
     def __init__(self, argv: Sequence[str], *, grace: float, **popen_kwargs):
         self._control: int | None = None
-        if not sys.platform.startswith("linux"):
+        self._supervised = sys.platform.startswith("linux")
+        if not self._supervised:
             super().__init__(list(argv), start_new_session=True, **popen_kwargs)
             return
         env = popen_kwargs.get("env")
@@ -302,13 +303,14 @@ class Supervised(subprocess.Popen):
                 os.killpg(self.pid, signum)
 
     def kill_group(self) -> None:
-        """SIGKILL to every descendant of the supervisor, which then exits."""
-        if self._control is None:
+        """SIGKILL to every descendant of the supervisor, which then exits. Never to the supervisor itself:
+        what left the group would then be nobody's. Asked again, it does nothing more."""
+        if not self._supervised:
             self.signal_group(signal.SIGKILL)
-            return
-        with contextlib.suppress(OSError):  # it has just exited
-            os.write(self._control, _KILL_NOW)
-        self._close_control()
+        elif self._control is not None:
+            with contextlib.suppress(OSError):  # it has just exited
+                os.write(self._control, _KILL_NOW)
+            self._close_control()
 
     def stop(self, grace: float) -> int:
         """SIGTERM to the group; what still runs `grace` s later, killed. The command's exit status."""

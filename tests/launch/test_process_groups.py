@@ -87,6 +87,17 @@ def test_kill_group_reaches_what_left_the_group(pids):
     assert time.monotonic() - started < 5
 
 
+def test_kill_group_asked_twice_never_kills_the_supervisor_before_its_work(pids):
+    """A second kill_group (a cancel's KILL_WAIT_S check runs every tick) must not SIGKILL the supervisor:
+    what left the group would then be orphaned, nobody's to kill."""
+    proc = leaver(pids, "sleep 1000")
+    wait_for(lambda: Path(f"{pids}.ready").exists(), 10, "the command to start its children")
+    for _ in range(5):
+        proc.kill_group()
+    assert proc.wait(timeout=10) == -signal.SIGKILL
+    assert not [p for p in noted(pids) if alive(p)]
+
+
 def test_the_group_gets_the_signal_and_the_supervisor_lets_it_pass(tmp_path):
     mark = tmp_path / "got-usr1"
     proc = Supervised([sys.executable, "-c", textwrap.dedent(f"""

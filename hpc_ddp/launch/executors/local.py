@@ -366,13 +366,15 @@ def _echo_setup(proc: subprocess.Popen, node: int, echo: bool, scrubber: secrets
 def _wait_setup(proc: Supervised, cancel: "_Cancel") -> int:
     """Wait for one node's setup. A cancel stops it: SIGTERM to its group, then SIGKILL to all it started at a
     second cancel or KILL_WAIT_S later."""
-    acted = 0
+    acted, killed = 0, False
     while proc.poll() is None:
         if cancel.count != acted:
             acted = cancel.count
             _say("cancelling: stopping the per-node setup" if acted == 1 else "cancelling: killing the per-node setup")
             _signal_group(proc, signal.SIGTERM if acted == 1 else signal.SIGKILL)
-        if cancel.at is not None and time.monotonic() > cancel.at + KILL_WAIT_S:
+        if cancel.at is not None and not killed and time.monotonic() > cancel.at + KILL_WAIT_S:
+            killed = True
+            _say(f"cancelling: the per-node setup still runs {KILL_WAIT_S} s after the cancel; killing it")
             _signal_group(proc, signal.SIGKILL)
         time.sleep(0.05)
     return proc.returncode
