@@ -154,6 +154,35 @@ def test_cancel_during_the_node_setup_stops_it_and_starts_no_rank(ws):
     assert "CANCELLED" in status.stdout, status.stdout + status.stderr
 
 
+def test_a_second_ctrl_c_kills_a_node_setup_deaf_to_sigterm(ws):
+    proc = _start(ws, "--nodes", "1", "--tasks-per-node", "2", "--node-setup", "trap '' TERM", *_setup_args(),
+                  "--run-dir", "run", "job.py")
+    try:
+        setup = _setup_up(ws)
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the setup ignores the SIGTERM it brings
+        time.sleep(1)
+        assert all(_alive(p) for p in setup)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, _ = proc.communicate(timeout=10)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 1 and "killing the per-node setup" in out, out
+    assert [p for p in setup if _alive(p)] == [] and not list(ws.glob("pids-*")), out
+
+
+def test_the_node_setup_dies_with_a_sigkilled_executor(ws):
+    proc = _start(ws, "--nodes", "1", "--tasks-per-node", "2", *_setup_args(), "--run-dir", "run", "job.py")
+    try:
+        setup = _setup_up(ws)
+        proc.kill()
+        proc.wait()
+        wait_until(lambda: not any(_alive(p) for p in setup), 8, "the setup to die with the executor")
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def test_cancel_of_a_job_that_does_not_stop_says_what_is_known(ws, monkeypatch):
     """Whatever the job is doing (its setup, or ranks saving), cancel says it has not ended, not that ranks
     checkpoint (none may have started)."""
