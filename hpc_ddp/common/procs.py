@@ -28,7 +28,7 @@ from typing import NoReturn, Protocol
 
 __all__ = ["Completed", "CommandRunner", "SubprocessCommands", "FakeCommands", "slurm_unreachable", "ProcessIdentity",
            "write_pid_file", "read_pid_file", "signal_process", "die_with_parent_preexec", "exit_after_handlers",
-           "Supervised", "supervise"]
+           "Supervised", "can_supervise", "supervise"]
 
 # What Slurm's commands print when the controller is down: not the user's mistake, try again later.
 _UNREACHABLE = ("Unable to contact slurm controller", "Socket timed out", "Connection refused")
@@ -276,11 +276,12 @@ class Supervised(subprocess.Popen):
     When the command ends, the supervisor stops what it left running (SIGTERM, SIGKILL `grace` s later);
     when this process dies, however (SIGKILL included), it stops everything the same way. poll() and wait()
     give the command's exit status (negative: the signal that killed it). Linux only; elsewhere a plain
-    session: its group is signalled, and nothing stops it when this process is SIGKILLed."""
+    session: its group is signalled, and nothing stops it when this process is SIGKILLed (as where this file
+    is not a file on disk, in a zip, or Python cannot say where its interpreter is)."""
 
     def __init__(self, argv: Sequence[str], *, grace: float, **popen_kwargs):
         self._control: int | None = None
-        self._supervised = sys.platform.startswith("linux")
+        self._supervised = can_supervise()
         if not self._supervised:
             super().__init__(list(argv), start_new_session=True, **popen_kwargs)
             return
@@ -336,6 +337,11 @@ class Supervised(subprocess.Popen):
         if self._control is not None:
             os.close(self._control)
             self._control = None
+
+
+def can_supervise() -> bool:
+    """Linux (a subreaper, /proc), this file on disk and a known interpreter: the supervisor can run."""
+    return sys.platform.startswith("linux") and bool(sys.executable) and os.path.isfile(__file__)
 
 
 def supervisor_argv(argv: Sequence[str], control: int, grace: float, env: Mapping[str, str]) -> list[str]:

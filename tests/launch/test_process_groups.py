@@ -145,3 +145,16 @@ def test_a_command_that_cannot_run_says_so(argv, code):
     proc = Supervised(argv, grace=1, stderr=subprocess.PIPE)
     _, err = proc.communicate(timeout=20)
     assert proc.returncode == code and err.decode().startswith(f"hpc-ddp: cannot run {argv[0]}: ")
+
+
+def test_where_no_supervisor_can_run_the_command_is_a_plain_session(monkeypatch, tmp_path):
+    """(a zipped install, no interpreter path, not Linux): still its own group, signalled and killed as one."""
+    from hpc_ddp.common import procs
+
+    monkeypatch.setattr(procs, "can_supervise", lambda: False)
+    assert Supervised(["sh", "-c", "exit 3"], grace=1).wait(timeout=10) == 3
+    argv = ["sh", "-c", f"trap '' TERM; touch {tmp_path / 'up'}; sleep 1000"]
+    proc = Supervised(argv, grace=1)
+    assert os.getpgid(proc.pid) == proc.pid and proc.args == argv  # no supervisor: the command leads the group
+    wait_for(lambda: (tmp_path / "up").exists(), 10, "the command to start")
+    assert proc.stop(grace=0.3) == -signal.SIGKILL
