@@ -28,9 +28,14 @@ import os, signal, subprocess, sys, time
 from pathlib import Path
 rank = os.environ["RANK"]
 kids = [subprocess.Popen(["sleep", "1000"]), subprocess.Popen(["setsid", "sleep", "1000"])]
-Path(f"pids-{rank}").write_text(" ".join(str(p) for p in [os.getpid(), *(k.pid for k in kids)]))
+Path(f".pids-{rank}").write_text(" ".join(str(p) for p in [os.getpid(), *(k.pid for k in kids)]))
+os.replace(f".pids-{rank}", f"pids-{rank}")  # whole when it shows
 how = os.environ.get("HOW", "exit")
 if how == "fail" and rank == "1":
+    for _ in range(600):  # fail once rank 0 has started its children too
+        if Path("pids-0").exists():
+            break
+        time.sleep(0.05)
     sys.exit(1)
 if how in ("fail", "wait"):
     time.sleep(1000)
