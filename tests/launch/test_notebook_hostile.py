@@ -26,13 +26,18 @@ def cell(source: str, name: str = "f"):
 
 # Each rank starts a child in its group and one in a session of its own, notes their pids, then ends as told.
 LEAVES = cell("""
-import os, subprocess
+import os, subprocess, time
 def f(folder, how):
     rank = os.environ["RANK"]
     kids = [subprocess.Popen(["sleep", "1000"]), subprocess.Popen(["setsid", "sleep", "1000"])]
-    with open(os.path.join(folder, "pids-" + rank), "w") as fh:
+    with open(os.path.join(folder, ".pids-" + rank), "w") as fh:
         fh.write(" ".join(str(k.pid) for k in kids) + " " + str(os.getpid()))
+    os.replace(os.path.join(folder, ".pids-" + rank), os.path.join(folder, "pids-" + rank))
     if how == "raise" and rank == "1":
+        for _ in range(600):  # once rank 0 has started its children too
+            if os.path.exists(os.path.join(folder, "pids-0")):
+                break
+            time.sleep(0.05)
         raise ValueError("rank 1 gives up")
     return rank
 """)
