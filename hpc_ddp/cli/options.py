@@ -26,7 +26,11 @@ from hpc_ddp.spec.slurmargs import SBATCH, SRUN, unlisted
 __all__ = ["spec_options", "build", "executor_for", "warn"]
 
 _SPEC_OPTIONS = [
-    click.option("--nodes", help="Number of nodes."),
+    click.option("--nodes", help="Number of nodes, or a range MIN-MAX: the job starts on as many as Slurm gives "
+                                 "(at least MIN), and a requeued job resumes on however many it then gets."),
+    click.option("--elastic", type=click.Choice(["keep_global_batch", "keep_per_rank_batch"]),
+                 help="With --nodes MIN-MAX, a resume on another number of nodes keeps the global batch (by gradient "
+                      "accumulation) [default], or the per-rank batch (the global batch changes with the size)."),
     click.option("--gpus", help="GPUs per node."),
     click.option("--tasks-per-node", help="Ranks per node [default: the GPU count, or 1]."),
     click.option("--cpus-per-task", help="CPUs per rank (data loader workers need them)."),

@@ -48,7 +48,7 @@ ARRAY_TEMPLATE = "sweep.sh.j2"
 
 def directives(spec: JobSpec) -> list[str]:
     """The `#SBATCH` options, in a stable order."""
-    out = [f"--job-name={_quoted(spec.job_name)}", f"--nodes={spec.nodes}",
+    out = [f"--job-name={_quoted(spec.job_name)}", f"--nodes={spec.nodes_text}",
            f"--ntasks-per-node={spec.tasks_per_node}"]
     if spec.gpus:
         out.append(f"--gpus-per-node={spec.gpus}" if spec.gpu_request == "gpus-per-node" else f"--gres=gpu:{spec.gpus}")
@@ -90,7 +90,9 @@ def node_setup_command(spec: JobSpec, *, overlap: bool = False) -> list[str]:
     """The per-node setup: its lines as one bash script, run by a step of one task on each node, before the
     ranks' step. `overlap`: started from a step's own shell (srun --pty bash), which holds the CPUs."""
     script = "\n".join([NODE_SETUP_SHELL, *spec.node_setup])
-    return ["srun", f"--nodes={spec.nodes}", f"--ntasks={spec.nodes}", "--ntasks-per-node=1",
+    # A node range's count is the allocation's: one task on each of its nodes, however many Slurm gave.
+    count = [] if spec.nodes_max else [f"--nodes={spec.nodes}", f"--ntasks={spec.nodes}"]
+    return ["srun", *count, "--ntasks-per-node=1",
             *(["--overlap"] if overlap else []), "--kill-on-bad-exit=1", "--label", "bash", "-c", script]
 
 

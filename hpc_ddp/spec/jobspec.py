@@ -54,7 +54,9 @@ class JobSpec:
     job_name: str
     workdir: str
     python: str
-    nodes: int = 1
+    nodes: int = 1                     # with nodes_max: the fewest nodes the job starts on (--nodes MIN-MAX)
+    nodes_max: int | None = None       # a node range's most; None: exactly `nodes`
+    elastic: str = "keep_global_batch" # a range's resume on another size: keep the global batch, or the per-rank one
     gpus: int = 0
     tasks_per_node: int = 1
     cpus_per_task: int | None = None
@@ -105,7 +107,13 @@ class JobSpec:
 
     @property
     def world_size(self) -> int:
+        """The ranks of the fewest nodes the job starts on (a range's runs may have more: see `nodes_text`)."""
         return self.nodes * self.tasks_per_node
+
+    @property
+    def nodes_text(self) -> str:
+        """"4", or "2-4" for a range: Slurm's own --nodes syntax."""
+        return f"{self.nodes}-{self.nodes_max}" if self.nodes_max else str(self.nodes)
 
     def program(self) -> str:
         """What every rank runs, as one line: a script's copy in the snapshot where submit took one."""
@@ -380,8 +388,21 @@ MAX_PER_NODE = 4096           # GPUs, tasks or CPUs of one node
 MAX_REQUEUES = 10_000
 WEEK = 7 * 86400              # the longest wait for staging, the rendezvous, or one collective
 
+def _nodes(raw: Any) -> int | tuple[int, int]:
+    """N, or a range "MIN-MAX" (Slurm's --nodes=MIN-MAX: the job starts on as many as are free, at least
+    MIN); a range whose ends are equal is that one number."""
+    one = count(1, MAX_NODES)
+    if isinstance(raw, str) and "-" in raw.strip().lstrip("-"):
+        low, _, high = raw.strip().partition("-")
+        lo, hi = one(low), one(high)
+        if lo > hi:
+            raise ValueError(f"{raw.strip()!r} is not a range MIN-MAX with MIN <= MAX")
+        return lo if lo == hi else (lo, hi)
+    return one(raw)
+
+
 PARSERS: dict[str, Callable[[Any], Any]] = {
-    "nodes": count(1, MAX_NODES), "gpus": count(0, MAX_PER_NODE), "tasks_per_node": count(1, MAX_PER_NODE),
+    "nodes": _nodes, "elastic": choice(("keep_global_batch", "keep_per_rank_batch")), "gpus": count(0, MAX_PER_NODE), "tasks_per_node": count(1, MAX_PER_NODE),
     "cpus_per_task": count(1, MAX_PER_NODE),
     "mem": _mem, "time": _time, "partition": _token, "account": _token, "qos": _token,
     "constraint": _token, "job_name": _job_name, "executor": choice(EXECUTORS), "run_dir": _string,
@@ -465,6 +486,8 @@ def build_spec(layers: Sequence[Layer], *, target: Target, workdir: str, python:
     values = {key: value for key, (value, _) in merged.items() if key not in TARGET_KEYS}
     gpus = values.get("gpus", 0)
     values.setdefault("tasks_per_node", gpus or 1)
+    if isinstance(values.get("nodes"), tuple):
+        values["nodes"], values["nodes_max"] = values["nodes"]
     values.setdefault("job_name", _default_job_name(target))
     _check_whole(values, merged, target)
     _check_debug(values)

@@ -374,6 +374,21 @@ class CheckpointManager:
         shown = repr(text) if _TMP_NAME.fullmatch(text) else f"{len(raw)} bytes, not shown"
         return None, f"{path} does not name a checkpoint ({shown})"
 
+    def latest_manifest(self) -> dict[str, Any] | None:
+        """The manifest of the checkpoint a resume would try first (what `latest` names, else the newest), read
+        but not verified: what a run plans with before it loads (the world size that saved it). None: none."""
+        candidates = self.checkpoints()
+        latest = self._latest_name()
+        path = self.root / latest if latest and (self.root / latest) in candidates else \
+            (candidates[-1] if candidates else None)
+        if path is None:
+            return None
+        try:
+            data = json.loads(read_regular(path / MANIFEST, limit=1 << 24))
+        except (OSError, ValueError):
+            return None
+        return data if isinstance(data, dict) else None
+
     def load_latest(self, files: tuple[str, ...] | None = None, max_step: int | None = None) -> Loaded | None:
         """The newest checkpoint that verifies (the one `latest` names first), or None if there is none.
 

@@ -63,6 +63,7 @@ from hpc_ddp.common.events import JsonLines
 from hpc_ddp.common.exitcodes import REQUEUE_EXIT_CODE
 from hpc_ddp.common.procs import exit_after_handlers
 from hpc_ddp.common.rundir import RunDir
+from hpc_ddp.data.elastic import Resized, resize
 from hpc_ddp.data.loaders import ResumableSampler, SeededSamples, shield_loader_workers, worker_init, worker_niceness
 from hpc_ddp.job.deadline import job_deadline, stop_lead
 from hpc_ddp.job.distenv import DistEnv, from_environ
@@ -137,6 +138,10 @@ class Session:
         self.log_every, self.stop_lead_seconds = max(1, log_every), stop_lead_seconds
         self.stop_on_nonfinite, self.exit_on_stop = stop_on_nonfinite, exit_on_stop
         self.fingerprint = {**(fingerprint or {}), "world_size": self.env.world_size}
+        # A node range (--nodes MIN-MAX) lets a resume run on another world size; a fixed size refuses one.
+        self.elastic: str | None = getattr(spec, "elastic", None) if getattr(spec, "nodes_max", None) else None
+        self._accum: int | None = None        # the accumulation `accumulation()` gave; saved in checkpoints
+        self._batch_size: int | None = None
         self.progress = Progress()
         self.total_steps: int | None = None
         self.epochs_total: int | None = None
@@ -395,6 +400,8 @@ class Session:
                 "fingerprint": self.fingerprint}
         if os.environ.get("HPC_DDP_CODE_ID"):  # the code snapshot that made it (`hpc-ddp inspect` shows it)
             meta["code"] = os.environ["HPC_DDP_CODE_ID"]
+        if self._accum is not None:  # what a resume on another world size starts from (data.elastic)
+            meta["grad_accum"] = self._accum
         if model_hash and "model.pt" in payloads:
             meta["model_sha256"] = state_sha256(payloads["model.pt"])
         return meta
@@ -433,7 +440,11 @@ class Session:
         session = loaded.payloads[SESSION_FILE]
         self.progress = Progress(**session["progress"])
         self.progress.restarts += 1
-        restore_rng(session["rng"][self.rank])
+        saved_world = len(session["rng"])
+        if saved_world != self.world_size:
+            self._resume_resized(saved_world, _saved_accum(loaded.manifest))
+        if self.rank < saved_world:
+            restore_rng(session["rng"][self.rank])
         # epochs counted from 1, as the step lines count them ("epoch 2/3"); the records keep the index
         self.log(f"hpc-ddp: resumed from {loaded.path} (step {self.progress.step}, epoch {self.progress.epoch + 1}, "
                  f"batch {self.progress.batch_in_epoch} of the epoch)")
@@ -443,18 +454,65 @@ class Session:
         self._window = (time.monotonic(), self.progress.step, self.progress.samples)
         return True
 
+    def accumulation(self, grad_accum: int = 1, *, batch_size: int) -> int:
+        """The micro-batches per optimizer step from now on: `grad_accum`, unless this run resumes on another
+        world size than the checkpoint's and keeps the global batch (`elastic = "keep_global_batch"`, a node
+        range's default): then as many more or fewer as keep batch x ranks x accumulation the same. Ask it
+        before the loop's schedule is built (the steps per epoch follow from it)."""
+        manifest = self.checkpoints.latest_manifest()
+        saved, used = _saved_world(manifest), _saved_accum(manifest)
+        self._batch_size = batch_size
+        if saved is None:
+            self._accum = grad_accum
+        elif saved == self.world_size:
+            self._accum = used or grad_accum  # a run resized before goes on with the accumulation it had
+        else:
+            self._accum = self._resize(saved, batch_size, used or grad_accum, batch_in_epoch=0).grad_accum
+        return self._accum
+
+    def _resize(self, saved: int, batch_size: int, grad_accum: int, batch_in_epoch: int) -> Resized:
+        if self.elastic is None:
+            raise IncompatibleResume(
+                f"cannot resume: the checkpoint was saved by {saved} ranks, this run has {self.world_size} (a fixed "
+                "number of nodes: each rank's data order and random streams are in it)",
+                hint=f"resume with the same nodes x GPUs ({saved} ranks), or submit with --nodes MIN-MAX (a range) "
+                     "to let a run resume on another size")
+        try:
+            return resize(saved_world=saved, world=self.world_size, batch_size=batch_size, grad_accum=grad_accum,
+                          batch_in_epoch=batch_in_epoch, policy=self.elastic)
+        except ValueError as exc:
+            raise IncompatibleResume(f"cannot resume on {self.world_size} ranks: {exc}",
+                                     hint="resume on a number of nodes the global batch divides, or set "
+                                          "--elastic keep_per_rank_batch") from None
+
     def _check_compatible(self, loaded: Loaded) -> None:
         saved = loaded.manifest.get("fingerprint") or {}
-        if saved.get("world_size") not in (None, self.world_size):
-            raise IncompatibleResume(
-                f"cannot resume from {loaded.path}: it was saved by {saved['world_size']} ranks, this run has "
-                f"{self.world_size} (each rank's data order and random streams are in it)",
-                hint=f"resume with the same nodes x GPUs ({saved['world_size']} ranks), or use another --run-dir")
+        if saved.get("world_size") not in (None, self.world_size) and self.elastic is None:
+            self._resize(int(saved["world_size"]), 1, 1, 0)  # refused, naming the range option
         changed = [f"{k}: checkpoint {saved.get(k)!r}, now {v!r}" for k, v in self.fingerprint.items()
-                   if saved.get(k) != v]
+                   if saved.get(k) != v and not (k == "world_size" and self.elastic)]
         if changed:
             raise IncompatibleResume(f"cannot resume from {loaded.path}: the run changed {'; '.join(changed)}",
                                      hint="restore those settings, or start afresh with another --run-dir")
+
+    def _resume_resized(self, saved_world: int, saved_accum: int | None) -> None:
+        """Go on at this world size from where `saved_world` ranks stopped: the same global position in the
+        epoch's order (data.elastic). The batch size is the one `accumulation()` was told, else the first
+        followed sampler's; the saved run's accumulation is in its checkpoint (1 where it was never asked)."""
+        batch_size = self._batch_size or (self._samplers[0][1] if self._samplers else 1)
+        moved = self._resize(saved_world, batch_size, saved_accum or 1, self.progress.batch_in_epoch)
+        if self._accum is not None and moved.grad_accum != self._accum:
+            raise IncompatibleResume(f"the checkpoint resumed is not the one the run planned with (accumulation "
+                                     f"{self._accum}, this one needs {moved.grad_accum})",
+                                     hint="resubmit: the next attempt plans with the checkpoint it finds")
+        self._accum = moved.grad_accum
+        self.progress.batch_in_epoch = moved.batch_in_epoch
+        fresh = f"; ranks {saved_world}-{self.world_size - 1} had no random streams in the checkpoint and start from " \
+                "their seeds" if self.world_size > saved_world else ""
+        self.log(f"hpc-ddp: {moved.note}{fresh}")
+        self.events.write({"event": "resized", "from_world_size": saved_world, "world_size": self.world_size,
+                           "grad_accum": moved.grad_accum, "global_batch": moved.global_batch,
+                           "policy": self.elastic})
 
     # ---- the loop ----
 
@@ -714,6 +772,18 @@ def _run_dir(given: str | os.PathLike | None) -> Path:
         raise UsageError(f"run dir {path} is not a directory", hint="pass start(run_dir=...) a directory")
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
     return path
+
+
+def _saved_accum(manifest: Mapping[str, Any] | None) -> int | None:
+    """The gradient accumulation the run used when it saved (None: a run that never asked `accumulation()`)."""
+    accum = (manifest or {}).get("grad_accum")
+    return accum if type(accum) is int and accum > 0 else None
+
+
+def _saved_world(manifest: Mapping[str, Any] | None) -> int | None:
+    """The world size that saved a checkpoint, from its manifest's fingerprint (None: none, or not said)."""
+    world = ((manifest or {}).get("fingerprint") or {}).get("world_size")
+    return world if type(world) is int and world > 0 else None
 
 
 def _spec_in(run_dir: Path) -> Any:

@@ -92,7 +92,9 @@ class Trainer:
                                device=session.device)
         if self.data.root and cfg.data_dir and str(self.data.root) != cfg.data_dir:
             session.log(f"hpc-ddp: reading the staged copy {self.data.root} of {cfg.data_dir}")
-        self.steps_per_epoch = self.data.micro_batches_per_epoch // cfg.grad_accum
+        # The accumulation from now on: cfg.grad_accum, or what keeps the global batch on resuming on another size.
+        self.grad_accum = session.accumulation(cfg.grad_accum, batch_size=cfg.batch_size)
+        self.steps_per_epoch = self.data.micro_batches_per_epoch // self.grad_accum
         total = self.steps_per_epoch * cfg.epochs
         self.total_steps = min(total, cfg.max_steps) if cfg.max_steps else total
         self.flags: StepFlags | None = None   # set by _model when DDP carries the step's flags
@@ -176,7 +178,7 @@ class Trainer:
             if self._epoch() or self.session.settle():  # settle: a GPU's last-step stop, before evaluating
                 return REQUEUE_EXIT_CODE
             if self.progress.step >= self.total_steps and \
-                    self.progress.batch_in_epoch // self.cfg.grad_accum < self.steps_per_epoch:
+                    self.progress.batch_in_epoch // self.grad_accum < self.steps_per_epoch:
                 break  # max_steps ends training mid-epoch: no end-of-epoch evaluation
             self._end_epoch()
         self.session.finish()
@@ -195,15 +197,15 @@ class Trainer:
         """One epoch from the resumed batch on; True when the ranks stopped (checkpointed) in it."""
         p, cfg = self.progress, self.cfg
         self.model.train()
-        steps_left = min(self.steps_per_epoch - p.batch_in_epoch // cfg.grad_accum, self.total_steps - p.step)
+        steps_left = min(self.steps_per_epoch - p.batch_in_epoch // self.grad_accum, self.total_steps - p.step)
         if steps_left <= 0:
             return False
         batches = iter(self.data.train)
-        samples = cfg.batch_size * cfg.grad_accum * self.session.world_size
+        samples = cfg.batch_size * self.grad_accum * self.session.world_size
         for _ in range(steps_left):
             self._step(batches)
             summed = self.flags.incoming if self.flags is not None else None
-            if self.session.step(self._loss, batches=cfg.grad_accum, samples=samples, summed=summed,
+            if self.session.step(self._loss, batches=self.grad_accum, samples=samples, summed=summed,
                                  lr=self.scheduler.get_last_lr()[0]):
                 return True
         return False
@@ -213,17 +215,17 @@ class Trainer:
         # On GPUs the loss stays on the device (float64, as the CPU's Python floats): reading it per
         # micro-step would make the host wait for each forward. The flags carry it; step() reads them a step late.
         on_device = self.session.device.type != "cpu"
-        for micro in range(cfg.grad_accum):
+        for micro in range(self.grad_accum):
             x, y = next(batches)
             x, y = x.to(self.session.device, non_blocking=True), y.to(self.session.device, non_blocking=True)
             if self.speed.channels_last and x.dim() == 4:
                 x = x.contiguous(memory_format=torch.channels_last)  # a no-op for the device path's batches
-            last = micro == cfg.grad_accum - 1
+            last = micro == self.grad_accum - 1
             sync = contextlib.nullcontext() if last or not isinstance(self.model, DDP) else self.model.no_sync()
             with sync:
                 with torch.autocast(self.session.device.type, dtype=self.autocast_dtype or torch.float32,
                                     enabled=self.autocast_dtype is not None):
-                    loss = nn.functional.cross_entropy(self.forward(x), y) / cfg.grad_accum
+                    loss = nn.functional.cross_entropy(self.forward(x), y) / self.grad_accum
                 total = total + (loss.detach().double() if on_device else loss.item())
                 if last:
                     # This rank's flags, set before the synchronising backward that carries them (reduce.py).
