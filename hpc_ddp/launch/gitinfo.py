@@ -3,7 +3,9 @@
 
 Only read-only git commands, run with the user's git but none of the repo's programs: no fsmonitor hook,
 no external diff or textconv driver, no pager; and none of the shell's GIT_DIR/GIT_WORK_TREE/GIT_INDEX_FILE,
-which would point the commands at another repo. `Git.run` is the one edge; tests fake it.
+which would point the commands at another repo. git opens its rule files (.gitignore, .gitattributes,
+info/exclude, core.excludesFile...) as they are: one that is a FIFO or a device would make it wait forever,
+so `check_inputs` refuses those first. `Git.run` is the one edge; tests fake it.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+import stat
 import subprocess
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -124,6 +127,36 @@ class Git:
         `untracked_only`, the untracked ones alone. Submodules are listed as their folder."""
         which = ["--others"] if untracked_only else ["--cached", "--others"]
         return _split(self._git(root, "ls-files", "-z", *which, "--exclude-standard").stdout)
+
+    def check_inputs(self, root: Path) -> list[str]:
+        """The tracked files (`git ls-files --cached`, which reads no rule file), once every file git reads
+        its rules from for them is checked: the repo's info/exclude and info/attributes, the configured and
+        default excludesFile and attributesFile, and .gitignore and .gitattributes in the root and in every
+        folder of a tracked file. One that is a FIFO is a GitError: git would wait on it forever (a device
+        or a folder there git reads as empty, or skips)."""
+        done = self._all(root, [(("ls-files", "-z", "--cached"), (0,)),
+                                (("rev-parse", "--git-common-dir"), (0,)),
+                                (("config", "-z", "--path", "--get-regexp", r"^core\.(excludesfile|attributesfile)$"),
+                                 (0, 1))])
+        tracked = _split(done[0].stdout)
+        common = os.path.join(root, done[1].stdout.decode(errors="surrogateescape").rstrip("\n"))  # relative to root
+        configured = [entry.split("\n", 1)[1] for entry in _split(done[2].stdout) if "\n" in entry]
+        config_home = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+        paths = [os.path.join(common, "info", "exclude"), os.path.join(common, "info", "attributes"),
+                 os.path.join(common, "index"), *configured,
+                 os.path.join(config_home, "git", "ignore"), os.path.join(config_home, "git", "attributes")]
+        for folder in sorted({rel.rpartition("/")[0] for rel in tracked} | {""}):
+            base = os.path.join(root, folder) if folder else str(root)
+            paths += [os.path.join(base, ".gitignore"), os.path.join(base, ".gitattributes")]
+        for path in paths:
+            try:
+                fifo = stat.S_ISFIFO(os.stat(path).st_mode)  # through a link: git follows the configured ones
+            except (OSError, ValueError):
+                continue
+            if fifo:
+                raise GitError(f"git would wait forever on {path if path.isprintable() else repr(path)}, a FIFO where "
+                               "git reads its rules")
+        return tracked
 
     def listing(self, root: Path) -> tuple[list[str], list[str], list[str]]:
         """(tracked, untracked and not ignored, ignored) of the repo at `root`, as `files` and `ignored` say,

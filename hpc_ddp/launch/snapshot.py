@@ -67,6 +67,9 @@ LEFT_OUT_FILES = ("*.pt", "*.pth", "*.ckpt", "*.safetensors", "*.npz", "*.h5", "
 DROPPED = ("__pycache__", "*.pyc", "*.pyo")
 MAX_FILES = 100_000
 MAX_LINKS = 2_000
+# Folders nested deeper than this are refused: no project's code is, and a deeper tree would take the walk,
+# the rule's cache and the copy past Python's recursion limit (an internal error instead of a line).
+MAX_DEPTH = 200
 _STOPPED = "the walk stopped early: the folder holds more than a snapshot may"
 
 
@@ -250,18 +253,31 @@ class _Rule:
         return None
 
     def _folder(self, folder: str, untracked: bool) -> str | None:
-        """The left-out folder at or above `folder`, asked once per folder."""
+        """The left-out folder at or above `folder`, asked once per folder (from the top down, no recursion)."""
         key = (untracked, folder)
-        if key not in self._dirs:
-            parent = folder.rpartition("/")[0]
-            out = self._folder(parent, untracked) if parent else None
-            if out is None and (self.dropped(folder) or self.asked(folder) or (untracked and self.not_code_dir(folder))):
-                out = folder
-            self._dirs[key] = out
-        return self._dirs[key]
+        if key in self._dirs:
+            return self._dirs[key]
+        out = None
+        for path in parents(folder):
+            cached = self._dirs.get((untracked, path), False)
+            if cached is not False:
+                out = cached
+                continue
+            if out is None and (self.dropped(path) or self.asked(path) or (untracked and self.not_code_dir(path))):
+                out = path
+            self._dirs[(untracked, path)] = out
+        return out
+
+
+def _too_deep(root: Path, rel: str) -> UserError:
+    return UserError(f"the project {_shown(str(root))} nests folders deeper than {MAX_DEPTH} levels "
+                     f"({_shown('/'.join(rel.split('/')[:3]))}/...)",
+                     hint="leave that folder out (--snapshot-exclude NAME), or run the working tree as it is "
+                          "(--no-snapshot)")
 
 
 def _from_git(root: Path, git: Git, rule: _Rule) -> Listing:
+    git.check_inputs(root)  # no FIFO where git reads its rules: it would wait on it forever
     with ThreadPoolExecutor(1) as pool:
         # the commit, branch and diff are git's work alone: asked while the files are looked at here
         state_of = pool.submit(git.state, root, [])
@@ -278,6 +294,8 @@ def _from_git(root: Path, git: Git, rule: _Rule) -> Listing:
                 if not rule.dropped(out):
                     live.setdefault(out, []).append(rel)
                 continue
+            if rel.count("/") >= MAX_DEPTH:
+                raise _too_deep(root, rel)
             item = _item(root, rel, notes, st)
             if item is not None and item.kind == "live":
                 live.setdefault(rel, []).append(rel)
@@ -362,6 +380,8 @@ def _walk(root: Path, rule: _Rule, max_bytes: int | None) -> tuple[list[Item], l
                 files.append(name)  # a link to a folder is a link: recreated, never followed
             elif rule.asked(rel) or rule.not_code_dir(rel) or name.startswith("."):
                 live.add(rel)
+            elif rel.count("/") >= MAX_DEPTH:
+                raise _too_deep(root, rel)
             else:
                 kept.append(name)
         dirs[:] = kept
