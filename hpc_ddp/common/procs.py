@@ -158,7 +158,9 @@ def write_pid_file(path, tag: str) -> None:
     """`PID TAG START BOOT CMDLINE-DIGEST` for this process (TAG: a job id, no spaces)."""
     me = ProcessIdentity.of(os.getpid())
     fields = [str(os.getpid()), tag, *((me.start, me.boot, me.cmdline) if me else ("-", "-", "-"))]
-    Path(path).write_text(" ".join(fields) + "\n")
+    from hpc_ddp.common.durable import write_file  # here: procs.py also runs as a standalone script
+
+    write_file(path, " ".join(fields) + "\n")  # a link planted at the pid file is replaced, not written through
 
 
 def read_pid_file(path) -> tuple[ProcessIdentity | None, str | None, str]:

@@ -111,6 +111,11 @@ class JobSpec:
         return self.nodes * self.tasks_per_node
 
     @property
+    def most_nodes(self) -> int:
+        """The nodes a job runs on where nothing else limits it (the local executor): a range's most."""
+        return self.nodes_max or self.nodes
+
+    @property
     def nodes_text(self) -> str:
         """"4", or "2-4" for a range: Slurm's own --nodes syntax."""
         return f"{self.nodes}-{self.nodes_max}" if self.nodes_max else str(self.nodes)

@@ -155,3 +155,26 @@ def test_a_sweep_replaces_a_link_planted_at_sweep_json_and_its_fixed_temp_name(t
     (sweep / "sweep.json").symlink_to(outside)
     _cli(tmp_path, "submit", "--executor", "local", "--run-dir", "sw", "--sweep", "args.x=1,2", "t.py")
     assert outside.read_text() == "the user's own file\n"
+
+
+def test_a_local_run_replaces_a_link_planted_at_its_pid_file(tmp_path, outside):
+    (tmp_path / "t.py").write_text("print('trained')\n")
+    assert _cli(tmp_path, "submit", "--executor", "local", "--run-dir", "run", "t.py").returncode == 0
+    (tmp_path / "run" / "local.pid").symlink_to(outside)   # a stale name someone planted
+    done = _cli(tmp_path, "submit", "--executor", "local", "--run-dir", "run", "t.py")
+    assert done.returncode == 0, done.stderr
+    assert outside.read_text() == "the user's own file\n" and not (tmp_path / "run" / "local.pid").exists()
+
+
+def test_rank_logs_are_checked_before_ranks_start_and_drained_if_swapped_later(tmp_path, outside):
+    import subprocess as sp
+
+    from hpc_ddp.common import secrets
+    from hpc_ddp.launch.executors import local
+
+    (tmp_path / "rank-1.log").symlink_to(outside)
+    with pytest.raises(UserError, match="rank-1.log is a symbolic link"):
+        local._check_logs(tmp_path, 2)
+    proc = sp.Popen([sys.executable, "-c", "print('x' * 100000)"], stdout=sp.PIPE)
+    local._pump(proc, tmp_path / "rank-1.log", "", False, secrets.current())  # reads to the end: no blocked rank
+    assert proc.wait(timeout=30) == 0 and outside.read_text() == "the user's own file\n"

@@ -40,7 +40,7 @@ def test_a_run_resumed_on_half_its_ranks_trains_the_uninterrupted_samples(tmp_pa
     stopped = _submit(tmp_path, "run", tmp_path / "keys", "--nodes", "4", "--max-preemptions", "0",
                       env={"HPC_DDP_FAULT_STOP_AT": "5"})
     assert stopped.returncode != 0 and "checkpointed" in stopped.stderr, stopped.stderr
-    resumed = _submit(tmp_path, "run", tmp_path / "keys", "--nodes", "2-4")
+    resumed = _submit(tmp_path, "run", tmp_path / "keys", "--nodes", "1-2")   # locally a range runs on its most
     assert resumed.returncode == 0, resumed.stderr
     out = resumed.stdout + resumed.stderr
     assert "resumed on 2 ranks (saved by 4): global batch kept at 16 with gradient accumulation 1 -> 2" in out

@@ -101,6 +101,19 @@ def test_tasks_given_without_gpus_share_the_allocations_gpus():
     assert (fitted.gpus, fitted.tasks_per_node) == (2, 1)
 
 
+@pytest.mark.parametrize("low, high, nodes", [(1, 4, 2), (1, 2, 2), (2, 2, 2), (1, 1, 1)])
+def test_a_node_range_runs_on_as_many_of_the_allocations_nodes_as_it_may(low, high, nodes):
+    """Issue 32: --nodes MIN-MAX inside an allocation of 2 nodes takes min(2, MAX), the range kept for resumes."""
+    spec = _spec(nodes=low, nodes_max=high if high > low else None)
+    fitted = fit_to_allocation(spec, _alloc(), given=frozenset({"nodes"}))
+    assert fitted.nodes == nodes and fitted.nodes_max == spec.nodes_max
+
+
+def test_a_range_whose_least_is_more_than_the_allocation_is_refused():
+    with pytest.raises(UserError, match=r"--nodes 3-4: allocation \S+ has 2 node"):
+        fit_to_allocation(_spec(nodes=3, nodes_max=4), _alloc(), given=frozenset({"nodes"}))
+
+
 def test_without_a_command_line_the_spec_is_taken_as_it_is():
     assert fit_to_allocation(_spec(), _alloc(), given=None) == _spec()
 

@@ -75,13 +75,14 @@ def resolve_executor(spec: JobSpec, sbatch_found: bool) -> tuple[str, str]:
 def fallback_problem(spec: JobSpec, machine: Machine) -> str | None:
     """Why this machine cannot hold `spec` (one phrase), or None when it can. GPUs count across every
     simulated node; every request, GPU or not, must also fit the cores (one process per rank)."""
-    processes = spec.nodes * spec.tasks_per_node
-    if spec.gpus and spec.nodes * spec.gpus > machine.gpus:
-        return (f"--nodes {spec.nodes} x --gpus {spec.gpus} asks for {spec.nodes * spec.gpus} GPU(s) "
+    nodes = spec.most_nodes  # a range runs on its most here: nothing else asks for the nodes
+    processes = nodes * spec.tasks_per_node
+    if spec.gpus and nodes * spec.gpus > machine.gpus:
+        return (f"--nodes {spec.nodes_text} x --gpus {spec.gpus} asks for {nodes * spec.gpus} GPU(s) "
                 f"({processes} process(es)), and this machine has {_gpus_here(machine.gpus)}")
     if processes > machine.cpus:
-        return (f"--nodes {spec.nodes} x {spec.tasks_per_node} task(s) per node = {processes} processes, and this "
-                f"machine has {machine.cpus} CPU core(s)")
+        return (f"--nodes {spec.nodes_text} x {spec.tasks_per_node} task(s) per node = {processes} processes, and "
+                f"this machine has {machine.cpus} CPU core(s)")
     return None
 
 
@@ -93,7 +94,7 @@ def refuse_fallback(spec: JobSpec, machine: Machine) -> NoSlurm | None:
     return NoSlurm(f"no sbatch on PATH, so this job would run here, on this machine: {problem}; "
                    f"{site_note(machine)}nothing was started",
                    hint=f"{LOAD_SLURM}, or pass --executor local to simulate "
-                        f"{spec.nodes} node(s) on this machine anyway")
+                        f"{spec.most_nodes} node(s) on this machine anyway")
 
 
 def site_note(machine: Machine) -> str:

@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 from hpc_ddp.common import rundir, secrets
+from hpc_ddp.common.durable import NotRegularFile, append, appending
 from hpc_ddp.common.errors import EnvError, UserError
 from hpc_ddp.common.exitcodes import REQUEUE_EXIT_CODE
 from hpc_ddp.common.machine import physical_gpus
@@ -89,14 +90,14 @@ def _own_scratch(path: Path) -> None:
 def rank_envs(spec: JobSpec, job_id: str, port: int, physical_gpus: int, attempt: int = 0,
               deadline: float | None = None, run_dir: str = ".") -> list[dict[str, str]]:
     envs = []
-    for node in range(spec.nodes):
+    for node in range(spec.most_nodes):
         for local in range(spec.tasks_per_node):
             env = {
                 "RANK": str(node * spec.tasks_per_node + local), "LOCAL_RANK": str(local),
-                "WORLD_SIZE": str(spec.world_size), "LOCAL_WORLD_SIZE": str(spec.tasks_per_node),
-                "GROUP_RANK": str(node), "GROUP_WORLD_SIZE": str(spec.nodes),
+                "WORLD_SIZE": str(spec.most_nodes * spec.tasks_per_node), "LOCAL_WORLD_SIZE": str(spec.tasks_per_node),
+                "GROUP_RANK": str(node), "GROUP_WORLD_SIZE": str(spec.most_nodes),
                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                "HPC_DDP_HOSTS": ",".join(["localhost"] * spec.nodes), "HPC_DDP_JOB_ID": job_id,
+                "HPC_DDP_HOSTS": ",".join(["localhost"] * spec.most_nodes), "HPC_DDP_JOB_ID": job_id,
                 "HPC_DDP_RESTART_COUNT": str(attempt), "HPC_DDP_LOCAL": "1",
                 # Each simulated node gets a node-local disk of its own, as staging expects.
                 "TMPDIR": str(node_scratch(run_dir, node)),
@@ -131,13 +132,13 @@ def plan_script(spec: JobSpec, run_dir: str, job_id: str, envs: list[dict[str, s
 
 
 def _plan_head(spec: JobSpec, scrubber: secrets.Scrubber) -> list[str]:
-    n = spec.world_size
+    n = spec.most_nodes * spec.tasks_per_node
     return [
         f"{PLAN_FIRST_LINE} run it with bash (or paste it) to start the {n} rank process(es) that "
         "`hpc-ddp submit --executor local` would start, with the same environment.",
         "# Left out: what the executor adds around the ranks (per-rank log files with secrets masked, the "
         "[rank N] prefix, the --time limit, signal forwarding, requeues); as there, a failed rank stops the others.",
-        f"# {spec.nodes} simulated node(s) x {spec.tasks_per_node} task(s) = {n} process(es) on this machine; "
+        f"# {spec.most_nodes} simulated node(s){' (the most of ' + spec.nodes_text + ')' if spec.nodes_max else ''} x {spec.tasks_per_node} task(s) = {n} process(es) on this machine; "
         "MASTER_PORT is where attempt 0 starts (submit takes the next free port if it is taken).",
         f"# Each rank runs: {comment_text(scrubber(spec.program()))}",
     ]
@@ -150,7 +151,7 @@ def _plan_node_setup(spec: JobSpec, envs: list[dict[str, str]]) -> list[str]:
     script = bash_word(node_setup_command(spec)[-1])
     lines = [f"export {export}" for export in env_exports(spec)]
     return lines + [f"TMPDIR={bash_word(envs[node * spec.tasks_per_node]['TMPDIR'])} HPC_DDP_RUN_DIR=\"$RUN_DIR\" "
-                    f"bash -c {script} || return" for node in range(spec.nodes)]
+                    f"bash -c {script} || return" for node in range(spec.most_nodes)]
 
 
 def _plan_body(spec: JobSpec, run_dir: str, job_id: str, envs: list[dict[str, str]]) -> list[str]:
@@ -334,7 +335,7 @@ def node_setup(spec: JobSpec, run_dir: str, envs: list[dict[str, str]], echo: bo
     script = node_setup_command(spec)[-1]  # the lines as one bash script, as the Slurm step runs them
     cancel = cancel or _Cancel()
     live = live if live is not None else []
-    for node in range(spec.nodes):
+    for node in range(spec.most_nodes):
         if cancel.requested:
             return CANCELLED_EXIT_CODE
         env = {**os.environ, "TMPDIR": envs[node * spec.tasks_per_node]["TMPDIR"], "HPC_DDP_RUN_DIR": run_dir}
@@ -413,6 +414,18 @@ def _timeline(spec: JobSpec, deadline: float | None) -> list[tuple[float, int]]:
 
 
 
+def _check_logs(log_dir: Path, ranks: int) -> None:
+    """Each rank's log can be appended to: a regular file or none yet, never a link planted there (its
+    target is not written), a FIFO or a folder; refused before any rank starts."""
+    for rank in range(ranks):
+        path = log_dir / RANK_LOG.format(rank=rank)
+        try:
+            with appending(path):
+                pass
+        except NotRegularFile as exc:
+            raise UserError(f"{path} {exc.strerror}", hint="remove it: hpc-ddp writes the rank logs itself") from None
+
+
 def _run_ranks(argv: list[str], envs: list[dict[str, str]], log_dir: Path, *, echo: bool, cwd: str,
                timeline: list[tuple[float, int]] | None = None, cancel: _Cancel | None = None,
                received: list[str] | None = None, terminal_rank: int | None = None,
@@ -422,6 +435,7 @@ def _run_ranks(argv: list[str], envs: list[dict[str, str]], log_dir: Path, *, ec
     are in `live` while they run."""
     procs: list[Supervised] = []
     scrubber = secrets.current()  # built once: the pumps call it for every line
+    _check_logs(log_dir, len(envs))
     try:
         for rank, extra in enumerate(envs):
             # In a session of its own, the terminal rank has no controlling terminal: it reads this one without
@@ -434,8 +448,8 @@ def _run_ranks(argv: list[str], envs: list[dict[str, str]], log_dir: Path, *, ec
     if live is not None:
         live[:] = procs
     if terminal_rank is not None:
-        (log_dir / RANK_LOG.format(rank=terminal_rank)).write_text(
-            f"hpc-ddp: rank {terminal_rank} ran under pdb; its output went to the terminal, not here\n")
+        append(log_dir / RANK_LOG.format(rank=terminal_rank),
+               f"hpc-ddp: rank {terminal_rank} ran under pdb; its output went to the terminal, not here\n")
     pumps = [threading.Thread(target=_pump, daemon=True,
                               args=(proc, log_dir / RANK_LOG.format(rank=rank), f"[rank {rank}] ", echo, scrubber))
              for rank, proc in enumerate(procs) if rank != terminal_rank]
@@ -473,11 +487,15 @@ def _pump(proc: subprocess.Popen, log_path: Path, prefix: str, echo: bool, scrub
     """Copy a rank's output to its log file and the terminal, secrets masked. surrogateescape keeps bytes
     that are not UTF-8 as they were in the log file."""
     raw = (line.decode("utf-8", "surrogateescape") for line in iter(proc.stdout.readline, b""))
-    with open(log_path, "ab") as log:
+    with contextlib.ExitStack() as stack:
+        try:  # checked before the ranks started; swapped for a link since: the output is still drained
+            fd: int | None = stack.enter_context(appending(log_path))
+        except OSError:
+            fd = None
         for text in scrubber.lines(raw):
             line = text.encode("utf-8", "surrogateescape")
-            log.write(line)
-            log.flush()
+            if fd is not None:
+                os.write(fd, line)
             if echo:
                 sys.stdout.write(prefix + line.decode(errors="replace"))
                 sys.stdout.flush()

@@ -177,7 +177,9 @@ def _defaults_from(spec: JobSpec, alloc: Allocation, given: frozenset[str] | Non
     if given is None:
         return {}
     out: dict[str, int] = {}
-    if "nodes" not in given and spec.nodes == 1 and alloc.nodes > 1:
+    if spec.nodes_max and spec.nodes <= alloc.nodes:  # a range runs on as many of the allocation's as it may
+        out["nodes"] = min(alloc.nodes, spec.nodes_max)
+    elif "nodes" not in given and spec.nodes == 1 and alloc.nodes > 1:
         out["nodes"] = alloc.nodes
     gpus = alloc.gpus_per_node
     if "gpus" not in given and spec.gpus == 0 and gpus:
@@ -191,7 +193,7 @@ def _defaults_from(spec: JobSpec, alloc: Allocation, given: frozenset[str] | Non
 def _check_fits(spec: JobSpec, alloc: Allocation) -> None:
     where = f"allocation {alloc.job_id}"
     if spec.nodes > alloc.nodes:
-        raise UserError(f"--nodes {spec.nodes}: {where} has {alloc.nodes} node(s) ({alloc.nodelist or '?'})",
+        raise UserError(f"--nodes {spec.nodes_text}: {where} has {alloc.nodes} node(s) ({alloc.nodelist or '?'})",
                         hint=f"use --nodes {alloc.nodes} or fewer, or salloc -N{spec.nodes}")
     if alloc.gpus_per_node is not None and spec.gpus > alloc.gpus_per_node:
         raise UserError(f"--gpus {spec.gpus}: {where} has {alloc.gpus_per_node} GPU(s) per node ({alloc.gpus_from})",
