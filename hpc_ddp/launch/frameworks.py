@@ -4,6 +4,10 @@ hpc-ddp runs a preempted or timed-out job again whichever way the program left (
 and exits 0; see job/attempts.stopped_cause). Whether the next attempt continues or starts over is the
 script's: a framework resumes only from a checkpoint it is told to load. `framework_notes` names the one
 line a script is missing, for `submit` (a warning) and `doctor`.
+
+The text is read as code: comments and string literals (docstrings included; an unterminated one runs to the
+end) are blanked first, in one linear pass that needs no valid syntax, so `import lightning` in a docstring
+is no use of Lightning and `ckpt_path=` in one is no resume.
 """
 
 from __future__ import annotations
@@ -11,13 +15,20 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
-from hpc_ddp.job.devicescan import code_part
+__all__ = ["Note", "framework_notes", "code_only"]
 
-__all__ = ["Note", "framework_notes"]
-
-_LIGHTNING = re.compile(r"^\s*(?:import|from)\s+(?:pytorch_lightning|lightning)\b", re.M)
-_HF_TRAINER = re.compile(r"^\s*from\s+transformers\s+import\s+.*\bTrainer\b|\btransformers\.Trainer\b", re.M)
-_ACCELERATE = re.compile(r"^\s*(?:from\s+accelerate\s+import|import\s+accelerate)\b", re.M)
+# A line's start is `^[ \t\f]*`, never `^\s*`: \s crosses newlines, so from the start of every line of a long
+# run of blank lines it would scan the rest of the run (quadratic: 4 MB of newlines never finished).
+_LIGHTNING = re.compile(r"^[ \t\f]*(?:import|from)[ \t]+(?:pytorch_lightning|lightning)\b", re.M)
+_HF_TRAINER = re.compile(r"^[ \t\f]*from[ \t]+transformers[ \t]+import[ \t]+(?:\([^)]*|[^\n]*)\bTrainer\b"
+                         r"|\btransformers\.Trainer\b", re.M)
+_ACCELERATE = re.compile(r"^[ \t\f]*(?:from[ \t]+accelerate[ \t]+import|import[ \t]+accelerate)\b", re.M)
+# What is not code: a comment, or a string literal of any kind (its prefix letters stay, harmlessly).
+_NOT_CODE = re.compile(r"#[^\n]*"
+                       r"|'''(?:[^'\\]|\\.|'(?!''))*(?:'''|\Z)"
+                       r'|"""(?:[^"\\]|\\.|"(?!""))*(?:"""|\Z)'
+                       r"|'(?:[^'\\\n]|\\.)*(?:'|$)"
+                       r'|"(?:[^"\\\n]|\\.)*(?:"|$)', re.M | re.S)
 
 
 class Note(NamedTuple):
@@ -29,9 +40,9 @@ class Note(NamedTuple):
 # (how the script shows the framework, how it shows that it resumes, the framework's name, what a resume
 # takes in words, the HINT)
 _FRAMEWORKS = (
-    (_LIGHTNING, r"\bckpt_path\s*=", "Lightning", "fit() resumes from Lightning's own checkpoint",
+    (_LIGHTNING, r"\bckpt_path\s*=(?!=)", "Lightning", "fit() resumes from Lightning's own checkpoint",
      'ModelCheckpoint(save_last=True, every_n_train_steps=N) and trainer.fit(model, ckpt_path="last")'),
-    (_HF_TRAINER, r"\bresume_from_checkpoint\s*=", "the Hugging Face Trainer",
+    (_HF_TRAINER, r"\bresume_from_checkpoint\s*=(?!=)", "the Hugging Face Trainer",
      "train() resumes from its last checkpoint",
      "TrainingArguments(save_steps=N) and trainer.train(resume_from_checkpoint=get_last_checkpoint(args.output_dir)) "
      "(transformers.trainer_utils)"),
@@ -40,8 +51,17 @@ _FRAMEWORKS = (
 )
 
 
+def code_only(source: str) -> str:
+    """`source` with its comments and string literals blanked (each literal becomes '' or ""), its lines
+    joined by newlines (CR and CRLF ends too) and a byte-order mark dropped. Linear, and needs no valid
+    syntax: an unterminated string runs to the end of its line, or of the text for a triple quote."""
+    text = "\n".join(source.lstrip("\ufeff").splitlines())
+    return _NOT_CODE.sub(lambda m: "" if m.group().startswith("#") else m.group()[0] * 2, text)
+
+
 def framework_notes(source: str, name: str) -> list[Note]:
-    code = "\n".join(code_part(line) for line in source.splitlines())
+    code = code_only(source)
+    name = name if name.isprintable() else repr(name)  # a script named with a newline: still one line
     for uses, resumes, framework, resume, hint in _FRAMEWORKS:
         if not uses.search(code):
             continue
