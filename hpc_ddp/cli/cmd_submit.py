@@ -107,7 +107,8 @@ def submit(ctx: click.Context, **params) -> None:
     elif sub.state == "SUBMITTED":
         click.echo(f"Submitted job {sub.job_id} ({sub.executor}); run dir {sub.run_dir}")
     else:  # it ran here, to its end
-        warn(f"{sub.executor} job {sub.job_id} {sub.state.lower()} (exit code {sub.returncode}); run dir {sub.run_dir}")
+        said = {"TIMEOUT": "stopped at its time limit"}.get(sub.state, sub.state.lower())
+        warn(f"{sub.executor} job {sub.job_id} {said} (exit code {sub.returncode}); run dir {sub.run_dir}")
         if sub.state == "CHECKPOINTED":
             warn("submit it again with the same --run-dir to resume")
     if sub.returncode:
