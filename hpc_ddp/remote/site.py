@@ -49,10 +49,12 @@ def site_for(ssh: str | None, profile: str | None, env: Mapping[str, str] = os.e
         if key in table and not isinstance(table[key], str):
             raise SpecError(f"profile {profile!r}: {key} must be a string, not {table[key]!r}")
     hpc_ddp = table.get("remote_hpc_ddp") or "hpc-ddp"
-    if any(c in hpc_ddp for c in "\n\0") or not hpc_ddp.strip():
-        raise SpecError(f"profile {profile!r}: remote_hpc_ddp must be the path of hpc-ddp on the cluster")
+    if not hpc_ddp.isprintable() or not hpc_ddp.strip():
+        raise SpecError(f"profile {profile!r}: remote_hpc_ddp must be the path of hpc-ddp on the cluster, not "
+                        f"{hpc_ddp!r}")
     remote_dir = table.get("remote_dir") or None
     if remote_dir is not None:
+        _printable_path(remote_dir, f"profile {profile!r}: remote_dir")
         shell_words(remote_dir)  # refused here, before anything runs, where the cluster's shell could not take it
     job = {k: v for k, v in table.items() if k not in REMOTE_KEYS} if here else None
     for key in ("template",):
@@ -63,9 +65,18 @@ def site_for(ssh: str | None, profile: str | None, env: Mapping[str, str] = os.e
     return Site(check_host(str(host)), remote_dir, hpc_ddp, profile, job)
 
 
+def _printable_path(path: str, what: str) -> None:
+    """A folder whose name the cluster says back on one line of its answer: a newline or another control
+    character in it would cut that line, and the files would go to the folder the cut names."""
+    if not path.isprintable():
+        raise SpecError(f"{what} {path!r} holds a control character (a newline, a tab, an escape)",
+                        hint="rename the folder, or give remote_dir in the profile")
+
+
 def remote_dir_for(site: Site, project: Path, home: Path | None = None) -> str:
     """The mirror's folder on the cluster, as the remote shell should read it ('~/...' or absolute): each
     project its own, so one profile serves every project."""
+    _printable_path(project.name, "the project's folder")
     if site.remote_dir:
         return site.remote_dir.rstrip("/") + "/" + project.name
     home = Path(os.path.realpath(home or Path.home()))

@@ -28,15 +28,21 @@ __all__ = ["Ssh", "Done", "check_host", "classify", "control_dir", "SSH_FAILED"]
 
 SSH_FAILED = 255           # ssh's own exit code: it could not connect (or the remote command exited 255)
 PERSIST_S = 600            # the shared connection stays this long after its last command
-_HOST = re.compile(r"[A-Za-z0-9_.:\[][A-Za-z0-9_.@%+:\[\]-]{0,252}")
+# [user@]host, where host is a name (an alias of ~/.ssh/config, a DNS name, an IPv4 address) or an IPv6
+# address in brackets. No ':' outside brackets: rsync reads HOST:PATH at the first colon (and HOST::MODULE as
+# its daemon), so "login:/tmp" or "::1" would send the project somewhere else than ssh connects to.
+_HOST = re.compile(r"(?:[A-Za-z0-9_][A-Za-z0-9_.+%-]{0,63}@)?"
+                   r"(?:\[[0-9A-Fa-f:.]{2,45}(?:%[A-Za-z0-9_.-]{1,32})?\]|[A-Za-z0-9_][A-Za-z0-9_.-]{0,252})")
 
 
-def check_host(host: str) -> str:
-    """A host as ssh takes it (an alias of ~/.ssh/config, host, user@host); never one that ssh would read
-    as an option (`-oProxyCommand=...`) or that holds a space or a quote."""
-    if not _HOST.fullmatch(host or ""):
-        raise UserError(f"{host!r} is not a host name ssh can be given",
-                        hint="give a Host alias of ~/.ssh/config, or user@host.example.org")
+def check_host(host: object) -> str:
+    """A host as ssh and rsync both take it (an alias of ~/.ssh/config, host, user@host, [IPv6]); never one
+    that ssh would read as an option (`-oProxyCommand=...`), that holds a space, a quote or a control
+    character, or that rsync would split at a colon."""
+    if not isinstance(host, str) or not _HOST.fullmatch(host):
+        shown = repr(host) if isinstance(host, str) else f"{host!r} (a {type(host).__name__})"
+        raise UserError(f"{shown} is not a host name ssh can be given",
+                        hint="give a Host alias of ~/.ssh/config, user@host.example.org, or [IPv6 address]")
     return host
 
 
