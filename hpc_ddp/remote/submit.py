@@ -153,9 +153,53 @@ def _rewrite_target(argv: list[str], params: dict[str, Any], cwd: Path, project:
     return [*argv[:cut], relative, *argv[cut + 1:]]
 
 
+_JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,127}")
+
+
+def _checked_answer(answer: Any, host: str) -> dict[str, Any]:
+    """The cluster's answer, every value this laptop prints or records of its type: job ids as Slurm's
+    (never an option, a newline or an escape), run dirs absolute and printable (a registry record that names
+    "--json" would become an option of every command forwarded for it). A UserError naming the first that is
+    not: the job may be queued there all the same."""
+    def job_id(value: Any) -> bool:
+        return value is None or (type(value) in (int, str) and bool(_JOB_ID.fullmatch(str(value))))
+
+    def folder(value: Any) -> bool:
+        return value is None or (isinstance(value, str) and value.startswith("/") and value.isprintable())
+
+    def text(value: Any) -> bool:
+        return value is None or (isinstance(value, str) and value.isprintable())
+
+    problem = None
+    if not isinstance(answer, dict):
+        problem = f"a {type(answer).__name__}, not a table"
+    elif not text(answer.get("executor")):
+        problem = "its executor"
+    elif "tasks" in answer:
+        tasks = answer["tasks"]
+        if not isinstance(tasks, list) or not all(isinstance(t, dict) for t in tasks):
+            problem = "its tasks"
+        elif not folder(answer.get("sweep_dir")) or not job_id(answer.get("array_job_id")):
+            problem = "its sweep dir or array job id"
+        elif not all(job_id(t.get("job_id")) and folder(t.get("run_dir")) and isinstance(t.get("values") or {}, dict)
+                     and (t.get("task") is None or type(t.get("task")) is int) for t in tasks):
+            problem = "a task's job id, run dir, number or values"
+    elif not folder(answer.get("run_dir")) or not job_id(answer.get("job_id")):
+        problem = "its run dir or job id"
+    elif answer.get("job_ids") is not None and not (
+            isinstance(answer["job_ids"], list) and all(j is not None and job_id(j) for j in answer["job_ids"])):
+        problem = "its job ids"
+    if problem is not None:
+        raise UserError(f"the answer of {host}'s hpc-ddp cannot be used here ({problem} is not what hpc-ddp writes): "
+                        "nothing was recorded", hint=f"the job may be queued there: look with `ssh {host} hpc-ddp list`; "
+                        "install the same hpc-ddp version on both sides")
+    return answer
+
+
 def _report(site: Site, answer: dict[str, Any], params: dict[str, Any], env) -> None:
     """Print the cluster's answer as a local submit prints its own; record every job it queued."""
     host = site.host
+    answer = _checked_answer(answer, host)
     if params.get("as_json"):
         click.echo(json.dumps({**answer, "host": host}, indent=2))
     if params.get("dry_run"):
@@ -258,17 +302,17 @@ if [ -d "$P" ] && [ -w "$P" ] && [ -x "$P" ]; then echo writable=yes; else print
                              "remote_hpc_ddp = \"/path/to/venv/bin/hpc-ddp\" in the profile")
     theirs = version.strip().rsplit(" ", 1)[-1]
     if theirs != __version__:
-        raise UserError(f"{ssh.host} has hpc-ddp {theirs}, this laptop {__version__}: the two must be the same",
+        raise UserError(f"{ssh.host} has hpc-ddp {_said(theirs)}, this laptop {__version__}: the two must be the same",
                         hint=f"install hpc-ddp=={__version__} on {ssh.host} (or this laptop's version there)")
     state, mirror = said.get("state"), said.get("dir", "")
-    if not mirror.startswith("/"):
+    if not mirror.startswith("/") or not mirror.isprintable():
         raise HpcDdpError(f"{ssh.host} gave no absolute folder for {remote!r}: {mirror!r}")
     if state in ("foreign", "link"):
         raise UserError(f"{ssh.host}:{mirror} exists and is not a folder hpc-ddp made (no {MARK} in it): "
                         "the project is not shipped over it", hint="set remote_dir = \"~/another/folder\" in the "
                         "profile, or move that folder away on the cluster")
     if state == "ours" and said.get("origin") and said["origin"] != json.dumps(origin):
-        theirs_origin = _decoded_origin(said["origin"])
+        theirs_origin = _said(_decoded_origin(said["origin"]))
         raise UserError(f"{ssh.host}:{mirror} holds another project, shipped from {theirs_origin}",
                         hint="set remote_dir in the profile to give this project a folder of its own (or remove "
                              "that folder on the cluster if its project is gone)")
@@ -288,6 +332,12 @@ if [ -d "$P" ] && [ -w "$P" ] && [ -x "$P" ]; then echo writable=yes; else print
                         f"it needs {human_bytes(int(size * _ROOM + 10 * MB))}",
                         hint="free space there (or set remote_dir to a filesystem with room)")
     return said
+
+
+def _said(text: str) -> str:
+    """What the cluster said, as one line of this terminal can show it: quoted where it holds a control
+    character (an escape sequence would clear the screen)."""
+    return text if text.isprintable() else repr(text)
 
 
 def _decoded_origin(text: str) -> str:
