@@ -1,5 +1,6 @@
 """A click command's parsed parameters back into the words of a command line, for the same command on
-the cluster: every option given (its long name), each argument, and nargs=-1 arguments after `--`."""
+the cluster: every option given (its long name), each argument, and nargs=-1 arguments after `--` (all
+arguments after `--` where one begins with '-', so that it is never read as an option)."""
 
 from __future__ import annotations
 
@@ -42,4 +43,7 @@ def words_of(command: click.Command, params: Mapping[str, Any], drop: Collection
             options.append(f"{flag}={item}" if flag.startswith("--") else flag)
             if not flag.startswith("--"):
                 options.append(str(item))
+    if any(a.startswith("-") for a in arguments) and "--" not in arguments:
+        # an argument that looks like an option ("-rf", "--json" as a run dir) stays an argument
+        return [*options, "--", *arguments]
     return options + arguments

@@ -28,7 +28,7 @@ from hpc_ddp.common.events import read_jsonl
 from hpc_ddp.common.registryfile import registry_path
 from hpc_ddp.remote.argv import words_of
 from hpc_ddp.remote.site import command_words
-from hpc_ddp.remote.ssh import SSH_FAILED, Ssh, classify
+from hpc_ddp.remote.ssh import SSH_FAILED, Ssh, check_host, classify
 
 __all__ = ["remote_run", "forward", "with_remote_accounting", "RECONNECTS"]
 
@@ -44,25 +44,40 @@ def remote_run(ref: str | None, env: Mapping[str, str] = os.environ) -> dict[str
     records = [r for r in read_jsonl(registry_path(env)) if isinstance(r, dict) and r.get("run_dir")]
     if ref is None:
         last = records[-1] if records else {}
-        return _as_run(last, last.get("sweep")) if last.get("host") else None  # a sweep's task: the sweep
+        return _checked(_as_run(last, last.get("sweep"))) if last.get("host") else None  # a sweep's task: the sweep
     found: list[dict[str, Any]] = []
-    host, _, rest = ref.partition(":")
     for record in reversed(records):
         names = {str(record.get("job_id")), str(record.get("run_dir")), str(record.get("array_job_id")),
                  str(record.get("sweep"))} - {"None"}
-        if not record.get("host"):
+        host = record.get("host")
+        if not host:
             if ref in names:
                 break  # a local run of that name, more recent
             continue
         if ref in names and not (ref == record.get("run_dir") and os.path.isdir(ref)):
             found.append(record)
-        elif host == record["host"] and rest in names:
-            return _as_run(record, rest)
-    hosts = {r["host"] for r in found}
+        elif isinstance(host, str) and ref.startswith(host + ":") and ref[len(host) + 1:] in names:
+            # HOST:JOB, HOST the record's own (an [IPv6] host and a run dir may hold colons too)
+            return _checked(_as_run(record, ref[len(host) + 1:]))
+    hosts = sorted({str(r["host"]) for r in found})
     if len(hosts) > 1:
-        raise UserError(f"{ref} names runs on {len(hosts)} clusters ({', '.join(sorted(hosts))})",
-                        hint=f"say which: {sorted(hosts)[0]}:{ref}")
-    return _as_run(found[0], ref) if found else None
+        raise UserError(f"{ref} names runs on {len(hosts)} clusters ({', '.join(hosts)})",
+                        hint=f"say which: {hosts[0]}:{ref}")
+    return _checked(_as_run(found[0], ref)) if found else None
+
+
+def _checked(record: dict[str, Any]) -> dict[str, Any]:
+    """A remote run's record as the commands forwarded for it use it: its host one ssh takes, its run dir
+    absolute and printable (the cluster's hpc-ddp gets it as an argument: one that began with '-' would be an
+    option there), remote_hpc_ddp a string. A damaged registry line is one line here, never a traceback."""
+    check_host(record.get("host"))
+    run_dir, hpc_ddp = record.get("run_dir"), record.get("remote_hpc_ddp")
+    if not (isinstance(run_dir, str) and run_dir.startswith("/") and run_dir.isprintable()) or not (
+            hpc_ddp is None or (isinstance(hpc_ddp, str) and hpc_ddp.isprintable())):
+        raise UserError(f"the registry's record of job {record.get('job_id')!r} on {record.get('host')} is damaged "
+                        f"(run dir {run_dir!r}, remote_hpc_ddp {hpc_ddp!r})",
+                        hint="remove that line from the registry (hpc-ddp list shows where it is)")
+    return record
 
 
 def _as_run(record: dict[str, Any], ref: str | None) -> dict[str, Any]:
@@ -167,6 +182,8 @@ def _follow_logs(ssh: Ssh, hpc_ddp: str, command: click.Command, params: dict[st
                     entry = json.loads(raw)
                 except ValueError:
                     continue
+                if not _log_entry(entry):
+                    continue  # not what the cluster's logs --from writes: never a traceback here
                 if not cursor.take(entry["path"], entry["end"], entry["part"], entry["parts"]):
                     continue  # shown before the connection dropped
                 shown = entry["line"] if entry.get("attempt") is None else \
@@ -186,6 +203,16 @@ def _follow_logs(ssh: Ssh, hpc_ddp: str, command: click.Command, params: dict[st
             raise classify(ssh.host, said.text())
         click.echo(f"hpc-ddp: the connection to {ssh.host} dropped; reconnecting ({tries}/{RECONNECTS})", err=True)
         time.sleep(_RECONNECT_S)
+
+
+def _log_entry(entry: Any) -> bool:
+    """Whether a line of the cluster's `logs -f --from` is an entry as it writes them, each value of its type."""
+    if not isinstance(entry, dict):
+        return False
+    ints = [entry.get(k) for k in ("end", "part", "parts")]
+    optional = [entry.get(k) for k in ("attempt", "rank")]
+    return isinstance(entry.get("path"), str) and isinstance(entry.get("line"), str) \
+        and all(type(v) is int for v in ints) and all(v is None or type(v) is int for v in optional)
 
 
 def _picture(ssh: Ssh, hpc_ddp: str, command: click.Command, params: dict[str, Any], record: dict[str, Any],
@@ -220,11 +247,16 @@ def _tunnel(ssh: Ssh, hpc_ddp: str, record: dict[str, Any]) -> int:
     forward` (no new login) forwards the port here to that socket. Another port here where PORT is taken."""
     done = ssh.run(f"exec {hpc_ddp} status --json {shlex.quote(record['run_dir'])}\n")
     try:
-        debug = json.loads(done.stdout).get("debugger") or {}
+        answer = json.loads(done.stdout)
     except ValueError:
-        debug = {}
+        answer = None
+    debug = answer.get("debugger") if isinstance(answer, dict) else None
+    debug = debug if isinstance(debug, dict) else {}
     node, port, sock = debug.get("node"), debug.get("port"), debug.get("login_socket")
-    if not node or not isinstance(port, int) or not isinstance(sock, str) or not debug.get("owner_only"):
+    # each of its type: a port of True or 99999 is no port here, a relative socket no path to forward to
+    if not (isinstance(node, str) and node and node.isprintable()) or type(port) is not int \
+            or not 0 < port < 65536 or not (isinstance(sock, str) and sock.startswith("/") and sock.isprintable()) \
+            or debug.get("owner_only") is not True:
         raise UserError(f"no rank of job {record.get('job_id')} on {ssh.host} waits for a debugger now",
                         hint="submit with --debug-rank R; `hpc-ddp status` shows the rank once it waits")
     quoted = shlex.quote(sock)
@@ -279,6 +311,6 @@ def with_remote_accounting(records: list[dict[str, Any]], env: Mapping[str, str]
             continue
         for record in mine:
             found = theirs.get(str(record.get("job_id")))
-            if found and found.get("slurm"):
+            if found and isinstance(found.get("slurm"), dict):
                 record["slurm"] = found["slurm"]
     return records
