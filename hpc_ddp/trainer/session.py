@@ -42,6 +42,7 @@ called on some ranks only, a checkpoint from another world size, state that hold
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import math
 import os
@@ -74,6 +75,7 @@ from hpc_ddp.trainer.checkpoint import CheckpointManager, Loaded, state_sha256
 from hpc_ddp.trainer.lagged import LaggedFlags
 from hpc_ddp.trainer.loggers import Loggers
 from hpc_ddp.trainer.rngstate import capture_rng, restore_rng
+from hpc_ddp.trainer.stallwatch import FACTOR, STALL_EXIT_CODE, StallWatch
 from hpc_ddp.trainer.stopping import StopFlag
 
 __all__ = ["Session", "start", "Progress", "UsageError", "IncompatibleResume", "Diverged"]
@@ -141,6 +143,9 @@ class Session:
         # A node range (--nodes MIN-MAX) lets a resume run on another world size; a fixed size refuses one.
         self.elastic: str | None = getattr(spec, "elastic", None) if getattr(spec, "nodes_max", None) else None
         self._accum: int | None = None        # the accumulation `accumulation()` gave; saved in checkpoints
+        self._busy, self._attempt_steps = 0, 0  # the stall watch: paused while busy; armed after a few steps
+        self._watch_stalls = getattr(spec, "debug_rank", None) is None  # a rank at a breakpoint is no hang
+        self.stallwatch: StallWatch | None = None
         self._batch_size: int | None = None
         self.progress = Progress()
         self.total_steps: int | None = None
@@ -227,6 +232,8 @@ class Session:
             rendezvous.health_check(self.store, self.env, self.device, timeout_s=self.rendezvous_timeout,
                                     connect=lambda: dist.init_process_group(**group))
             self.heartbeat = rendezvous.Heartbeat(self.env).start()
+            if self._watch_stalls and os.environ.get("HPC_DDP_STALL_MIN_S") != "off":
+                self.stallwatch = StallWatch(self, self._stalled, cap_s=self.collective_timeout).start()
         self.deadline = job_deadline(os.environ) if self.is_main else None
         atexit.register(self.close)  # a script that never leaves a `with` block still leaves cleanly
         _one_line_errors()
@@ -256,6 +263,8 @@ class Session:
         self._drain_writer()
         self._drain_records(why)
         self.loggers.close()
+        if self.stallwatch is not None:
+            self.stallwatch.stop()
         rendezvous.mark_left(self.store, self.env, why)  # before the heartbeat stops: see mark_left
         if self.heartbeat is not None:
             self.heartbeat.stop()
@@ -323,6 +332,10 @@ class Session:
         what `step()` does for periodic saves), rank 0 snapshots the state to host memory, a background
         thread writes it (just as crash-safe), and every rank returns None at once; the next save, a stop
         and `finish()` wait for it, and a failed write raises on the next `step()` or `save()`."""
+        with self.busy("saving a checkpoint"):
+            return self._save(reason, wait)
+
+    def _save(self, reason: str, wait: bool) -> Path | None:
         started = time.monotonic()
         self._check_writer()
         self._drain()  # GPU: the last step's flags first: a NaN in them is never checkpointed
@@ -614,6 +627,7 @@ class Session:
         self.step_seconds = seconds if self.step_seconds is None else 0.9 * self.step_seconds + 0.1 * seconds
         p = self.progress
         p.step += 1
+        self._attempt_steps += 1
         p.batch_in_epoch += batches
         p.samples += samples or 0
         self._fault_injection()
@@ -632,6 +646,49 @@ class Session:
         if due:
             self.save("periodic", wait=False)  # in the background when async checkpoints are on
         return False
+
+    @contextlib.contextmanager
+    def busy(self, what: str = "work that is not a step"):
+        """Around work between steps that may take long (an evaluation, a big log upload): the stall watch
+        does not count it, and the next step's time does not include it. Saves are already covered."""
+        self._busy += 1
+        try:
+            yield
+        finally:
+            self._busy -= 1
+            self._step_started = time.monotonic()
+
+    # What the stall watch (stallwatch.py) reads.
+    def last_step_at(self) -> float:
+        return self._step_started
+
+    def steps_this_attempt(self) -> int:
+        return self._attempt_steps
+
+    def paused(self) -> bool:
+        return self._busy > 0 or self._closed
+
+    def _stalled(self, quiet: float, limit: float) -> None:
+        """No step for `quiet` s, more than `limit`: name who hangs, record it, leave (the executor ends the
+        other ranks). Runs on the watch's thread while the main thread waits, so it ends the process itself."""
+        try:
+            who = rendezvous.explain_failure(self.store, self.env)
+        except Exception:  # noqa: BLE001 - the store lives in rank 0's process: it may be the one that hangs
+            who = None
+        line = (f"no step completed for {quiet:.0f} s (the limit is {limit:.0f} s: {FACTOR:g} x the "
+                f"{self.step_seconds or 0:.2f} s step, at least {self.stallwatch.min_s:g} s); "
+                f"{who or 'every rank still answers, so one may be deadlocked'}; ending the attempt")
+        print(f"hpc-ddp: error: rank {self.rank}: {line}", file=sys.stderr, flush=True)
+        first = True
+        with contextlib.suppress(Exception):
+            first = int(self.store.add("stalled/claim", 1)) == 1
+        if first:  # one record, from the first rank that saw it (rank 0 may be the one that hangs)
+            JsonLines(RunDir(self.run_dir).events).write(
+                {"event": "stalled", "seconds": round(quiet, 1), "limit": round(limit, 1), "reason": who or line,
+                 "step": self.progress.step, "job_id": self.env.job_id})
+        rendezvous.mark_left(self.store, self.env, rendezvous.LEFT_AFTER_OTHERS)
+        sys.stdout.flush()
+        os._exit(STALL_EXIT_CODE)
 
     def settle(self) -> bool:
         """Act now on the last step's flags, which GPU runs read one step late: call it before work that is

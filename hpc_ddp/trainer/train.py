@@ -243,7 +243,8 @@ class Trainer:
         self.scheduler.step()
 
     def _end_epoch(self) -> None:
-        results = self.evaluate() if self.data.eval is not None else {}
+        with self.session.busy("evaluating"):  # not a step: the stall watch does not count it
+            results = self.evaluate() if self.data.eval is not None else {}
         if results:
             self.session.log_metrics(**results)
             self.session.log(f"hpc-ddp: epoch {self.progress.epoch + 1} eval loss {results['eval_loss']:.4f} "

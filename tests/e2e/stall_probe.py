@@ -1,0 +1,23 @@
+"""A rank that stops making progress (SIGSTOP at step 20) while staying alive: tests/e2e/test_stall.py."""
+import os
+import signal
+import time
+
+import torch
+
+import hpc_ddp
+
+run = hpc_ddp.start()
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+run.track(model=model, optimizer=opt)
+run.resume()
+for step in range(10_000):
+    if run.rank == 1 and step == 20:
+        os.kill(os.getpid(), signal.SIGSTOP)   # alive, but making no progress
+    model(torch.randn(8, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    time.sleep(0.02)
+    run.step()
+run.finish()

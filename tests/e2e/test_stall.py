@@ -1,0 +1,33 @@
+"""A rank that hangs ends the attempt within the derived limit, naming the rank and its node (issue 32), on
+the local executor: rank 1 SIGSTOPs itself at step 20; with a floor of 3 s the attempt ends in seconds,
+not at the collective timeout (600 s), and status shows the line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from .helpers import hpc_ddp
+
+pytestmark = pytest.mark.e2e
+
+
+def test_a_stopped_rank_ends_the_attempt_naming_it(tmp_path):
+    shutil.copy(Path(__file__).with_name("stall_probe.py"), tmp_path)
+    started = time.monotonic()
+    done = hpc_ddp("submit", "--executor", "local", "--nodes", "2", "--run-dir", "run", "stall_probe.py",
+                   cwd=tmp_path, env={"HPC_DDP_STALL_MIN_S": "3"}, timeout=240)
+    took = time.monotonic() - started
+    out = done.stdout + done.stderr
+    assert done.returncode == 1, out
+    assert "no step completed for" in out and "rank 1 (localhost) stopped responding" in out, out
+    assert took < 120   # the collective timeout is 600 s
+    events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
+    stalled = [e for e in events if e["event"] == "stalled"]
+    assert len(stalled) == 1 and "rank 1" in stalled[0]["reason"] and stalled[0]["step"] >= 20
+    status = hpc_ddp("status", "run", cwd=tmp_path)
+    assert "rank 1 (localhost) stopped responding" in status.stdout
