@@ -129,7 +129,8 @@ class Snapshot:
         what = (f"{count} file{'s' if count != 1 else ''}, {human_bytes(size)}"
                 + (f", {sum(i.kind == 'live' for i in self.listing.items)} left out" if any(
                     i.kind == "live" for i in self.listing.items) else ""))
-        where = self.listing.git.describe() if self.listing.git else "not in git"
+        where = self.listing.git.describe() if self.listing.git else (
+            f"walked, not asked of git: {self.listing.git_error}" if self.listing.git_error else "not in git")
         return (f"code: snapshot {self.id} of {_shown(self.listing.project)} ({where}; {what}) in "
                 f"{_shown(self.dir)}")
 
@@ -938,8 +939,6 @@ def record(snap: Snapshot, run_dirs: Sequence[str | Path], previous: Code | None
                              "files": len(snap.listing.files), "bytes": snap.listing.size,
                              "git": snap.listing.git.to_json() if snap.listing.git else None,
                              "patch": patch, "notes": list(snap.listing.notes)}
-    if snap.listing.git_error:
-        lines.append(f"code: note: {snap.listing.git_error}; the folder was walked instead of asking git")
     if previous is not None:
         entry["previous"] = previous.id
         if previous.id == snap.id:

@@ -665,3 +665,97 @@ def test_a_shipped_patch_is_decoded_back_to_its_bytes():
                               "patch": base64.b64encode(b"\xff\x00diff").decode()})
     listing, _ = shipped.listing(data, "/tmp")
     assert listing.git is not None and listing.git.patch == b"\xff\x00diff"
+
+
+# --------------------------------------------------------------------------- the CLI: submit --dry-run
+
+def _git_project(root: Path) -> None:
+    make_repo(root, {"train.py": "print(1)\n", "m.py": "m\n"})
+
+
+def _cli_fifo_gitignore(root: Path) -> None:
+    _git_project(root)
+    os.mkfifo(root / ".gitignore")
+
+
+def _cli_fsmonitor(root: Path) -> None:
+    _git_project(root)
+    git(root, "config", "core.fsmonitor", _program(root.parent, "cli-fsmonitor"))
+    git(root, "config", "diff.external", _program(root.parent, "cli-external"))
+    (root / "m.py").write_text("changed\n")
+
+
+def _cli_specials(root: Path) -> None:
+    root.mkdir()
+    (root / "train.py").write_text("print(1)\n")
+    os.mkfifo(root / "pipe")
+    os.symlink("/etc/passwd", root / "pw")
+    (root / "new\nline.py").write_text("x\n")
+
+
+def _cli_deep(root: Path) -> None:
+    root.mkdir()
+    (root / "train.py").write_text("print(1)\n")
+    _deep(root, 1200)  # past Python's recursion limit, where a walk or a copy of it would fail
+
+
+def _cli_job_file(text: str):
+    def setup(root: Path) -> None:
+        _git_project(root)
+        (root / "job.toml").write_text(f'script = "train.py"\n{text}\n')
+    return setup
+
+
+def _cli_dash_script(root: Path) -> None:
+    _git_project(root)
+    (root / "-rf.py").write_text("print(1)\n")
+    git(root, "add", "--", "-rf.py")
+
+
+CLI = {
+    # case: (make(root), argv after `submit --dry-run --no-preflight --executor sbatch`, exit code, said in output)
+    "fifo-gitignore": (_cli_fifo_gitignore, ["train.py"], 0, "a FIFO where git reads its rules"),
+    "hostile-git-config": (_cli_fsmonitor, ["train.py"], 0, "uncommitted changes"),
+    "fifo-link-newline-walked": (_cli_specials, ["train.py"], 0, "pw links out of the project"),
+    "too-deep": (_cli_deep, ["train.py"], 2, "deeper than"),
+    "exclude-like-a-flag": (_git_project, ["--snapshot-exclude=-rf", "train.py"], 0, "would snapshot"),
+    "exclude-outside": (_git_project, ["--snapshot-exclude", "../x", "train.py"], 2, "outside the project"),
+    "max-mb-zero": (_git_project, ["--snapshot-max-mb", "0", "train.py"], 2, "snapshot"),
+    "max-mb-negative": (_git_project, ["--snapshot-max-mb=-1", "train.py"], 2, "snapshot"),
+    "max-mb-words": (_git_project, ["--snapshot-max-mb", "lots", "train.py"], 2, "snapshot"),
+    "no-snapshot": (_cli_specials, ["--no-snapshot", "train.py"], 0, "not pinned"),
+    "script-like-a-flag": (_cli_dash_script, ["./-rf.py"], 0, "would snapshot"),
+    "job-exclude-a-number": (_cli_job_file("snapshot_exclude = 5"), ["job.toml"], 2, "snapshot_exclude"),
+    "job-max-mb-a-string": (_cli_job_file('snapshot_max_mb = "big"'), ["job.toml"], 2, "snapshot_max_mb"),
+    "job-snapshot-a-table": (_cli_job_file("snapshot = {a = 1}"), ["job.toml"], 2, "snapshot"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CLI))
+def test_cli_dry_runs_of_hostile_projects_say_one_line_and_run_nothing(tmp_path, monkeypatch, case):
+    from click.testing import CliRunner
+
+    from hpc_ddp.cli import cli
+
+    make, args, code, says = CLI[case]
+    root = tmp_path / "proj"
+    make(root)
+    monkeypatch.chdir(root)
+    monkeypatch.setenv("HPC_DDP_PROFILES", str(tmp_path / "profiles.toml"))
+    monkeypatch.setenv("HPC_DDP_REGISTRY", str(tmp_path / "runs.jsonl"))
+    monkeypatch.delenv("HPC_DDP_PROFILE", raising=False)
+    monkeypatch.setattr(gitinfo, "_subprocess", lambda argv, cwd: quick_git(4)._run(argv, cwd))
+    started = time.monotonic()
+    try:
+        result = CliRunner().invoke(cli, ["submit", "--dry-run", "--no-preflight", "--executor", "sbatch", *args],
+                                    catch_exceptions=False)
+        assert time.monotonic() - started < 3.5
+        assert result.exit_code == code, result.output
+        assert says in result.output
+        errors = [line for line in result.output.splitlines() if line.startswith("hpc-ddp: error:")]
+        assert len(errors) == (1 if code else 0), result.output
+        assert all(line.isprintable() for line in result.output.splitlines() if line.startswith("hpc-ddp:"))
+        assert not list(tmp_path.glob("RAN-*")) and not (root / "runs").exists()
+    finally:
+        if case == "too-deep":
+            subprocess.run(["rm", "-rf", str(root)], check=False)
