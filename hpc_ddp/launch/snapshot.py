@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import fnmatch
 import hashlib
 import json
@@ -195,11 +196,11 @@ def _with_script(listing: Listing, script: str | None) -> Listing:
         return dataclasses.replace(listing, notes=tuple(notes))
     covering = [i for i in listing.items if i.kind == "live" and (script == i.rel or script.startswith(i.rel + "/"))]
     items = [i for i in listing.items if i not in covering]
-    for cover in covering:  # the left-out folder around it: its other entries are linked one by one
-        if cover.rel != script:
-            items += [Item(f"{cover.rel}/{n}", "live", target=str(root / cover.rel / n))
-                      for n in sorted(os.listdir(root / cover.rel))
-                      if f"{cover.rel}/{n}" != script and not script.startswith(f"{cover.rel}/{n}/")]
+    for cover in covering:  # the left-out folder around it: its other entries are linked one by one (at most
+        if cover.rel != script:  # MAX_LINKS of them: a scratch folder of 100,000 files is not 100,000 links)
+            items += _live_items(root, [f"{cover.rel}/{n}" for n in os.listdir(root / cover.rel)
+                                        if f"{cover.rel}/{n}" != script and not script.startswith(f"{cover.rel}/{n}/")],
+                                 set(), notes)
     notes.append(f"{_shown(script)} is left out by git or the snapshot's rules, but it is the script you submit: "
                  "copied anyway")
     return dataclasses.replace(listing, items=tuple(sorted([*items, item], key=_order)), notes=tuple(notes))
@@ -344,6 +345,7 @@ def _with_submodules(root: Path, git: Git, listed: list[str], untracked: set[str
             if not os.path.lexists(f"{path}/.git"):
                 continue  # a submodule never checked out: an empty folder
             try:
+                git.check_inputs(Path(path))  # its own .gitignore may be a FIFO too
                 inner = git.files(Path(path))
                 inner_untracked = set(git.files(Path(path), untracked_only=True))
                 ignored.extend(f"{rel}/{sub}" for sub in git.ignored(Path(path)))
@@ -366,6 +368,9 @@ def _walk(root: Path, rule: _Rule, max_bytes: int | None) -> tuple[list[Item], l
 
     def unreadable(exc: OSError) -> None:
         rel = os.path.relpath(exc.filename, root).replace(os.sep, "/")
+        if exc.errno == errno.ENAMETOOLONG:  # no link can name it either: the system refuses its path
+            notes.append(f"{_shown(rel[:60])}... left out: its path is longer than the system allows")
+            return
         notes.append(f"{_shown(rel)} left out: it cannot be read ({exc.strerror}), by the ranks either")
         live.add(rel)
 
@@ -707,13 +712,21 @@ def _is_our_copy(snap: Snapshot) -> bool:
 
 def _copy(listing: Listing, dest: Path, limit: int | None = None) -> dict[str, str]:
     made = {""}
-    for item in listing.items:
-        parent = item.rel.rpartition("/")[0]
-        if parent not in made:
-            os.makedirs(dest / parent, exist_ok=True)
-            made.update(parents(parent))
-        if item.kind != "file":
-            os.symlink(item.target, dest / item.rel)
+    folders = _Folders(str(dest))  # made one name at a time by descriptor: a path past PATH_MAX is no error
+    try:
+        for item in listing.items:
+            parent = item.rel.rpartition("/")[0]
+            if parent not in made:
+                for folder in parents(parent):
+                    if folder not in made:
+                        up, _, name = folder.rpartition("/")
+                        with contextlib.suppress(FileExistsError):
+                            os.mkdir(name, dir_fd=folders.fd(up))
+                        made.add(folder)
+            if item.kind != "file":
+                os.symlink(item.target, item.rel.rpartition("/")[2], dir_fd=folders.fd(parent))
+    finally:
+        folders.close()
     files = listing.files
     if not _can_fork() or len(files) < FORK_FROM_FILES:
         return _copy_files(listing.project, files, dest, _Budget(limit))

@@ -759,3 +759,56 @@ def test_cli_dry_runs_of_hostile_projects_say_one_line_and_run_nothing(tmp_path,
     finally:
         if case == "too-deep":
             subprocess.run(["rm", "-rf", str(root)], check=False)
+
+
+# ----------------------------------------------------------------------- more shapes: links, long paths
+
+@pytest.mark.parametrize("siblings", [10, 5000])
+def test_a_script_in_a_left_out_folder_links_its_siblings_at_most_max_links(tmp_path, siblings):
+    root = make_repo(tmp_path / "proj", {"train.py": "x\n", ".gitignore": "scratch/\n"})
+    (root / "scratch").mkdir()
+    for n in range(siblings):
+        os.close(os.open(root / "scratch" / f"{n}.txt", os.O_CREAT | os.O_WRONLY, 0o644))
+    (root / "scratch" / "try.py").write_text("y\n")
+    snap = snapshot.take(snapshot.plan(spec_for(root / "scratch" / "try.py"), str(tmp_path / "run" / "code"),
+                                       git=quick_git()))
+    live = [i for i in snap.listing.items if i.kind == "live" and i.rel.startswith("scratch/")]
+    assert len(live) == min(siblings, snapshot.MAX_LINKS)
+    assert os.path.isfile(os.path.join(snap.dir, "scratch", "try.py"))
+    assert (siblings > snapshot.MAX_LINKS) == any("no link in the copy" in n for n in snap.listing.notes)
+
+
+@pytest.mark.parametrize("mode", ["git", "walk"])
+def test_paths_longer_than_the_system_allows_are_left_out_in_one_line_never_an_error(tmp_path, mode):
+    root = tmp_path / "p"
+    root.mkdir()
+    (root / "train.py").write_text("x\n")
+    fd = os.open(root, os.O_RDONLY)
+    for _ in range(18):  # 18 names of 255 bytes: past PATH_MAX (4096)
+        os.mkdir("d" * 255, dir_fd=fd)
+        inner = os.open("d" * 255, os.O_RDONLY, dir_fd=fd)
+        os.close(fd)
+        fd = inner
+    os.close(os.open("f.py", os.O_CREAT | os.O_WRONLY, 0o644, dir_fd=fd))
+    os.close(fd)
+    if mode == "git":
+        git(root, "init", "-q")
+    try:
+        snap = snapshot.take(snapshot.plan(spec_for(root / "train.py"), str(tmp_path / "run" / "code"),
+                                           git=quick_git()))
+        assert os.path.isfile(os.path.join(snap.dir, "train.py"))
+        assert printable_lines([snap.describe(), *said(snap.listing)])
+    finally:
+        subprocess.run(["rm", "-rf", str(root), str(tmp_path / "run")], check=False)
+
+
+def test_a_submodule_whose_gitignore_is_a_fifo_is_skipped_in_one_line_not_waited_on(tmp_path):
+    inner = make_repo(tmp_path / "lib", {"lib.py": "L = 1\n"})
+    root = make_repo(tmp_path / "proj", {"train.py": "x\n"})
+    git(root, "submodule", "add", "-q", str(inner), "vendor/lib")
+    git(root, "commit", "-qm", "sub")
+    os.mkfifo(root / "vendor" / "lib" / ".gitignore")
+    started = time.monotonic()
+    snap = snapshot.plan(spec_for(root / "train.py"), str(tmp_path / "run" / "code"), git=quick_git())
+    assert time.monotonic() - started < 3
+    assert any("vendor/lib" in n and "FIFO" in n for n in snap.listing.notes), snap.listing.notes
