@@ -46,6 +46,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -94,6 +95,7 @@ class Attempt:
     warned: bool = False           # the time-limit warning reached a handler of the program's own
     gave_up: str | None = None     # the policy's reason for stopping the run after this attempt
     code: str | None = None        # the id of the code snapshot it ran (launch.snapshot)
+    nodes: str | None = None       # the nodes it ran on (SLURM_JOB_NODELIST)
 
     @property
     def trained(self) -> bool:
@@ -106,8 +108,8 @@ class Attempt:
 
     @property
     def ended_cause(self) -> str:
-        if self.exit_code is None:
-            return "killed"
+        if self.exit_code is None:  # no end record; a lost node is found by the next begin (`admit`)
+            return "node_failure" if self.cause == "node_failure" else "killed"
         return self.cause or ("completed" if self.exit_code == 0 else "failed")
 
 
@@ -132,7 +134,8 @@ def attempts_from_events(events: Sequence[dict[str, Any]], chain: str | None = N
                 attempts[-1].ended_at = event.get("time")  # killed: it ended before this one began
             attempts.append(Attempt(int(event.get("attempt", len(attempts))), event.get("checkpoint_step"),
                                     started_at=event.get("time"), job_id=event.get("job_id"),
-                                    code=event.get("code") if isinstance(event.get("code"), str) else None))
+                                    code=event.get("code") if isinstance(event.get("code"), str) else None,
+                                    nodes=event.get("nodes") if isinstance(event.get("nodes"), str) else None))
         elif not attempts:
             continue
         elif kind in ("start", "resume"):
@@ -145,15 +148,25 @@ def attempts_from_events(events: Sequence[dict[str, Any]], chain: str | None = N
             attempts[-1].cause = event.get("cause")
         elif kind == "requeue_requested":
             attempts[-1].checkpointed = True
-        elif kind == "attempt_end" and attempts[-1].exit_code is None:
-            attempts[-1].exit_code = event.get("exit_code")
-            attempts[-1].cause = event.get("cause") or attempts[-1].cause
-            attempts[-1].ended_at = event.get("time") or attempts[-1].ended_at
+        elif kind == "attempt_end" and _ended(attempts, event).exit_code is None:
+            which = _ended(attempts, event)
+            which.exit_code = event.get("exit_code")
+            which.cause = event.get("cause") or which.cause
+            which.ended_at = event.get("time") or which.ended_at
         elif kind == "requeue" and event.get("by") == "chain":
             attempts[-1].handed_over = True
         elif kind == "gave_up":
             attempts[-1].gave_up = str(event.get("reason") or "gave up")
     return attempts
+
+
+def _ended(attempts: list[Attempt], event: dict[str, Any]) -> Attempt:
+    """The attempt an attempt_end record is about: the last one, or the one before it when the record names
+    it (the next attempt's begin records how a killed attempt ended, after its own start)."""
+    if len(attempts) > 1 and event.get("exit_code") is None and event.get("attempt") == attempts[-2].number \
+            and attempts[-1].number != attempts[-2].number:
+        return attempts[-2]
+    return attempts[-1]
 
 
 def _of_chain(events: Sequence[dict[str, Any]], chain: str | None) -> list[dict[str, Any]]:
@@ -207,6 +220,9 @@ def decide_begin(previous: Sequence[Attempt], start_step: int | None, limits: Li
     preempted = _count(previous, "preempted", "killed")
     if preempted > limits.max_preemptions:
         return False, f"preempted {preempted} times, more than max_preemptions={limits.max_preemptions}"
+    failed_nodes = _count(previous, "node_failure")
+    if failed_nodes > limits.max_requeues:
+        return False, f"lost a node {failed_nodes} times, more than max_requeues={limits.max_requeues}"
     timeouts = _count(previous, "time_limit")
     if timeouts > limits.max_requeues:
         return False, f"hit the time limit {timeouts} times, more than max_requeues={limits.max_requeues}"
@@ -224,7 +240,7 @@ def decide_end(attempts: Sequence[Attempt], exit_code: int, limits: Limits,
         return False, "completed"
     if cause == "cancelled":
         return False, "cancelled"
-    if exit_code != REQUEUE_EXIT_CODE and cause not in ("preempted", "time_limit"):
+    if exit_code != REQUEUE_EXIT_CODE and cause not in ("preempted", "time_limit", "node_failure"):
         return False, f"failed with exit code {exit_code}"
     if exit_code == REQUEUE_EXIT_CODE and not attempts[-1].trained:
         return False, "it asked to be requeued before training started (crash loop guard)"
@@ -233,6 +249,8 @@ def decide_end(attempts: Sequence[Attempt], exit_code: int, limits: Limits,
         return True, f"time_limit: job {successor}, queued after this one, goes on"
     if cause == "time_limit":
         used, cap, name = _count(attempts, "time_limit"), limits.max_requeues, "max_requeues"
+    elif cause == "node_failure":  # a lost node: the next attempt runs on the nodes that are up
+        used, cap, name = _count(attempts, "node_failure"), limits.max_requeues, "max_requeues"
     else:
         used, cap, name = _count(attempts, "preempted", "killed"), limits.max_preemptions, "max_preemptions"
     if used > cap:
@@ -297,6 +315,31 @@ def stopped_cause(job: Mapping[str, str] | None, attempt: int, shell_signal: str
 def slurm_stop(job: Mapping[str, str] | None, attempt: int) -> bool:
     """Slurm shows a stop of its own (preemption, requeue, time limit, cancel)."""
     return bool(job) and outside_cause(job, attempt, None)[0] != "failed"
+
+
+# sinfo's node states (%T) that mean the node is lost to its jobs; a trailing "*" means not responding.
+_LOST_STATES = ("down", "fail", "failing", "not_responding", "unknown")
+
+
+def lost_state(state: str) -> bool:
+    """Is a node in sinfo's extended state `state` (down, down*, idle*, fail, mixed+drain, ...) lost?"""
+    word = state.strip().lower()
+    return word.endswith("*") or word.split("+")[0].rstrip("~#!%$@^-") in _LOST_STATES
+
+
+def down_nodes(nodelist: str | None, run=subprocess.run) -> list[str]:
+    """The nodes of `nodelist` (Slurm's hostlist) that Slurm holds lost now (`lost_state`), sorted; [] when
+    none, or when Slurm cannot be asked."""
+    if not nodelist or not shutil.which("sinfo"):
+        return []
+    try:
+        done = run(["sinfo", "-h", "-N", "-n", nodelist, "-o", "%N|%T"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    if done.returncode != 0:
+        return []
+    lost = {name for name, _, state in (line.partition("|") for line in done.stdout.splitlines()) if lost_state(state)}
+    return sorted(lost)
 
 
 def _int(text: str | None) -> int:
@@ -366,6 +409,10 @@ def admit(run_dir: Path, attempt: int, env: Mapping[str, str] | None = None) -> 
     if verdict and verdict[0] == "done":
         events.write({"event": "skipped", "job_id": job_id, "chain": chain, "reason": verdict[1]})
         return Admission(False, verdict[1], done=True)
+    lost = down_nodes(previous[-1].nodes) if previous and previous[-1].exit_code is None and env.get("SLURM_JOB_ID") \
+        else []
+    if lost:  # the attempt before left no end record: its node went down, taking the batch shell with it
+        previous[-1].cause = "node_failure"
     ok, reason = (False, verdict[1]) if verdict else decide_begin(previous, step, _limits(_spec(run_dir)))
     # "code": the snapshot this attempt runs (the spec names it; a resubmission to the run dir names another)
     events.write({"event": "attempt_start", "attempt": attempt, "job_id": job_id,
@@ -373,8 +420,12 @@ def admit(run_dir: Path, attempt: int, env: Mapping[str, str] | None = None) -> 
                   "nodes": env.get("SLURM_JOB_NODELIST"), "checkpoint_step": step,
                   **_code_of(run_dir)})
     if previous and previous[-1].exit_code is None:
-        events.write({"event": "attempt_end", "attempt": previous[-1].number, "exit_code": None, "cause": "killed",
-                      "note": "no end record: the job was killed from outside (preempted, requeued or node failure)"})
+        events.write({"event": "attempt_end", "attempt": previous[-1].number, "exit_code": None,
+                      **({"cause": "node_failure", "nodes": ",".join(lost),
+                          "note": f"no end record: node {', '.join(lost)} of the attempt went down (Slurm holds it down "
+                                  "or not responding) and took the batch shell with it"} if lost else
+                         {"cause": "killed", "note": "no end record: the job was killed from outside (preempted, "
+                                                     "requeued or node failure)"})})
     if not ok:
         events.write({"event": "attempt_end", "attempt": attempt, "exit_code": NOT_ADMITTED_EXIT_CODE,
                       "cause": "not_admitted"})
@@ -441,12 +492,19 @@ def finish(run_dir: Path, attempt: int, exit_code: int, env: Mapping[str, str] |
     if slurm is None and shell_signal and last.cause == "preempted":
         # No Slurm to ask (the local and srun executors, no scontrol): a stop at the deadline is its limit.
         last.cause = _cause_from_deadline(env)
+    lost = down_nodes(env.get("SLURM_JOB_NODELIST")) if exit_code != 0 and last.cause in ("failed", "preempted") \
+        and env.get("SLURM_JOB_ID") else []
+    if lost:  # a node of the job went down: its ranks vanished, whatever the others' exit codes say
+        last.cause = "node_failure"
     last.exit_code, last.ended_at = exit_code, time.time()
-    goes_on = exit_code == REQUEUE_EXIT_CODE or last.cause in ("preempted", "time_limit")
+    goes_on = exit_code == REQUEUE_EXIT_CODE or last.cause in ("preempted", "time_limit", "node_failure")
     next_job = _waiting_successor(run_dir, env.get("SLURM_JOB_ID"), ask_slurm) if goes_on and not by_slurm else None
     requeue, reason = decide_end(attempts, exit_code, _limits(_spec(run_dir)), next_job)
     record = {"event": "attempt_end", "attempt": attempt, "exit_code": exit_code, "cause": last.cause}
-    if exit_code not in (0, REQUEUE_EXIT_CODE) and last.cause != "failed":
+    if lost:
+        record.update(nodes=",".join(lost), note=f"node {', '.join(lost)} went down (Slurm holds it down or not "
+                                                 "responding); the next attempt runs on nodes that are up")
+    elif exit_code not in (0, REQUEUE_EXIT_CODE) and last.cause != "failed":
         record["note"] = f"signalled from outside ({_outside_note(slurm, env)}), not the program's failure"
     elif exit_code == 0 and last.cause != "completed":
         seen = "the time-limit warning reached its handler" if last.warned and not slurm_stop(slurm, attempt) \

@@ -33,7 +33,7 @@ from hpc_ddp.common.durable import write_file
 __all__ = ["Span", "Timeline", "Summary", "build_timeline", "summarize", "summary_line", "draw", "save_png",
            "INTERRUPTIONS"]
 
-INTERRUPTIONS = ("preempted", "time_limit", "killed")
+INTERRUPTIONS = ("preempted", "time_limit", "killed", "node_failure")
 
 
 @dataclasses.dataclass
@@ -275,7 +275,7 @@ def duration(seconds: float) -> str:
 
 
 _CAUSE_WORDS = {"preempted": ("preemption", "preempted"), "time_limit": ("time limit", "time limit"),
-                "killed": ("kill", "killed")}
+                "killed": ("kill", "killed"), "node_failure": ("lost node", "lost nodes")}
 
 
 def summary_line(s: Summary) -> str | None:
@@ -305,6 +305,7 @@ def summary_line(s: Summary) -> str | None:
 # ---- the picture (side effects from here on) ----
 
 _COLORS = {"completed": "tab:green", "preempted": "tab:orange", "time_limit": "tab:purple", "killed": "tab:red",
+           "node_failure": "tab:brown",
            "failed": "tab:red", "cancelled": "tab:gray", None: "tab:blue"}
 
 

@@ -473,3 +473,55 @@ def test_a_chain_cancelled_before_it_ran_does_not_take_the_run_up_again(tmp_path
     admission = attempts.admit(run_dir, 0, {"SLURM_JOB_ID": "6"})
     assert not admission.ok and admission.reason == "job 5 of the chain was cancelled (hpc-ddp cancel)"
     assert attempts.begin(run_dir, 0, env={"SLURM_JOB_ID": "9"})[0]  # a new submission is a new chain
+
+
+# ---- a lost node (issue 32) ----
+
+@pytest.mark.parametrize("state, lost", [("down", True), ("down*", True), ("idle*", True), ("mixed*", True),
+                                         ("fail", True), ("failing", True), ("idle", False), ("allocated", False),
+                                         ("mixed", False), ("drained", False), ("completing", False),
+                                         ("down~", True), ("mixed+drain", False)])
+def test_lost_states(state, lost):
+    assert attempts.lost_state(state) is lost
+
+
+def test_down_nodes_asks_sinfo_for_the_jobs_nodes(monkeypatch):
+    import subprocess
+
+    monkeypatch.setattr(attempts.shutil, "which", lambda name: "/usr/bin/" + name)
+    asked = []
+
+    def sinfo(argv, **_):
+        asked.append(argv)
+        return subprocess.CompletedProcess(argv, 0, "hpcn1|allocated\nhpcn2|down*\nhpcn2|down*\nhpcn3|idle*\n", "")
+    assert attempts.down_nodes("hpcn[1-3]", run=sinfo) == ["hpcn2", "hpcn3"]
+    assert asked == [["sinfo", "-h", "-N", "-n", "hpcn[1-3]", "-o", "%N|%T"]]
+    assert attempts.down_nodes(None, run=sinfo) == []
+    assert attempts.down_nodes("hpcn1", run=lambda argv, **_: subprocess.CompletedProcess(argv, 1, "", "x")) == []
+
+
+def test_an_attempt_that_lost_a_node_is_requeued_within_max_requeues(tmp_path, monkeypatch):
+    run_dir = _spec_dir(tmp_path, max_requeues=1)
+    monkeypatch.setattr(attempts, "down_nodes", lambda nodes, run=None: ["hpcn2"] if nodes else [])
+    env = {"SLURM_JOB_ID": "3", "SLURM_JOB_NODELIST": "hpcn[1-2]"}
+    for attempt, word in ((0, "requeue"), (1, "stop")):   # one requeue: max_requeues=1
+        assert attempts.begin(run_dir, attempt, env=env)[0]
+        with open(run_dir / "events.jsonl", "a") as fh:   # it trained; its ranks then vanished with the node
+            fh.write(json.dumps({"event": "start"}) + "\n")
+        outcome = attempts.finish(run_dir, attempt, 137, env, ask_slurm=lambda job: attempts.parse_show_job(
+            SHOW_JOB["own_crash"]))
+        assert outcome.word == word, outcome.reason
+    records = _events(run_dir)
+    ends = [r for r in records if r["event"] == "attempt_end" and r.get("cause") == "node_failure"]
+    assert len(ends) == 2 and ends[0]["nodes"] == "hpcn2" and "went down" in ends[0]["note"]
+    assert "node_failure: 2 requeues would exceed max_requeues=1" in records[-1]["reason"]
+
+
+def test_a_batch_shell_that_went_down_with_its_node_is_recorded_at_the_next_begin(tmp_path, monkeypatch):
+    run_dir = _spec_dir(tmp_path)
+    monkeypatch.setattr(attempts, "down_nodes", lambda nodes, run=None: ["hpcn1"] if nodes == "hpcn1" else [])
+    assert attempts.begin(run_dir, 0, env={"SLURM_JOB_ID": "3", "SLURM_JOB_NODELIST": "hpcn1"})[0]
+    ok, reason = attempts.begin(run_dir, 1, env={"SLURM_JOB_ID": "3", "SLURM_JOB_NODELIST": "hpcn2"})
+    assert ok and "node_failure" in reason
+    lost = [r for r in _events(run_dir) if r.get("cause") == "node_failure"]
+    assert lost and lost[0]["attempt"] == 0 and lost[0]["nodes"] == "hpcn1"
