@@ -6,6 +6,7 @@ holds the earlier cases."""
 
 from __future__ import annotations
 
+import datetime
 import io
 import json
 import os
@@ -465,3 +466,72 @@ def test_hostile_list_answers_leave_the_state_unknown_never_a_crash(monkeypatch,
     monkeypatch.setattr(forward, "Ssh", lambda host, env: FakeSsh(answer))
     records = forward.with_remote_accounting([{"job_id": "1", "host": "c", "run_dir": "/r/x"}], {})
     assert records[0].get("slurm") is None or isinstance(records[0]["slurm"], dict)
+
+
+# ------------------------------------------------------------------- the profile sent, as the cluster reads it
+
+PROFILE_VALUES = {
+    "quotes-and-backslashes": 'a "b" \\c \'d\'',
+    "triple-quotes": '"""x"""',
+    "newline-and-escape": "a\nb\x1b[2J\x07",
+    "nul": "a\x00b",
+    "unicode": "\u00e9\U0001F680\u202e",
+    "key-like-a-table": {"a.b": 1, "[x]": 2, "": 3},
+    "nested-arrays": [[1, 2], ["a", [True, False]]],
+    "huge-int": 2 ** 62,
+    "negative-zero": -0.0,
+    "tiny-float": 5e-324,
+    "empty-array": [],
+    "array-of-tables": [{"a": 1}, {"b": "x"}],
+}
+
+
+@pytest.mark.parametrize("case", sorted(PROFILE_VALUES))
+def test_profile_values_reach_the_cluster_as_they_were(case):
+    from hpc_ddp.remote.site import profile_toml
+    from hpc_ddp.spec.config import tomllib
+
+    table = {"value": PROFILE_VALUES[case]}
+    assert tomllib.loads(profile_toml("c", table)) == {"c": table}
+
+
+@pytest.mark.parametrize("value", [datetime.date(2026, 1, 1), datetime.time(12, 0), object()],
+                         ids=["a-toml-date", "a-toml-time", "an-object"])
+def test_profile_values_toml_cannot_hold_are_refused_in_one_line(value):
+    from hpc_ddp.remote.site import profile_toml
+
+    with pytest.raises(UserError) as err:
+        profile_toml("c", {"value": value})
+    assert "\n" not in str(err.value)
+
+
+# ------------------------------------------------------------------------------ the CLI: --ssh HOST
+
+SSH_FLAGS = ["-oProxyCommand=touch PWNED", "login:/tmp", "a b", "::1", "a\nb", "-F/tmp/cfg", "h\u00f6st",
+             "host;touch PWNED", "$(touch PWNED)", "x::module"]
+
+
+@pytest.mark.parametrize("value", SSH_FLAGS, ids=[ascii(v)[:24] for v in SSH_FLAGS])
+def test_cli_a_hostile_ssh_host_is_refused_before_anything_is_listed_or_run(tmp_path, monkeypatch, short, value):
+    from click.testing import CliRunner
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in ("ssh", "rsync"):
+        (bin_dir / name).write_text(f"#!/bin/sh\ntouch '{tmp_path}/RAN-{name}'\n")
+        (bin_dir / name).chmod(0o755)
+    project = tmp_path / "proj"
+    project.mkdir()
+    (project / "train.py").write_text("print(1)\n")
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("HPC_DDP_REGISTRY", str(tmp_path / "runs.jsonl"))
+    monkeypatch.setenv("HPC_DDP_PROFILES", str(tmp_path / "profiles.toml"))
+    monkeypatch.setenv("HOME", str(tmp_path))  # the project has its place under the cluster's home
+    monkeypatch.setenv("HPC_DDP_SSH_CONTROL_DIR", str(short / "c"))
+    monkeypatch.chdir(project)
+    result = CliRunner().invoke(cli, ["submit", "--ssh", value, "train.py"], catch_exceptions=False)
+    assert result.exit_code == 2, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("hpc-ddp: error:")]
+    assert len(errors) == 1 and "is not a host name" in errors[0], result.output
+    assert not list(tmp_path.rglob("RAN-*")) and not list(tmp_path.rglob("PWNED"))
+    assert not (tmp_path / "runs.jsonl").exists() and not (project / "runs").exists()
