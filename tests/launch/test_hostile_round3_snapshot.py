@@ -812,3 +812,41 @@ def test_a_submodule_whose_gitignore_is_a_fifo_is_skipped_in_one_line_not_waited
     snap = snapshot.plan(spec_for(root / "train.py"), str(tmp_path / "run" / "code"), git=quick_git())
     assert time.monotonic() - started < 3
     assert any("vendor/lib" in n and "FIFO" in n for n in snap.listing.notes), snap.listing.notes
+
+
+def test_a_file_swapped_for_a_link_out_between_plan_and_take_is_refused_and_nothing_outside_is_read(tmp_path, outside):
+    root = tmp_path / "p"
+    root.mkdir()
+    (root / "train.py").write_text("x\n")
+    (root / "m.py").write_text("m\n")
+    snap = snapshot.plan(spec_for(root / "train.py"), str(tmp_path / "run" / "code"), git=Git(executable=""),
+                         read=False)
+    (root / "m.py").unlink()
+    os.symlink(outside / "secret.txt", root / "m.py")
+    with pytest.raises(UserError) as err:
+        snapshot.take(snap)
+    assert "\n" not in str(err.value)
+    for folder, _, files in os.walk(tmp_path / "run"):
+        for name in files:
+            path = os.path.join(folder, name)
+            assert os.path.islink(path) or SECRET not in open(path, "rb").read()
+
+
+def test_a_linked_worktree_as_the_project_checks_the_main_repo_s_rule_files(tmp_path):
+    main = make_repo(tmp_path / "main", {"train.py": "x\n"})
+    git(main, "worktree", "add", "-q", str(tmp_path / "wt"), "-b", "wt")
+    os.mkfifo(main / ".git" / "info" / "exclude") if not (main / ".git" / "info" / "exclude").exists() else (
+        (main / ".git" / "info" / "exclude").unlink(), os.mkfifo(main / ".git" / "info" / "exclude"))
+    started = time.monotonic()
+    snap = snapshot.plan(spec_for(tmp_path / "wt" / "train.py"), str(tmp_path / "run" / "code"), git=quick_git())
+    assert time.monotonic() - started < 3
+    assert snap.listing.git_error and "FIFO" in snap.listing.git_error and "train.py" in {i.rel for i in snap.listing.files}
+
+
+def test_a_repo_that_says_it_is_bare_is_walked_with_the_reason_said(tmp_path):
+    root = make_repo(tmp_path / "proj", {"train.py": "x\n"})
+    git(root, "config", "core.bare", "true")
+    snap = snapshot.take(snapshot.plan(spec_for(root / "train.py"), str(tmp_path / "run" / "code"), git=quick_git()))
+    assert "train.py" in {i.rel for i in snap.listing.files}
+    assert snap.listing.git is not None or snap.listing.git_error
+    assert printable_lines([snap.describe(), *said(snap.listing)])
