@@ -158,12 +158,16 @@ class Git:
                                "git reads its rules")
         return tracked
 
-    def listing(self, root: Path) -> tuple[list[str], list[str], list[str]]:
+    def listing(self, root: Path, tracked: list[str] | None = None) -> tuple[list[str], list[str], list[str]]:
         """(tracked, untracked and not ignored, ignored) of the repo at `root`, as `files` and `ignored` say,
-        asked at the same time."""
+        asked at the same time (`tracked`: as check_inputs gave it, not asked again)."""
         base = ("ls-files", "-z")
-        done = self._all(root, [((*base, "--cached"), (0,)), ((*base, "--others", "--exclude-standard"), (0,)),
-                                ((*base, "--others", "--ignored", "--exclude-standard", "--directory"), (0,))])
+        others = [((*base, "--others", "--exclude-standard"), (0,)),
+                  ((*base, "--others", "--ignored", "--exclude-standard", "--directory"), (0,))]
+        if tracked is not None:
+            done = self._all(root, others)
+            return tracked, _split(done[0].stdout), _split(done[1].stdout)
+        done = self._all(root, [((*base, "--cached"), (0,)), *others])
         return _split(done[0].stdout), _split(done[1].stdout), _split(done[2].stdout)
 
     def ignored(self, root: Path) -> list[str]:

@@ -279,11 +279,11 @@ def _too_deep(root: Path, rel: str) -> UserError:
 
 
 def _from_git(root: Path, git: Git, rule: _Rule) -> Listing:
-    git.check_inputs(root)  # no FIFO where git reads its rules: it would wait on it forever
+    known = git.check_inputs(root)  # no FIFO where git reads its rules: it would wait on it forever
     with ThreadPoolExecutor(1) as pool:
         # the commit, branch and diff are git's work alone: asked while the files are looked at here
         state_of = pool.submit(git.state, root, [])
-        tracked, untracked_list, ignored = git.listing(root)
+        tracked, untracked_list, ignored = git.listing(root, known)
         untracked = set(untracked_list)
         listed = sorted({*tracked, *untracked_list})
         items: dict[str, Item] = {}
