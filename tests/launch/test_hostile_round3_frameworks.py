@@ -225,3 +225,17 @@ def test_the_gpu_scan_of_a_long_line_of_calls_finishes_in_bounded_time():
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
+
+
+MODULE_NAMES = ["../../etc/passwd", "x./tmp/evil", ".hidden", "a..b", "-rf", "a b", "\x1b[2J", "pkg/train",
+                "pkg.", "1abc"]
+
+
+@pytest.mark.parametrize("name", MODULE_NAMES, ids=[ascii(n) for n in MODULE_NAMES])
+def test_a_module_name_that_is_a_path_or_not_python_is_refused_before_any_file_is_read(tmp_path, name):
+    from hpc_ddp.common.errors import UserError
+    from hpc_ddp.spec.config import resolve_target
+
+    with pytest.raises(UserError) as err:
+        resolve_target(None, name, (), tmp_path)
+    assert "\n" not in str(err.value) and str(err.value).isprintable()
