@@ -10,8 +10,9 @@ and how each cost grows with the number of nodes. Writes bench/scale_results.jso
     python bench/scale_sim.py --report                # the tables of the runs in scale_results.json
 
 Each size runs in fresh processes (bench/scale/): the staging step (sim_stage), the trainer's
-rendezvous against a real TCPStore (sim_rendezvous), and the attempts policy plus `status` over a run
-dir of 2,048 ranks' logs with hundreds of attempts (sim_rundir). The ranks are threads; the files, the
+rendezvous against a real TCPStore (sim_rendezvous), the attempts policy plus `status` over a run
+dir of 2,048 ranks' logs with hundreds of attempts (sim_rundir), and a resume on half the ranks
+(sim_elastic: the position arithmetic and the sampler; also run at 1,024 nodes every time). The ranks are threads; the files, the
 store and the functions are the real ones. bench/README.md ("Scale") explains every column.
 
 Growth: the exponent k of cost ~ nodes^k between the smallest and the largest size (1 = linear), and
@@ -58,7 +59,10 @@ COLUMNS = [
     ("status: seconds", "rundir", ("status", "seconds"), "s"),
     ("status: shared-FS ops", "rundir", ("status", "shared_ops"), "ops"),
     ("status: directory entries read", "rundir", ("status", "entries_listed"), "entries"),
+    ("resume on half the ranks: sampler, ms per rank", "elastic", ("sampler_ms_per_rank",), "ms"),
+    ("resume on half the ranks: shares checked, all ranks", "elastic", ("check_ms_all_ranks",), "ms"),
 ]
+ELASTIC_AT = 1024   # issue 32: the position arithmetic and the sampler at 1,024 nodes x 8 ranks, every run
 
 
 def say(message: str) -> None:
@@ -214,6 +218,7 @@ def main() -> int:
         say(f"{n} nodes x {args.per_node} ranks")
         t, sizes[n], took = args.phase_timeout, {}, {}
         for phase, module, extra in (("stage", "sim_stage", quick), ("rundir", "sim_rundir", quick),
+                                     ("elastic", "sim_elastic", quick),
                                      ("rdv", "sim_rendezvous",
                                       quick + (["--callers", str(args.callers)] if args.callers else []))):
             t0 = time.monotonic()
@@ -222,6 +227,10 @@ def main() -> int:
         sizes[n]["phase_seconds"] = took
     grown = growth(sizes)
     print(table(grown, nodes))
+    at_scale = _phase("sim_elastic", ELASTIC_AT, args.per_node, quick, args.phase_timeout)
+    print(f"\nresume on another size at {ELASTIC_AT} nodes x {args.per_node} ranks ({at_scale['world']:,} ranks, saved by "
+          f"{at_scale['saved_world']:,}): resize {at_scale['resize_us']} us, one rank's sampler "
+          f"{at_scale['sampler_ms_per_rank']} ms, every rank's share checked exact in {at_scale['check_ms_all_ranks']} ms")
     results = json.loads(args.out.read_text()) if args.out.exists() else {}
     results.setdefault("runs", {})[args.label] = {
         "commit": _commit(), "date": datetime.date.today().isoformat(),
@@ -230,6 +239,7 @@ def main() -> int:
         "seconds": round(time.monotonic() - started),
         "growth": {name: {k: v for k, v in g.items() if k != "values"} for name, g in grown.items()},
         "sizes": {str(n): r for n, r in sizes.items()},
+        f"elastic_at_{ELASTIC_AT}_nodes": at_scale,
     }
     args.out.write_text(json.dumps(results, indent=1, default=str) + "\n")
     text = _comparison(results["runs"], args.label)
