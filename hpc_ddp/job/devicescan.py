@@ -28,6 +28,9 @@ __all__ = ["Pick", "Exposure", "Problem", "scan", "judge", "exposure_of", "slurm
            "source_of", "runtime_exposure", "MAX_SOURCE"]
 
 MAX_SOURCE = 4 * 1024 * 1024  # bytes: a larger script is not scanned
+# characters of a line that are scanned: no device pick is longer, and the local_rank pattern rescans a line
+# from every call in it (a generated line of 8,000 `.to(` took minutes)
+MAX_LINE = 1000
 
 _LOCAL = r"(?:local[_-]?rank|LOCAL_RANK|SLURM_LOCALID|local_process_index|localid)"
 _DEVICE_CALL = (r"(?:set_device|\.cuda|\.to|torch\.device|device_ids\s*=|output_device\s*=|device\s*=|"
@@ -83,7 +86,7 @@ def scan(source: str) -> tuple[Pick, ...]:
     picks = []
     spawns = bool(_SPAWNS.search(source))
     for number, raw in enumerate(source.splitlines(), 1):
-        line = code_part(raw)
+        line = code_part(raw[:MAX_LINE])
         if not line.strip():
             continue
         for kind, pattern in _PATTERNS:

@@ -209,9 +209,6 @@ def test_the_script_on_disk_is_read_as_text_only_bounded_never_imported(tmp_path
     assert all("\n" not in f.message for f in findings)
 
 
-@pytest.mark.xfail(strict=True, raises=TimeoutError,
-                   reason="job/devicescan.py (not this round's files): the local_rank pattern's [^#\\n]* rescans a "
-                          "long line from every '.to(' in it, quadratic; a 40 KB line takes 14 s, 4 MB never ends")
 def test_the_gpu_scan_of_a_long_line_of_calls_finishes_in_bounded_time():
     from hpc_ddp.job.devicescan import scan
 
