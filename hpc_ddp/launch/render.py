@@ -48,11 +48,17 @@ ARRAY_TEMPLATE = "sweep.sh.j2"
 
 def directives(spec: JobSpec) -> list[str]:
     """The `#SBATCH` options, in a stable order."""
-    out = [f"--job-name={_quoted(spec.job_name)}", f"--nodes={spec.nodes_text}",
-           f"--ntasks-per-node={spec.tasks_per_node}"]
+    out = [f"--job-name={_quoted(spec.job_name)}", f"--nodes={spec.nodes_text}"]
+    if spec.nodes_max:
+        # A node range asks for each node's CPUs as one task's: with --ntasks-per-node, Slurm fixes the job's
+        # task count at MIN nodes' worth and gives it MIN nodes even where MAX are free (Slurm 22.05, measured).
+        # The ranks' srun lays out the tasks itself (srun_options).
+        out.append(f"--cpus-per-task={spec.tasks_per_node * (spec.cpus_per_task or 1)}")
+    else:
+        out.append(f"--ntasks-per-node={spec.tasks_per_node}")
     if spec.gpus:
         out.append(f"--gpus-per-node={spec.gpus}" if spec.gpu_request == "gpus-per-node" else f"--gres=gpu:{spec.gpus}")
-    if spec.cpus_per_task:
+    if spec.cpus_per_task and not spec.nodes_max:
         out.append(f"--cpus-per-task={spec.cpus_per_task}")
     if spec.mem:
         out.append(f"--mem={spec.mem}")
@@ -98,7 +104,8 @@ def node_setup_command(spec: JobSpec, *, overlap: bool = False) -> list[str]:
 
 def srun_options(spec: JobSpec, run_dir: str) -> list[str]:
     """Options of the ranks' srun beyond the ones every job has: the container's (pyxis), then --srun-arg."""
-    return [*container.srun_options(spec, run_dir), *spec.srun_args]
+    ranges = [f"--ntasks-per-node={spec.tasks_per_node}"] if spec.nodes_max else []  # see directives()
+    return [*ranges, *container.srun_options(spec, run_dir), *spec.srun_args]
 
 
 def runner_command(spec: JobSpec, run_dir: str) -> list[str]:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Start a small real Slurm on this one machine, as root: munge, slurmctld and two slurmd nodes
-# (hpcn1, hpcn2) with 2 fake GPUs each declared through GRES, so --gpus-per-node is really scheduled
+# Start a small real Slurm on this one machine, as root: munge, slurmctld and four slurmd nodes
+# (hpcn1..hpcn4) with 2 fake GPUs each declared through GRES, so --gpus-per-node is really scheduled
 # and srun sets CUDA_VISIBLE_DEVICES per task; and accounting: a MariaDB of its own (data dir, socket
 # and port 3316 under $ROOT, not the system's) behind slurmdbd, so sacct works.
 # Idempotent: a second call restarts the Slurm daemons with an empty accounting database (slurmctld
@@ -10,8 +10,13 @@
 set -euo pipefail
 
 ROOT=${HPC_DDP_SLURM_ROOT:-/var/tmp/hpc-ddp-slurm}
-NODES=(hpcn1 hpcn2)
-ADDRS=(127.0.1.11 127.0.1.12)
+# HPC_DDP_SLURM_NODES (2 to 9, default 4): nodes hpcn1...; beyond 2, a partition `wide` has them all (node
+# ranges, tests/e2e/test_elastic.py), while debug, short, grace and urgent keep hpcn1 and hpcn2 (what the
+# other tests expect: a job in urgent that takes both preempts whatever runs in debug).
+COUNT=${HPC_DDP_SLURM_NODES:-4}
+case "$COUNT" in [2-9]) ;; *) echo "slurm-up: HPC_DDP_SLURM_NODES must be 2 to 9, not $COUNT" >&2; exit 2 ;; esac
+NODES=() ADDRS=()
+for ((i = 1; i <= COUNT; i++)); do NODES+=("hpcn$i"); ADDRS+=("127.0.1.$((10 + i))"); done
 GPUS_PER_NODE=2
 CPUS_PER_NODE=4
 DB_PORT=3316
@@ -127,10 +132,14 @@ write_config() {
         # PriorityTier) preempts jobs in the others. debug and short: SIGTERM, then SIGKILL after KillWait
         # and Slurm requeues the job itself. grace: SIGTERM, then GraceTime seconds before the kill; a job
         # that ends before that is not requeued by Slurm (hpc-ddp must requeue it).
-        printf 'PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP PriorityTier=1\n'
-        printf 'PartitionName=short Nodes=ALL MaxTime=00:10:00 State=UP PriorityTier=1\n'
-        printf 'PartitionName=grace Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=1 GraceTime=15\n'
-        printf 'PartitionName=urgent Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=100\n'
+        local first=ALL
+        [ "$COUNT" -gt 2 ] && first=hpcn[1-2]
+        printf 'PartitionName=debug Nodes=%s Default=YES MaxTime=INFINITE State=UP PriorityTier=1\n' "$first"
+        printf 'PartitionName=short Nodes=%s MaxTime=00:10:00 State=UP PriorityTier=1\n' "$first"
+        printf 'PartitionName=grace Nodes=%s MaxTime=INFINITE State=UP PriorityTier=1 GraceTime=15\n' "$first"
+        printf 'PartitionName=urgent Nodes=%s MaxTime=INFINITE State=UP PriorityTier=100\n' "$first"
+        [ "$COUNT" -gt 2 ] && printf 'PartitionName=wide Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=1\n'
+        true
     } | sed "s|@ROOT@|$ROOT|g" > "$ROOT/slurm.conf"
     : > "$ROOT/gres.conf"
     for n in "${NODES[@]}"; do
@@ -200,7 +209,7 @@ start_daemons() {
 wait_until_idle() {
     local i
     for i in $(seq 100); do
-        if [ "$(sinfo -h -p debug -t idle -o '%D' 2>/dev/null | head -1)" = "${#NODES[@]}" ]; then
+        if [ "$(sinfo -h -N -t idle -o '%N' 2>/dev/null | sort -u | wc -l)" = "${#NODES[@]}" ]; then
             return 0
         fi
         # Nodes may come up DOWN/"unexpectedly rebooted" after a restart; resume them.

@@ -3,6 +3,7 @@ test of a resume on another world size (tests/e2e/test_elastic.py) compares them
 import json
 import os
 import sys
+import time
 
 import torch
 
@@ -37,6 +38,7 @@ for epoch in run.epochs(2):
             model(x.float().view(-1, 1)).sum().backward()
         opt.step()
         opt.zero_grad()
+        time.sleep(float(os.environ.get("KEYS_STEP_S", "0")))  # slow enough to be preempted mid-run
         out.write(json.dumps({"epoch": epoch, "keys": seen}) + "\n")
         out.flush()
         if run.step(batches=accum):
