@@ -48,6 +48,7 @@ import math
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from datetime import timedelta
@@ -75,7 +76,7 @@ from hpc_ddp.trainer.checkpoint import CheckpointManager, Loaded, state_sha256
 from hpc_ddp.trainer.lagged import LaggedFlags
 from hpc_ddp.trainer.loggers import Loggers
 from hpc_ddp.trainer.rngstate import capture_rng, restore_rng
-from hpc_ddp.trainer.stallwatch import FACTOR, STALL_EXIT_CODE, StallWatch
+from hpc_ddp.trainer.stallwatch import FACTOR, STALL_EXIT_CODE, STORE_ANSWER_S, StallWatch
 from hpc_ddp.trainer.stopping import StopFlag
 
 __all__ = ["Session", "start", "Progress", "UsageError", "IncompatibleResume", "Diverged"]
@@ -671,22 +672,31 @@ class Session:
     def _stalled(self, quiet: float, limit: float) -> None:
         """No step for `quiet` s, more than `limit`: name who hangs, record it, leave (the executor ends the
         other ranks). Runs on the watch's thread while the main thread waits, so it ends the process itself."""
-        try:
-            who = rendezvous.explain_failure(self.store, self.env)
-        except Exception:  # noqa: BLE001 - the store lives in rank 0's process: it may be the one that hangs
-            who = None
+        answer: list[str | None] = []
+        asking = threading.Thread(target=lambda: answer.append(rendezvous.explain_failure(self.store, self.env)),
+                                  daemon=True)
+        asking.start()
+        asking.join(STORE_ANSWER_S)
+        # The store lives in rank 0's process: a rank 0 that hangs cannot answer for the others.
+        who = answer[0] if answer else None if self.rank == 0 else (
+            f"{rendezvous.describe_ranks(self.env, [0])} does not answer (it holds the rendezvous store): it died "
+            "or hung")
         line = (f"no step completed for {quiet:.0f} s (the limit is {limit:.0f} s: {FACTOR:g} x the "
                 f"{self.step_seconds or 0:.2f} s step, at least {self.stallwatch.min_s:g} s); "
                 f"{who or 'every rank still answers, so one may be deadlocked'}; ending the attempt")
         print(f"hpc-ddp: error: rank {self.rank}: {line}", file=sys.stderr, flush=True)
-        first = True
-        with contextlib.suppress(Exception):
-            first = int(self.store.add("stalled/claim", 1)) == 1
+        if answer:  # the store answers: the first rank to claim writes the record
+            first = False
+            with contextlib.suppress(Exception):
+                first = int(self.store.add("stalled/claim", 1)) == 1
+        else:  # it does not (rank 0 hangs): a request would wait for it; rank 1 writes the record
+            first = self.rank == 1
         if first:  # one record, from the first rank that saw it (rank 0 may be the one that hangs)
             JsonLines(RunDir(self.run_dir).events).write(
                 {"event": "stalled", "seconds": round(quiet, 1), "limit": round(limit, 1), "reason": who or line,
                  "step": self.progress.step, "job_id": self.env.job_id})
-        rendezvous.mark_left(self.store, self.env, rendezvous.LEFT_AFTER_OTHERS)
+        if answer:
+            rendezvous.mark_left(self.store, self.env, rendezvous.LEFT_AFTER_OTHERS)
         sys.stdout.flush()
         os._exit(STALL_EXIT_CODE)
 

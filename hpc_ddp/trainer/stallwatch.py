@@ -22,12 +22,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["ARM_AFTER", "FACTOR", "MIN_S", "STALL_EXIT_CODE", "limit_for", "stalled_for", "StallWatch"]
+__all__ = ["ARM_AFTER", "FACTOR", "MIN_S", "STALL_EXIT_CODE", "STORE_ANSWER_S", "limit_for", "stalled_for",
+           "StallWatch"]
 
 ARM_AFTER = 3            # steps this attempt must complete first: start-up, compilation and the first
 FACTOR = 20.0            # steps' allocations are not steady-state step times
 MIN_S = 300.0            # never sooner than this (HPC_DDP_STALL_MIN_S): a slow filesystem can hold one step
 STALL_EXIT_CODE = 1      # a failed attempt: the crash-loop guard and the requeue policy judge it as one
+FROZEN_TICKS = 5         # a tick this many intervals late: the watch's own process was stopped
+STORE_ANSWER_S = 20.0    # how long to wait for the store to say who is gone (rank 0 holds it, and may hang)
 
 
 def limit_for(step_seconds: float | None, min_s: float = MIN_S, cap_s: float | None = None) -> float | None:
@@ -69,8 +72,13 @@ class StallWatch:
 
     def _watch(self) -> None:
         s = self.session
+        tick = time.monotonic()
         while not self._stop.wait(self.interval_s):
-            quiet = stalled_for(time.monotonic(), s.last_step_at(), s.steps_this_attempt(), s.step_seconds,
+            now, last = time.monotonic(), tick
+            tick = now
+            if now - last > FROZEN_TICKS * self.interval_s:
+                continue  # this process itself was frozen (SIGSTOP, then SIGCONT): the hang was ours, not a peer's
+            quiet = stalled_for(now, s.last_step_at(), s.steps_this_attempt(), s.step_seconds,
                                 s.paused(), self.min_s, self.cap_s)
             if quiet is not None and not self._stop.is_set():
                 self.on_stall(quiet, limit_for(s.step_seconds, self.min_s, self.cap_s) or quiet)

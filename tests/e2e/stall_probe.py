@@ -13,7 +13,7 @@ opt = torch.optim.SGD(model.parameters(), lr=0.01)
 run.track(model=model, optimizer=opt)
 run.resume()
 for step in range(10_000):
-    if run.rank == 1 and step == 20:
+    if run.rank == int(os.environ.get("STALL_RANK", "1")) and step == 20:
         os.kill(os.getpid(), signal.SIGSTOP)   # alive, but making no progress
     model(torch.randn(8, 4)).sum().backward()
     opt.step()

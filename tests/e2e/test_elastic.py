@@ -134,3 +134,30 @@ def test_on_slurm_a_2_4_job_started_on_4_resumes_on_the_2_left_free(slurm_conf, 
         sampler.set_position(epoch, 0)
         expected.update((epoch, i) for i in sampler.order()[:200 // 16 * 16])  # global batch 4 x 4
     assert _trained(tmp_path / "keys") == expected
+
+
+TRAINER_JOB = """script = ""
+[train]
+dataset = "fake"
+fake_size = 256
+image_size = 8
+model = "mlp"
+epochs = 2
+batch_size = 8
+num_workers = 0
+log_every = 4
+eval_every_epoch = false
+"""
+
+
+def test_the_trainer_resumes_on_half_its_ranks_with_the_global_batch_kept(tmp_path):
+    """The built-in trainer on the same path (issue 32): 4 ranks stopped at step 3, resumed on 2 with
+    accumulation 2, the same steps per epoch (256 // 32 = 8), finished at step 16."""
+    (tmp_path / "job.toml").write_text(TRAINER_JOB.replace('script = ""\n', ""))
+    stopped = hpc_ddp("submit", "--executor", "local", "--nodes", "4", "--max-preemptions", "0", "--run-dir", "run",
+                      "job.toml", cwd=tmp_path, env={"HPC_DDP_FAULT_STOP_AT": "3"})
+    assert "checkpointed" in stopped.stderr, stopped.stderr
+    resumed = hpc_ddp("submit", "--executor", "local", "--nodes", "1-2", "--run-dir", "run", "job.toml", cwd=tmp_path)
+    out = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, out
+    assert "global batch kept at 32 with gradient accumulation 1 -> 2" in out and "training finished at step 16" in out

@@ -31,3 +31,31 @@ def test_a_stopped_rank_ends_the_attempt_naming_it(tmp_path):
     assert len(stalled) == 1 and "rank 1" in stalled[0]["reason"] and stalled[0]["step"] >= 20
     status = hpc_ddp("status", "run", cwd=tmp_path)
     assert "rank 1 (localhost) stopped responding" in status.stdout
+
+
+@pytest.mark.slurm
+def test_on_slurm_a_stopped_rank_on_the_second_node_is_named_with_its_host(slurm_conf, tmp_path):
+    from .helpers import submit_json, wait_for_job
+
+    shutil.copy(Path(__file__).with_name("stall_probe.py"), tmp_path)
+    started = time.monotonic()
+    job = submit_json("--partition", "debug", "--nodes", "2", "--run-dir", "run", "stall_probe.py", cwd=tmp_path,
+                      env={"HPC_DDP_STALL_MIN_S": "3"})["job_id"]
+    assert wait_for_job(job, timeout=240) == "FAILED"
+    assert time.monotonic() - started < 200   # not the 600 s collective timeout
+    events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
+    stalled = [e for e in events if e["event"] == "stalled"]
+    assert len(stalled) == 1 and "rank 1 (hpcn2) stopped responding" in stalled[0]["reason"], events
+    assert "rank 1 (hpcn2) stopped responding" in hpc_ddp("status", "run", cwd=tmp_path).stdout
+
+
+def test_a_stopped_rank_0_which_holds_the_store_is_named_too(tmp_path):
+    """Rank 0 holds the rendezvous store: when it is the one that stops, the others cannot ask the store who
+    is gone; they say rank 0 does not answer, within the limit plus STORE_ANSWER_S."""
+    shutil.copy(Path(__file__).with_name("stall_probe.py"), tmp_path)
+    started = time.monotonic()
+    done = hpc_ddp("submit", "--executor", "local", "--nodes", "2", "--run-dir", "run", "stall_probe.py",
+                   cwd=tmp_path, env={"HPC_DDP_STALL_MIN_S": "3", "STALL_RANK": "0"}, timeout=240)
+    out = done.stdout + done.stderr
+    assert done.returncode == 1 and "rank 0 (localhost) does not answer" in out, out[-3000:]
+    assert time.monotonic() - started < 150
