@@ -74,7 +74,7 @@ def read_jsonl(path: str | os.PathLike, limit: int = MAX_RECORDS_BYTES) -> list[
 # has one in another shape (a string for a step, NaN or 1e308 for a time: edited, or written by another
 # tool) was not written by hpc-ddp as it is, and is left out rather than crash or mislead the arithmetic.
 _LATEST_TIME = 1e11          # the year 5138: later is no time of ours, and past what datetime can show
-_COUNTS = ("attempt", "step", "epoch", "total_steps", "batch_in_epoch")
+_COUNTS = ("attempt", "step", "total_steps", "batch_in_epoch")
 _TEXTS = ("event", "reason", "cause", "executor", "state")
 
 
@@ -92,6 +92,9 @@ def well_formed(record: Any) -> bool:
         return False
     code = record.get("exit_code")
     if code is not None and not (type(code) is int and -(1 << 31) <= code < 1 << 31):
+        return False
+    epoch = record.get("epoch")  # a whole number of ours, or a fraction a framework logs (HF: 1.5)
+    if epoch is not None and not (type(epoch) in (int, float) and 0 <= epoch < 1 << 53):
         return False
     job = record.get("job_id")
     return (all(_count(record.get(k)) for k in _COUNTS) and all(isinstance(record.get(k), (str, type(None)))

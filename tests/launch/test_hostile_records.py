@@ -38,6 +38,8 @@ def test_what_hpc_ddp_writes_is_well_formed():
     assert well_formed({"event": "finish", "step": 10, "epoch": 2, "time": 5, "loss": math.nan})  # a NaN loss is news
     assert well_formed({"event": "attempt_end", "attempt": 1, "exit_code": -15, "cause": "preempted", "time": 5})
     assert well_formed({"job_id": 123, "executor": "sbatch"})
+    assert well_formed({"step": 40, "epoch": 1.5, "loss": 0.3, "time": 5})   # HF Trainer logs fractional epochs
+    assert not well_formed({"step": 40, "epoch": math.nan, "time": 5})
 
 
 @pytest.mark.parametrize("record", HOSTILE, ids=range(len(HOSTILE)))
