@@ -42,17 +42,22 @@ def stream_durable(path: Path, produce: Callable[[Callable[[Any], int]], object]
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
 
     def write(chunk: Any) -> int:
-        view = memoryview(chunk).cast("B")
-        size = len(view)
-        while view:
-            view = view[os.write(fd, view):]
-        return size
+        return _write_all(fd, chunk)
 
     try:
         produce(write)
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _write_all(fd: int, data: Any) -> int:
+    """Write all of `data` (any buffer) to `fd`, however many os.write calls it takes; its length."""
+    view = memoryview(data).cast("B")
+    size = len(view)
+    while view:
+        view = view[os.write(fd, view):]
+    return size
 
 
 def replace_durable(path: Path, data: bytes) -> None:
@@ -161,9 +166,7 @@ def write_file(path: str | os.PathLike, data: bytes | str, mode: int = 0o644, *,
     try:
         try:
             os.fchmod(fd, mode)  # the umask took bits away: `mode` is what was asked for
-            view = memoryview(raw)
-            while view:
-                view = view[os.write(fd, view):]
+            _write_all(fd, raw)
             if durable:
                 os.fsync(fd)
         finally:
@@ -207,9 +210,7 @@ def append(path: str | os.PathLike, data: bytes | str, *, durable: bool = False,
     """Append `data` to the regular file at `path` (see `appending`), in one write; fsync it if `durable`."""
     raw = data.encode() if isinstance(data, str) else data
     with appending(path, mode) as fd:
-        view = memoryview(raw)
-        while view:
-            view = view[os.write(fd, view):]
+        _write_all(fd, raw)
         if durable:
             os.fsync(fd)
 
