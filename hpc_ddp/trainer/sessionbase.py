@@ -1,0 +1,30 @@
+"""What the Session API's parts share (session.py, sessionsave.py, sessionstep.py): the errors its misuse
+and a diverged loss raise, and the run's Progress as a checkpoint saves it. Re-exported by session.py."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from hpc_ddp.common.errors import HpcDdpError, UserError
+
+
+class UsageError(UserError):
+    """The API was called in a way that cannot work; the message names the fix."""
+
+
+class IncompatibleResume(UserError):
+    """The checkpoint was made by a run this one differs from (world size, settings, schedule)."""
+
+
+class Diverged(HpcDdpError):
+    """The loss became NaN or infinite: stop without a checkpoint and without a requeue (exit 1)."""
+
+
+@dataclasses.dataclass
+class Progress:
+    step: int = 0               # optimizer steps done
+    epoch: int = 0
+    batch_in_epoch: int = 0     # batches of this epoch already consumed, per rank
+    restarts: int = 0           # resumes from a checkpoint so far
+    samples: int = 0            # samples consumed, all ranks together (where step() is told)
+

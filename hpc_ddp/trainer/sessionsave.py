@@ -1,0 +1,298 @@
+"""The Session's checkpoints: what one holds (`track`), writing it (`save`, durable or in the background,
+asyncsave.py), and resuming from the newest that verifies (`resume`), on another world size where the run
+allows it (`accumulation`, data.elastic). A part of `session.Session` (see session.py's docstring)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hpc_ddp.data.elastic import Resized, resize
+from hpc_ddp.trainer import rendezvous
+from hpc_ddp.trainer.checkpoint import Loaded, state_sha256
+from hpc_ddp.trainer.rngstate import capture_rng, restore_rng
+from hpc_ddp.trainer.sessionbase import IncompatibleResume, Progress, UsageError
+
+SESSION_FILE = "session.pt"   # progress + every rank's RNG streams, next to the tracked states
+
+
+class SaveAndResume:
+    """Session's checkpoint methods (its state is made in Session.__init__)."""
+
+    def track(self, **objects: Any) -> None:
+        """Name the states a checkpoint holds: modules (a DDP wrapper is unwrapped), optimizers,
+        schedulers, scalers, anything with state_dict()/load_state_dict(), or a plain dict (updated in
+        place on resume). `model=` is the one `hpc-ddp inspect` hashes."""
+        for name, obj in objects.items():
+            if not name.isidentifier() or f"{name}.pt" == SESSION_FILE:
+                raise UsageError(f"track(): {name!r} cannot name a checkpoint file",
+                                 hint="use a plain identifier other than 'session'")
+            if not (isinstance(obj, dict) or hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+                raise UsageError(f"track(): {name}={type(obj).__name__} has no state_dict()/load_state_dict()",
+                                 hint="track modules, optimizers, schedulers, or a dict of tensors and numbers")
+            self._tracked[name] = obj
+
+    def save(self, reason: str = "periodic", *, wait: bool = True) -> Path | None:
+        """Write a checkpoint of the tracked states, progress and every rank's RNG. Collective: every rank
+        calls it at the same point (rank 0 writes). By default it returns once the checkpoint is durable
+        (its path on rank 0, None elsewhere). With `wait=False` and async checkpoints on (the default;
+        what `step()` does for periodic saves), rank 0 snapshots the state to host memory, a background
+        thread writes it (just as crash-safe), and every rank returns None at once; the next save, a stop
+        and `finish()` wait for it, and a failed write raises on the next `step()` or `save()`."""
+        with self.busy("saving a checkpoint"):
+            return self._save(reason, wait)
+
+    def _save(self, reason: str, wait: bool) -> Path | None:
+        started = time.monotonic()
+        self._check_writer()
+        self._drain()  # GPU: the last step's flags first: a NaN in them is never checkpointed
+        self._all_arrive("save")
+        rng = [capture_rng()]
+        if self.distributed:
+            rng = [None] * self.world_size
+            dist.all_gather_object(rng, capture_rng())
+        background = not wait and self._writer is not None
+        path = None
+        if self.is_main:
+            payloads = {f"{name}.pt": _state_of(obj) for name, obj in self._tracked.items()}
+            payloads[SESSION_FILE] = {"progress": dataclasses.asdict(self.progress), "rng": rng}
+            for fname, payload in payloads.items():
+                _check_plain(payload, fname.removesuffix(".pt"))
+            if background:
+                self._save_in_background(payloads, reason, started)
+            else:
+                path = self._save_now(payloads, reason, started)
+        if self.distributed and not background:
+            dist.barrier()  # nobody exits or goes on before the checkpoint is durable
+        self.last_save, self._due_sent = time.monotonic(), False
+        return path
+
+    def _save_now(self, payloads: dict[str, Any], reason: str, started: float) -> Path:
+        """Rank 0: wait for the write in flight (at most one at a time), then write this one and return
+        once it is durable."""
+        self.wait_for_checkpoint()
+        path = self.checkpoints.save(self.progress.step, payloads, self._meta(payloads, reason))
+        self._saved(path, reason, self.progress.step, self.progress.epoch, time.monotonic() - started)
+        return path
+
+    def _save_in_background(self, payloads: dict[str, Any], reason: str, started: float) -> None:
+        """Rank 0: snapshot to host memory, hand the write to the background thread, return."""
+        self.wait_for_checkpoint()  # at most one in flight; raises if it failed
+        if self._in_flight is not None:  # written: its host buffers serve this snapshot
+            self._snapshots.recycle(self._in_flight)
+        snapshot = self._in_flight = self._snapshots.take(payloads)
+        step, epoch = self.progress.step, self.progress.epoch
+        meta = self._meta(snapshot.payloads, reason, model_hash=False)
+        blocked = time.monotonic() - started
+
+        def write() -> Path:
+            state = snapshot.ready()
+            if "model.pt" in state:  # hashed here, off the loop
+                meta["model_sha256"] = state_sha256(state["model.pt"])
+            return self.checkpoints.save(step, state, meta)
+
+        self._writer.start(write, done=lambda path, seconds: self._saved(
+            path, reason, step, epoch, blocked + seconds, blocked=blocked))
+
+    def _saved(self, path: Path, reason: str, step: int, epoch: int, seconds: float,
+               blocked: float | None = None) -> None:
+        """The "checkpoint" record, once a checkpoint is durable (on the writer thread for background
+        saves). `seconds` is snapshot to durable: what a stop's save costs, so the stop lead uses it."""
+        self.save_seconds = seconds
+        record = {"event": "checkpoint", "step": step, "epoch": epoch, "reason": reason, "path": str(path),
+                  "seconds": round(seconds, 3)}
+        if blocked is not None:
+            record.update({"background": True, "blocked_s": round(blocked, 3)})
+        self.events.write(record)
+
+    def wait_for_checkpoint(self) -> Path | None:
+        """Block until the background checkpoint write in flight (if any) is durable and return its path
+        (rank 0; None elsewhere or when none was in flight). Raises CheckpointError if it failed."""
+        return self._writer.wait() if self._writer is not None else None
+
+    def _check_writer(self) -> None:
+        """A background write that failed raises here, on the loop's thread: never silently."""
+        if self._writer is not None:
+            self._writer.check()
+
+    def _meta(self, payloads: Mapping[str, Any], reason: str, model_hash: bool = True) -> dict[str, Any]:
+        meta = {"epoch": self.progress.epoch, "batch_in_epoch": self.progress.batch_in_epoch, "reason": reason,
+                "fingerprint": self.fingerprint}
+        if os.environ.get("HPC_DDP_CODE_ID"):  # the code snapshot that made it (`hpc-ddp inspect` shows it)
+            meta["code"] = os.environ["HPC_DDP_CODE_ID"]
+        if self._accum is not None:  # what a resume on another world size starts from (data.elastic)
+            meta["grad_accum"] = self._accum
+        if model_hash and "model.pt" in payloads:
+            meta["model_sha256"] = state_sha256(payloads["model.pt"])
+        return meta
+
+    def _all_arrive(self, what: str) -> None:
+        """Every rank must reach this call: name those that do not, instead of hanging in a collective
+        until its timeout (the usual mistake: `if rank == 0: run.save()`)."""
+        if not self.distributed or self.store is None:
+            return
+        self._saves += 1
+        missing = rendezvous.wait_for_all(self.store, self.env, f"{what}/{self._saves}", self.collective_timeout)
+        if missing:
+            raise UsageError(
+                f"{what}() is collective, but {rendezvous.describe_ranks(self.env, missing)} did not call it "
+                f"within {self.collective_timeout:g} s (rank {self.rank} did)",
+                hint=f"call run.{what}() on every rank; rank 0 alone writes the checkpoint")
+
+    def resume(self, total_steps: int | None = None) -> bool:
+        """Load the newest checkpoint that verifies into the tracked states, restore progress and this
+        rank's RNG; False (and a "start" record) when there is none. `total_steps` is the run's length:
+        `status` shows progress against it, and a checkpoint beyond it is refused (BeyondSchedule)."""
+        self.total_steps = total_steps or self.total_steps
+        loaded = self.checkpoints.load_latest(max_step=self.total_steps)  # one beyond the schedule: refused
+        if loaded is None:
+            self.events.write({"event": "start", "step": 0, "total_steps": self.total_steps,
+                               "world_size": self.world_size, "job_id": self.env.job_id, "device": str(self.device)})
+            return False
+        self._check_compatible(loaded)
+        missing = [name for name in self._tracked if f"{name}.pt" not in loaded.payloads]
+        if missing or SESSION_FILE not in loaded.payloads:
+            held = sorted(f.removesuffix(".pt") for f in loaded.payloads)
+            raise IncompatibleResume(f"cannot resume from {loaded.path}: it holds {held}, not {missing or ['session']}",
+                                     hint="track() the same names as the run that saved it, or use another --run-dir")
+        for name, obj in self._tracked.items():
+            _load_into(obj, loaded.payloads[f"{name}.pt"])
+        session = loaded.payloads[SESSION_FILE]
+        self.progress = Progress(**session["progress"])
+        self.progress.restarts += 1
+        saved_world = len(session["rng"])
+        if saved_world != self.world_size:
+            self._resume_resized(saved_world, _saved_accum(loaded.manifest))
+        if self.rank < saved_world:
+            restore_rng(session["rng"][self.rank])
+        # epochs counted from 1, as the step lines count them ("epoch 2/3"); the records keep the index
+        self.log(f"hpc-ddp: resumed from {loaded.path} (step {self.progress.step}, epoch {self.progress.epoch + 1}, "
+                 f"batch {self.progress.batch_in_epoch} of the epoch)")
+        self.events.write({"event": "resume", "step": self.progress.step, "epoch": self.progress.epoch,
+                           "batch_in_epoch": self.progress.batch_in_epoch, "path": str(loaded.path),
+                           "restarts": self.progress.restarts, "device": str(self.device)})
+        self._window = (time.monotonic(), self.progress.step, self.progress.samples)
+        return True
+
+    def accumulation(self, grad_accum: int = 1, *, batch_size: int) -> int:
+        """The micro-batches per optimizer step from now on: `grad_accum`, unless this run resumes on another
+        world size than the checkpoint's and keeps the global batch (`elastic = "keep_global_batch"`, a node
+        range's default): then as many more or fewer as keep batch x ranks x accumulation the same. Ask it
+        before the loop's schedule is built (the steps per epoch follow from it)."""
+        manifest = self.checkpoints.latest_manifest()
+        saved, used = _saved_world(manifest), _saved_accum(manifest)
+        self._batch_size = batch_size
+        if saved is None:
+            self._accum = grad_accum
+        elif saved == self.world_size:
+            self._accum = used or grad_accum  # a run resized before goes on with the accumulation it had
+        else:
+            self._accum = self._resize(saved, batch_size, used or grad_accum, batch_in_epoch=0).grad_accum
+        return self._accum
+
+    def _resize(self, saved: int, batch_size: int, grad_accum: int, batch_in_epoch: int) -> Resized:
+        if self.elastic is None:
+            raise IncompatibleResume(
+                f"cannot resume: the checkpoint was saved by {saved} ranks, this run has {self.world_size} (a fixed "
+                "number of nodes: each rank's data order and random streams are in it)",
+                hint=f"resume with the same nodes x GPUs ({saved} ranks), or submit with --nodes MIN-MAX (a range) "
+                     "to let a run resume on another size")
+        try:
+            return resize(saved_world=saved, world=self.world_size, batch_size=batch_size, grad_accum=grad_accum,
+                          batch_in_epoch=batch_in_epoch, policy=self.elastic)
+        except ValueError as exc:
+            raise IncompatibleResume(f"cannot resume on {self.world_size} ranks: {exc}",
+                                     hint="resume on a number of nodes the global batch divides, or set "
+                                          "--elastic keep_per_rank_batch") from None
+
+    def _check_compatible(self, loaded: Loaded) -> None:
+        saved = loaded.manifest.get("fingerprint") or {}
+        if saved.get("world_size") not in (None, self.world_size) and self.elastic is None:
+            self._resize(int(saved["world_size"]), 1, 1, 0)  # refused, naming the range option
+        changed = [f"{k}: checkpoint {saved.get(k)!r}, now {v!r}" for k, v in self.fingerprint.items()
+                   if saved.get(k) != v and not (k == "world_size" and self.elastic)]
+        if changed:
+            raise IncompatibleResume(f"cannot resume from {loaded.path}: the run changed {'; '.join(changed)}",
+                                     hint="restore those settings, or start afresh with another --run-dir")
+
+    def _resume_resized(self, saved_world: int, saved_accum: int | None) -> None:
+        """Go on at this world size from where `saved_world` ranks stopped: the same global position in the
+        epoch's order (data.elastic). The batch size is the one `accumulation()` was told, else the first
+        followed sampler's; the saved run's accumulation is in its checkpoint (1 where it was never asked)."""
+        batch_size = self._batch_size or (self._samplers[0][1] if self._samplers else 1)
+        moved = self._resize(saved_world, batch_size, saved_accum or 1, self.progress.batch_in_epoch)
+        if self._accum is not None and moved.grad_accum != self._accum:
+            raise IncompatibleResume(f"the checkpoint resumed is not the one the run planned with (accumulation "
+                                     f"{self._accum}, this one needs {moved.grad_accum})",
+                                     hint="resubmit: the next attempt plans with the checkpoint it finds")
+        self._accum = moved.grad_accum
+        self.progress.batch_in_epoch = moved.batch_in_epoch
+        fresh = f"; ranks {saved_world}-{self.world_size - 1} had no random streams in the checkpoint and start from " \
+                "their seeds" if self.world_size > saved_world else ""
+        self.log(f"hpc-ddp: {moved.note}{fresh}")
+        self.events.write({"event": "resized", "from_world_size": saved_world, "world_size": self.world_size,
+                           "grad_accum": moved.grad_accum, "global_batch": moved.global_batch,
+                           "policy": self.elastic})
+
+
+def _saved_accum(manifest: Mapping[str, Any] | None) -> int | None:
+    """The gradient accumulation the run used when it saved (None: a run that never asked `accumulation()`)."""
+    accum = (manifest or {}).get("grad_accum")
+    return accum if type(accum) is int and accum > 0 else None
+
+
+def _saved_world(manifest: Mapping[str, Any] | None) -> int | None:
+    """The world size that saved a checkpoint, from its manifest's fingerprint (None: none, or not said)."""
+    world = ((manifest or {}).get("fingerprint") or {}).get("world_size")
+    return world if type(world) is int and world > 0 else None
+
+
+def _state_of(obj: Any) -> Any:
+    if isinstance(obj, nn.parallel.DistributedDataParallel):
+        obj = obj.module
+    return dict(obj) if isinstance(obj, dict) else obj.state_dict()
+
+
+def _load_into(obj: Any, state: Any) -> None:
+    if isinstance(obj, nn.parallel.DistributedDataParallel):
+        obj = obj.module
+    if isinstance(obj, dict):
+        obj.clear()
+        obj.update(state)
+    else:
+        obj.load_state_dict(state)
+
+
+_PLAIN = (torch.Tensor, int, float, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
+
+
+def _check_plain(value: Any, where: str) -> None:
+    """Refuse, before anything is written, state the weights-only loader would refuse on resume (a
+    function, a lambda, an object of the user's class): the checkpoint could never be loaded."""
+    if isinstance(value, _PLAIN):
+        return
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            if not isinstance(key, (str, int, float, bool, type(None))):
+                raise _not_plain(f"{where} has a key of type {type(key).__name__}")
+            _check_plain(item, f"{where}[{key!r}]")
+        return
+    if isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _check_plain(item, f"{where}[{i}]")
+        return
+    raise _not_plain(f"{where} is a {type(value).__module__}.{type(value).__qualname__}")
+
+
+def _not_plain(what: str) -> UsageError:
+    return UsageError(f"cannot checkpoint: {what}; checkpoints hold tensors, numbers, strings and containers "
+                      "of them (they load with weights_only=True, which refuses code)",
+                      hint="keep functions and objects out of state_dict(); rebuild them from settings on resume")
