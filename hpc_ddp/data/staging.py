@@ -24,36 +24,49 @@ node, race-free and verified.
   archive is a one-line error.
 - Free space is checked first in whole blocks of the destination filesystem (and inodes), naming what is
   needed and what is available.
+
+Here the plan, the copy and its checks; archives in `archives.py`, the marker, syncfs and the lock in
+`stagelock.py`, the errors in `stageerrors.py` (re-exported here).
 """
 
 from __future__ import annotations
 
-import bz2
 import dataclasses
-import fcntl
-import gzip
 import hashlib
 import json
-import lzma
 import os
 import re
 import shutil
-import signal
 import stat
 import subprocess
-import tarfile
 import time
 import uuid
-import zipfile
-import zlib
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from hpc_ddp.common.durable import file_kind, read_regular, replace_durable
+from hpc_ddp.common.durable import file_kind
 from hpc_ddp.common.durable import fsync_dir as _fsync_dir
-from hpc_ddp.common.errors import HpcDdpError, UserError
+from hpc_ddp.common.errors import HpcDdpError
 from hpc_ddp.common.rundir import RANK_LOGS_GLOB
 from hpc_ddp.common.units import human_bytes
+from hpc_ddp.data.archives import _archive_dirs, _check_members, _extract, _first_line, _list_archive
+from hpc_ddp.data.stageerrors import (
+    BadArchive,
+    HostileArchive,
+    ScratchUnusable,
+    StageRefused,
+    StagingError,
+    TargetOccupied,
+)
+from hpc_ddp.data.stagelock import (
+    _complete,
+    _die_with_parent,
+    _exclusive,
+    _fsync_tree,
+    _identity,
+    _read_marker,
+    _write_marker,
+)
 
 __all__ = ["stage", "wait_for_stage", "download_once", "is_archive", "StagingError", "source_manifest",
            "ARCHIVE_SUFFIXES", "StageResult", "StageRefused", "ScratchUnusable", "TargetOccupied", "BadArchive",
@@ -66,32 +79,10 @@ _TMP_INFIX = ".tmp-"
 # The longest names made from NAME are the marker (NAME.complete.json) and the temp dir (.NAME.tmp-XXXXXXXX),
 # 14 bytes more each; a file name has at most 255 bytes.
 MAX_NAME_BYTES = 255 - len(MARKER_SUFFIX)
-_LINK_BUDGET = 40  # symlinks followed while resolving one path, as Linux does before ELOOP
 _NAME_HINT = "pass --name NAME: one plain path component (letters, digits, _ - .), not starting with a dot"
 
 
-class StagingError(HpcDdpError):
-    """Staging failed (disk full, copy mismatch, ...)."""
 
-
-class StageRefused(UserError):
-    """What was asked cannot be staged safely (a bad name, overlapping paths, a source that is not a dataset)."""
-
-
-class ScratchUnusable(StageRefused):
-    """The destination cannot take the dataset; a job may fall back to reading the shared copy."""
-
-
-class TargetOccupied(ScratchUnusable):
-    """Something hpc-ddp did not make sits where the staged copy (or its marker) would go."""
-
-
-class BadArchive(UserError):
-    """The archive cannot be read: truncated, corrupt, or not the format its name says."""
-
-
-class HostileArchive(UserError):
-    """An archive member would land outside the target directory."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -520,288 +511,3 @@ def _unchanged(src: Path, manifest: dict[str, dict]) -> None:
     if changed:
         raise StagingError(f"the source {src} changed while it was copied (e.g. {changed[0]}); nothing kept",
                            hint="stage again once nothing writes to the source")
-
-
-# ---- archives ----
-
-@dataclasses.dataclass(frozen=True)
-class Member:
-    name: str
-    kind: str             # file, dir, symlink, hardlink, special
-    size: int = 0
-    link: str | None = None
-
-
-def _list_archive(src: Path) -> list[Member]:
-    """Read the whole listing once, before anything is written: a truncated or corrupt archive fails here.
-    (EOFError from a truncated .gz must not escape: click would report it as "aborted", exit 130.)"""
-    try:
-        if src.name.endswith(".zip"):
-            with zipfile.ZipFile(src) as zf:
-                return [_zip_member(info) for info in zf.infolist()]
-        with tarfile.open(src) as tf:
-            members = tf.getmembers()
-            if not isinstance(tf.fileobj, (gzip.GzipFile, bz2.BZ2File, lzma.LZMAFile)):
-                _whole(members, src, tf.offset)
-            return [_tar_member(m) for m in members]
-    except (tarfile.TarError, zipfile.BadZipFile, EOFError, zlib.error, lzma.LZMAError, OSError, ValueError) as exc:
-        raise BadArchive(f"cannot read archive {src}: {_why(exc)}",
-                         hint="it is truncated or not a valid .tar/.tar.gz/.tgz/.zip; copy or pack it again") from None
-
-
-def _whole(members: list[tarfile.TarInfo], src: Path, end: int) -> None:
-    """A plain tar cut inside a member's data, or between members, lists without complaint (tarfile seeks
-    past data, and takes a missing end as the end). Its offsets and its end-of-archive block tell."""
-    size = src.stat().st_size
-    if any(m.offset_data + m.size > size for m in members if m.isfile()):
-        raise EOFError("a member's data goes past the end of the file")
-    with open(src, "rb") as fh:
-        fh.seek(end)
-        if fh.read(tarfile.BLOCKSIZE) != tarfile.NUL * tarfile.BLOCKSIZE:
-            raise EOFError("no end-of-archive block")
-
-
-def _why(exc: BaseException) -> str:
-    """One line: tarfile's "could not be opened" lists every method it tried, one per line."""
-    text = str(exc)
-    if isinstance(exc, EOFError) or "unexpected end" in text:
-        return "it ends early (truncated)"
-    if "could not be opened successfully" in text or "empty file" in text:
-        return "it is not a tar archive (plain, gzip, bzip2 or xz), or it is empty"
-    return _first_line(text) or type(exc).__name__
-
-
-def _first_line(text: str) -> str:
-    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
-    return (lines[0][:300] + (" (and more)" if len(lines) > 1 else "")) if lines else ""
-
-
-def _tar_member(m: tarfile.TarInfo) -> Member:
-    if m.issym():
-        return Member(m.name, "symlink", 0, m.linkname)
-    if m.islnk():
-        return Member(m.name, "hardlink", 0, m.linkname)
-    if m.isdir():
-        return Member(m.name, "dir")
-    if m.isfile():
-        return Member(m.name, "file", m.size)
-    return Member(m.name, "special")
-
-
-def _zip_member(info: zipfile.ZipInfo) -> Member:
-    mode = info.external_attr >> 16
-    if stat.S_ISLNK(mode):
-        return Member(info.filename, "symlink", 0, None)  # its target is the data; refused below anyway
-    return Member(info.filename, "dir" if info.is_dir() else "file", info.file_size)
-
-
-def _parts(name: str) -> tuple[str, ...] | None:
-    """A member name as path components below the root, or None when it is absolute or has `..`."""
-    if name.startswith("/") or "\0" in name:
-        return None
-    parts = tuple(p for p in name.split("/") if p not in ("", "."))
-    return None if ".." in parts else parts
-
-
-def _resolve(parts: Iterable[str], links: dict[tuple[str, ...], str]) -> tuple[str, ...] | None:
-    """Where `parts` (relative to the root) ends up once the archive's symlinks exist, following each one
-    the way the kernel will: a link's target is read relative to the directory holding the link, and a
-    `..` after it climbs from where the link led, not from its name. None when it climbs out of the root,
-    is absolute, or loops."""
-    out: list[str] = []
-    todo = list(parts)
-    budget = _LINK_BUDGET
-    while todo:
-        part = todo.pop(0)
-        if part in ("", "."):
-            continue
-        if part == "..":
-            if not out:
-                return None
-            out.pop()
-            continue
-        here = (*out, part)
-        if here in links:
-            budget -= 1
-            target = links[here]
-            if budget < 0 or target.startswith("/"):
-                return None
-            todo = target.split("/") + todo
-            continue
-        out.append(part)
-    return tuple(out)
-
-
-def _check_members(src: Path, members: list[Member]) -> None:
-    """Refuse, before writing anything, what would land outside the target when extracted the way tar
-    extracts: absolute names and `..`; devices and FIFOs; any member path, symlink target or hard-link
-    target that resolves outside through the archive's own symlinks (every symlink, whatever its order:
-    extractors differ in when they create them); hard links resolved from the archive root, as tar does;
-    and a path that is a symlink in one member and something else in another.
-    (tarfile's `data` filter would silently strip a leading `/`; we want the archive refused instead.)"""
-    def refuse(what: str) -> HostileArchive:
-        return HostileArchive(f"refusing archive {src}: {what} would land outside the target directory")
-
-    links: dict[tuple[str, ...], str] = {}
-    kinds: dict[tuple[str, ...], Member] = {}
-    for m in members:
-        parts = _parts(m.name)
-        if parts is None:
-            raise refuse(f"member {m.name!r}")
-        if m.kind == "special":
-            raise HostileArchive(f"refusing archive {src}: {m.name!r} is a device or FIFO")
-        if m.kind == "symlink" and m.link is None:
-            raise HostileArchive(f"refusing archive {src}: member {m.name!r} is a link")
-        before = kinds.get(parts)
-        if before is not None and "symlink" in (before.kind, m.kind) and (before.kind, before.link) != (m.kind, m.link):
-            raise HostileArchive(f"refusing archive {src}: {m.name!r} is a symlink in one member and "
-                                 "something else in another")
-        kinds[parts] = m
-        if m.kind == "symlink":
-            links[parts] = m.link
-    for m in members:
-        parts = _parts(m.name)
-        if parts and _resolve(parts[:-1], links) is None:
-            raise refuse(f"member {m.name!r} (through a symlink in its path)")
-        if m.kind == "symlink" and (m.link.startswith("/") or _resolve((*parts[:-1], *m.link.split("/")), links) is None):
-            raise refuse(f"link {m.name!r} -> {m.link!r}")
-        if m.kind == "hardlink" and (m.link.startswith("/") or _resolve(m.link.split("/"), links) is None):
-            raise refuse(f"hard link {m.name!r} -> {m.link!r} (tar resolves it from the archive root)")
-
-
-def _archive_dirs(members: list[Member]) -> int:
-    dirs = {parts for m in members if m.kind == "dir" and (parts := _parts(m.name))}
-    for m in members:
-        parts = _parts(m.name) or ()
-        dirs.update(parts[:i] for i in range(1, len(parts)))
-    return len(dirs) + 1
-
-
-def _extract(src: Path, members: list[Member], tmp: Path) -> tuple[int, int]:
-    tmp.mkdir(mode=0o700)
-    try:
-        if src.name.endswith(".zip"):
-            with zipfile.ZipFile(src) as zf:
-                zf.extractall(tmp)
-        elif shutil.which("tar"):
-            # Every member was checked above; GNU tar then extracts about 20% faster than tarfile.
-            done = subprocess.run(["tar", "-xf", str(src.absolute()), "-C", str(tmp.absolute()), "--no-same-owner"],
-                                  capture_output=True, text=True, preexec_fn=_die_with_parent)
-            if done.returncode != 0:
-                raise StagingError(f"tar could not extract {src}, nothing kept: {_first_line(done.stderr)}",
-                                   hint="check the free space of the scratch directory and the archive")
-        else:
-            with tarfile.open(src) as tf:
-                tf.extractall(tmp, filter="data")  # PEP 706: a second guard that refuses what escapes
-    except tarfile.FilterError as exc:
-        raise HostileArchive(f"refusing archive {src}: {exc}") from None
-    except (tarfile.TarError, zipfile.BadZipFile, EOFError, zlib.error, lzma.LZMAError) as exc:
-        raise BadArchive(f"cannot extract archive {src}: {_why(exc)}",
-                         hint="it is corrupt or truncated; copy or pack it again") from None
-    files = {m.name: m for m in members if m.kind == "file"}  # a name repeated: the last one is what is left
-    for m in files.values():
-        if (tmp / m.name).stat().st_size != m.size:
-            raise StagingError(f"extracted {m.name} has the wrong size")
-    return len(files), sum(m.size for m in files.values())
-
-
-# ---- durability and locking ----
-
-def _complete(target: Path, marker: Path, key: str) -> bool:
-    data = _read_marker(marker)
-    # A "publishing" marker (written before the rename) claims the target but does not complete it.
-    return (data is not None and data.get("key") == key and data.get("state") != "publishing"
-            and data.get("dir") == _identity(target))
-
-
-def _identity(path: Path) -> list[int] | None:
-    """[device, inode] of the real directory at `path` (None: nothing, a link or a file there). A rename
-    keeps them: the temp copy's identity, written into its marker, is the published target's."""
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return None
-    return [st.st_dev, st.st_ino] if stat.S_ISDIR(st.st_mode) else None
-
-
-def _read_marker(marker: Path) -> dict | None:
-    """A marker hpc-ddp wrote (a regular file, never a link or FIFO, holding our JSON: a key and the
-    identity of the directory it vouches for), else None."""
-    try:
-        data = json.loads(read_regular(marker, limit=1 << 20))
-    except (OSError, ValueError):
-        return None
-    ours = (isinstance(data, dict) and data.get("made_by") == "hpc-ddp" and isinstance(data.get("key"), str)
-            and isinstance(data.get("dir"), list))
-    return data if ours else None
-
-
-def _write_marker(marker: Path, data: dict, made: Path) -> None:
-    """Write the marker for the directory `made` (the temp copy before its rename, or the target)."""
-    replace_durable(marker, json.dumps({**data, "made_by": "hpc-ddp", "dir": _identity(made)}).encode())
-
-
-def _fsync_tree(root: Path) -> None:
-    """Make the staged files durable before the marker says they are complete. One syncfs(2) of the
-    scratch filesystem instead of an fsync per file: with thousands of small files the per-file
-    fsyncs cost more than the copy itself."""
-    fd = os.open(root, os.O_RDONLY)
-    try:
-        if _LIBC is None or _LIBC.syncfs(fd) != 0:
-            os.sync()
-    finally:
-        os.close(fd)
-
-
-def _die_with_parent() -> None:
-    """In the cp/tar child: die with the stager. A SIGKILLed stager must not leave a copy running into
-    the temp dir that the next stager is about to clean up (PR_SET_PDEATHSIG)."""
-    if _LIBC is not None:
-        _LIBC.prctl(1, signal.SIGKILL)
-
-
-def _load_libc():
-    try:
-        import ctypes
-        import ctypes.util
-
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        return libc if hasattr(libc, "syncfs") and hasattr(libc, "prctl") else None
-    except OSError:
-        return None
-
-
-_LIBC = _load_libc()
-
-
-class _exclusive:
-    """flock on a local-disk lock file, polling so a stuck stager is reported instead of waited on forever."""
-
-    def __init__(self, path: Path, timeout: float, log: Callable[[str], None]):
-        self.path, self.timeout, self.log = path, timeout, log
-        self.fd = -1
-
-    def __enter__(self):
-        try:
-            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-        except OSError as exc:
-            raise ScratchUnusable(f"cannot stage into {self.path.parent}: {exc.strerror}",
-                                  hint="pass a writable directory to --dest (or set the profile's scratch)") from None
-        deadline, said = time.monotonic() + self.timeout, False
-        while True:
-            try:
-                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return self
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    os.close(self.fd)
-                    raise StagingError(f"timed out after {self.timeout:.0f} s waiting for another stager "
-                                       f"holding {self.path}", hint="see local rank 0's log on this node")
-                if not said:
-                    self.log(f"hpc-ddp stage: waiting for the stager on this node ({self.path.name})")
-                    said = True
-                time.sleep(0.1)
-
-    def __exit__(self, *exc):
-        fcntl.flock(self.fd, fcntl.LOCK_UN)
-        os.close(self.fd)
