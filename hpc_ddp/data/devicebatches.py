@@ -13,12 +13,22 @@ batched tensor ops), so PIL never holds the GPU back.
 Both wrap a DataLoader whose sampler is the run's ResumableSampler, so positions, resume and the
 sample stream are the CPU path's. Runs on any device: CI runs it on CPU; `make test-gpu` on CUDA with
 synchronisation debug mode "error" (no step waits for the host).
+
+The decode runs on a stream of its own (`DecodeStream`, issue 40). torchvision's batched nvjpeg decode
+allocates its output images from the *caller's* stream and writes them on a private stream that does not
+wait for the caller's (nvjpeg's hardware engine would not honour such a wait either). The caching allocator
+hands a block back out as soon as it is freed on its stream, so the decoder was given memory that the
+previous step's queued kernels (activations, gradients) were still to read, and wrote pixels into it: the
+trainer's loss was NaN from step 4 on a GPU, while batches looked right whenever anything synchronised.
+Now the outputs are allocated while an idle side stream is current (no queued kernel can still use what
+its pool hands out), the rank's stream waits for the side stream, and each image is recorded as used by
+the rank's stream, so its memory is not handed out again before the crops that read it have run.
 """
 
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +38,8 @@ from torch.utils.data import DataLoader, Dataset
 from hpc_ddp.common.errors import SpecError
 from hpc_ddp.data import augment
 
-__all__ = ["jpeg_size", "JpegFiles", "collate_jpegs", "DeviceBatches", "ArrayDecisions", "ArrayBatches"]
+__all__ = ["jpeg_size", "JpegFiles", "collate_jpegs", "DecodeStream", "DeviceBatches", "ArrayDecisions",
+           "ArrayBatches"]
 
 # Start-of-frame markers carry the image's size (SOF0..SOF15, but DHT C4, JPG C8 and DAC CC).
 _SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
@@ -92,24 +103,73 @@ def collate_jpegs(items):
     return list(data), torch.tensor(labels), torch.tensor(boxes, dtype=torch.int64), torch.tensor(flips)
 
 
+class CudaStreams:
+    """The few CUDA stream operations `DecodeStream` needs, behind one small interface (tests/data give a
+    model of them to check the order on machines without a GPU)."""
+
+    def new(self, device: torch.device):
+        return torch.cuda.Stream(device=device)
+
+    def current(self, device: torch.device):
+        return torch.cuda.current_stream(device)
+
+    def using(self, stream):
+        return torch.cuda.stream(stream)
+
+    def wait(self, waiter, waited) -> None:
+        waiter.wait_stream(waited)
+
+    def record(self, tensor: torch.Tensor, stream) -> None:
+        tensor.record_stream(stream)
+
+
+class DecodeStream:
+    """Runs a batched decode whose library writes on a stream of its own (torchvision's nvjpeg decode) so
+    that its outputs never share memory with work still queued on the rank's stream; see the module's
+    docstring. On a CPU it just calls the decode."""
+
+    def __init__(self, device: torch.device, streams=None):
+        self.device = torch.device(device)
+        self.streams = streams if streams is not None else (CudaStreams() if self.device.type == "cuda" else None)
+        self.side = self.streams.new(self.device) if self.streams is not None else None
+
+    def decode(self, decode: Callable[[], Sequence[torch.Tensor]]) -> Sequence[torch.Tensor]:
+        if self.streams is None:
+            return decode()
+        main = self.streams.current(self.device)
+        with self.streams.using(self.side):   # the outputs come from the idle side stream's pool
+            images = decode()
+        self.streams.wait(main, self.side)    # torchvision made the side stream wait for the decode
+        for image in images:                  # not handed out again before the rank's kernels read it
+            self.streams.record(image, main)
+        return images
+
+
+def _decode_jpegs(data: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    return decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
+
+
 class DeviceBatches:
     """Iterate a JpegFiles loader as (images, labels) on `device`: decoded there, cropped and resized to
-    `size`, flipped and normalized; channels_last if asked. Has the loader's length and sampler."""
+    `size`, flipped and normalized; channels_last if asked. Has the loader's length and sampler.
+    `decode(data, device)` and `streams` are torchvision's decode and CUDA's streams unless a test says."""
 
     def __init__(self, loader: DataLoader, device: torch.device, size: int, mean: Sequence[float],
-                 std: Sequence[float], channels_last: bool = False):
+                 std: Sequence[float], channels_last: bool = False, *, decode=None, streams=None):
         self.loader, self.device, self.size = loader, torch.device(device), size
         self.mean, self.std, self.channels_last = mean, std, channels_last
         self.sampler = loader.sampler
+        self._decode = decode or _decode_jpegs
+        self.stream = DecodeStream(self.device, streams)
 
     def __len__(self) -> int:
         return len(self.loader)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        from torchvision.io import ImageReadMode, decode_jpeg
-
         for data, labels, boxes, flips in self.loader:
-            images = decode_jpeg(data, mode=ImageReadMode.RGB, device=self.device)
+            images = self.stream.decode(lambda data=data: self._decode(data, self.device))
             batch = augment.resized_crops(images, boxes.tolist(), self.size)  # boxes are host ints: no sync
             batch = augment.flip_where(batch, flips.to(self.device, non_blocking=True))
             yield self._finish(batch), labels.to(self.device, non_blocking=True)

@@ -188,3 +188,112 @@ def test_a_png_folder_has_no_device_path(tmp_path):
 def test_fake_data_has_no_device_path():
     with pytest.raises(SpecError, match='no device path for the fake data'):
         _batches(_cfg(dataset="fake", fake_size=64), "device", start=0)
+
+
+class StreamModel:
+    """A model of what issue 40 was about, for machines without a GPU: CUDA streams as the caching allocator
+    sees them. The rank's stream ("main") always has kernels queued (the previous step's), the side stream
+    has none. Hazards are recorded where real CUDA would race: a decode whose outputs come from the pool of
+    a stream with queued work (the library writes them on a stream of its own, before that work has run);
+    pixels used on main before main waited for the decode; a decoded image freed without being recorded as
+    used by main (its memory handed out again while main's crops may not have read it yet)."""
+
+    def __init__(self):
+        self.stack, self.hazards, self.log = ["main"], [], []
+        self.pending: dict[int, dict] = {}   # id(image) -> what happened to it
+
+    # the CudaStreams interface
+    def new(self, device):
+        return "side"
+
+    def current(self, device):
+        return self.stack[-1]
+
+    def using(self, stream):
+        model = self
+
+        class _Using:
+            def __enter__(self):
+                model.stack.append(stream)
+
+            def __exit__(self, *exc):
+                model.stack.pop()
+        return _Using()
+
+    def wait(self, waiter, waited):
+        self.log.append(("wait", waiter, waited))
+        for state in self.pending.values():
+            if waiter == "main" and waited == state["stream"]:
+                state["waited"] = True
+
+    def record(self, tensor, stream):
+        self.pending[id(tensor)]["recorded"].add(stream)
+
+    # what the decode library and the consumer do
+    def decode(self, data, device):
+        stream = self.stack[-1]
+        for key, state in list(self.pending.items()):  # the previous batch's images are freed by now
+            if state["stream"] != "main" and "main" not in state["recorded"]:
+                self.hazards.append("a decoded image was freed to its stream's pool without main recorded on it")
+            del self.pending[key]
+        if stream == "main":
+            self.hazards.append("decoded into memory from a pool whose stream has queued work")
+        images = [torch.zeros(3, 8 + i, 8, dtype=torch.uint8) for i in range(len(data))]
+        for image in images:
+            self.pending[id(image)] = {"stream": stream, "waited": stream == "main", "recorded": set()}
+        self.log.append(("decode", stream))
+        return images
+
+    def crops(self, real):
+        def crops(images, boxes, size):
+            for image in images:
+                state = self.pending.get(id(image))
+                if state is not None and not state["waited"]:
+                    self.hazards.append("main read pixels before it waited for the decode")
+            return real(images, boxes, size)
+        return crops
+
+
+def _jpeg_batches(folder, model, monkeypatch, **kw):
+    monkeypatch.setattr(augment, "resized_crops", model.crops(augment.resized_crops))
+    sampler = ResumableSampler(len(folder), rank=0, world_size=1, seed=0)
+    loader = DataLoader(JpegFiles(folder, seed=3), batch_size=2, sampler=sampler, collate_fn=collate_jpegs)
+    return DeviceBatches(loader, "cpu", 8, MEAN, STD, decode=model.decode, **kw)
+
+
+def test_decoded_images_come_from_an_idle_stream_and_are_waited_for_and_recorded(folder, monkeypatch):
+    """Issue 40's cause, guarded on CPU: the batched decode runs with the idle side stream current, main waits
+    for it before the crops read the pixels, and every image is recorded as used by main."""
+    model = StreamModel()
+    batches = list(_jpeg_batches(folder, model, monkeypatch, streams=model))
+    assert len(batches) == 3 and model.hazards == []
+    assert [entry for entry in model.log if entry[0] == "decode"] == [("decode", "side")] * 3
+    assert model.log[:2] == [("decode", "side"), ("wait", "main", "side")]
+
+
+def test_the_stream_model_sees_the_race_a_decode_on_the_ranks_stream_had(folder, monkeypatch):
+    """The model is not vacuous: the decode as it was before issue 40 (on the caller's stream, as torchvision
+    allocates) is reported, batch after batch."""
+    model = StreamModel()
+
+    class OnTheRanksStream(StreamModel):   # no side stream: what DeviceBatches did before
+        def using(self, stream):
+            return model.using("main")
+
+        def current(self, device):
+            return "main"
+
+        def wait(self, waiter, waited):
+            pass
+
+        def record(self, tensor, stream):
+            pass
+    list(_jpeg_batches(folder, model, monkeypatch, streams=OnTheRanksStream()))
+    assert model.hazards.count("decoded into memory from a pool whose stream has queued work") == 3
+
+
+def test_a_decode_stream_on_a_cpu_calls_the_decode_and_nothing_else():
+    from hpc_ddp.data.devicebatches import DecodeStream
+
+    stream = DecodeStream(torch.device("cpu"))
+    assert stream.streams is None and stream.decode(lambda: ["x"]) == ["x"]

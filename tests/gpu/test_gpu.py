@@ -193,18 +193,67 @@ def test_the_device_data_path_never_waits_for_the_host(tmp_path):
     from torchvision.datasets import ImageFolder
     samples = ImageFolder(str(tmp_path / "f" / "train")).samples
     loader = DataLoader(JpegFiles(samples, 0), batch_size=8, sampler=ResumableSampler(len(samples), rank=0,
-                        world_size=1, seed=0), collate_fn=collate_jpegs, num_workers=2)
+                        world_size=1, seed=0), collate_fn=collate_jpegs, num_workers=2, pin_memory=True)
     write_cifar10(tmp_path / "c", train=64, test=8)
     from hpc_ddp.data.datagen import SyntheticCIFAR10
     cifar = SyntheticCIFAR10(str(tmp_path / "c"), train=True)
     arrays = DataLoader(ArrayDecisions(cifar.targets, 0, 4, True), batch_size=8,
                         sampler=ResumableSampler(64, rank=0, world_size=1, seed=0), pin_memory=True)
     device = torch.device("cuda")
+    # Built first: ArrayBatches copies the whole array to the GPU once, at its start, which does wait
+    # (issue 40 saw that copy flagged); what must never wait is each batch.
+    paths = (DeviceBatches(loader, device, 56, (0.5,) * 3, (0.25,) * 3, channels_last=True),
+             ArrayBatches(arrays, cifar.data, device, 4, (0.5,) * 3, (0.25,) * 3))
+    torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for batches in (DeviceBatches(loader, device, 56, (0.5,) * 3, (0.25,) * 3, channels_last=True),
-                        ArrayBatches(arrays, cifar.data, device, 4, (0.5,) * 3, (0.25,) * 3)):
+        for batches in paths:
             for x, y in batches:
                 assert x.is_cuda and y.is_cuda and x.dtype == torch.float32
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_decoded_jpegs_never_overwrite_memory_the_ranks_stream_still_reads():
+    """Issue 40's cause on real CUDA: torchvision's batched nvjpeg decode allocates its outputs from the
+    caller's stream and writes them from its own, so memory freed on the rank's stream while kernels queued
+    there still read it could be handed to the decoder and overwritten (the trainer's loss was NaN at step 4).
+    Each round queues a long kernel, then a sum of each of N known tensors behind it, frees the tensors and
+    decodes through `DecodeStream`: every sum must be exact. (The plain decode's count of wrong sums is
+    written where HPC_DDP_GPU_CHECK_NOTES points, for make gpu-check's summary; it is not asserted.)"""
+    import io
+
+    from PIL import Image
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    from hpc_ddp.data.devicebatches import DecodeStream
+
+    device = torch.device("cuda")
+    size, count, rounds = 96, 16, 30
+    buffer = io.BytesIO()
+    Image.new("RGB", (size, size), (200, 30, 90)).save(buffer, "JPEG", quality=95)
+    data = [torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)] * count
+    expected = 7 * 3 * size * size
+
+    def wrong_sums(decode) -> int:
+        wrong = 0
+        for _ in range(rounds):
+            tensors = [torch.full((3, size, size), 7, dtype=torch.uint8, device=device) for _ in range(count)]
+            torch.cuda.synchronize()
+            torch.cuda._sleep(20_000_000)        # the previous step's kernels, still queued
+            sums = [t.sum(dtype=torch.int64) for t in tensors]
+            del tensors                          # freed on the rank's stream while the sums wait to read them
+            images = decode()
+            torch.cuda.synchronize()
+            wrong += sum(int(s) != expected for s in sums)
+            del images
+        return wrong
+
+    stream = DecodeStream(device)
+    ours = wrong_sums(lambda: stream.decode(lambda: decode_jpeg(data, mode=ImageReadMode.RGB, device=device)))
+    plain = wrong_sums(lambda: decode_jpeg(data, mode=ImageReadMode.RGB, device=device))
+    notes = os.environ.get("HPC_DDP_GPU_CHECK_NOTES")
+    if notes:
+        Path(notes).write_text(json.dumps({"decode_race_rounds": rounds, "decode_race_tensors": count,
+                                           "wrong_sums_decode_stream": ours, "wrong_sums_plain_decode": plain}))
+    assert ours == 0, f"{ours} of {rounds * count} sums were overwritten by the decode"
