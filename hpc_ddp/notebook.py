@@ -161,14 +161,14 @@ class SlurmCall:
     def state(self) -> str:
         """Slurm's state of the job (squeue, then sacct, then scontrol), '' when Slurm says nothing."""
         from hpc_ddp.common.procs import SubprocessCommands
-        from hpc_ddp.launch.status import scheduler_state
+        from hpc_ddp.slurm.jobstate import scheduler_state
 
         return str(scheduler_state(self.job_id, SubprocessCommands()).get("state") or "")
 
     def done(self) -> bool:
         """The job has ended, as Slurm says. A job Slurm says nothing of (a moment's failure of squeue and
         sacct, or a record long expired) counts as ended only after UNKNOWN_FOR_S seconds of silence."""
-        from hpc_ddp.launch.status import LIVE
+        from hpc_ddp.watch.status import LIVE
 
         state = self.state()
         if state:
@@ -212,8 +212,8 @@ def submit(fn: Callable, *args: Any, nodes: int = 1, tasks_per_node: int = 1, gp
 
     from hpc_ddp.launch.executors.base import Plan, Submission, record_submission, write_run_dir
     from hpc_ddp.launch.executors.submitit_exec import submitit_parameters
-    from hpc_ddp.launch.registry import record_run
     from hpc_ddp.launch.rundirs import new_run_dir
+    from hpc_ddp.watch.registry import record_run
 
     _check_callable(fn)
     spec = slurm_spec({"nodes": nodes, "tasks_per_node": tasks_per_node, "gpus": gpus, "partition": partition,

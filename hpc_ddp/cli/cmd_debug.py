@@ -1,5 +1,5 @@
-"""rerun: replay one attempt of a run here (the logic: `launch.rerun`); attach: the owner's way to a debug
-rank (`launch.debugattach`).
+"""rerun: replay one attempt of a run here (the logic: `debug.rerun`); attach: the owner's way to a debug
+rank (`debug.attach`).
 
 rerun's `--json` prints {"rerun": the plan as rerun.json records it, "executor", "job_id", "state", "returncode",
 "original_failure", "rerun_failure"}; a refusal is one line on stderr, exit 2, nothing written.
@@ -40,9 +40,9 @@ def rerun(run: str, attempt: int | None, job: str | None, executor: str, nodes: 
       hpc-ddp rerun 8123 --attempt 2 --nodes 1 --tasks-per-node 2
     """
     from hpc_ddp.common.machine import physical_gpus, usable_cpus
+    from hpc_ddp.debug.rerun import plan_rerun
     from hpc_ddp.launch.executors import visible_gpus
-    from hpc_ddp.launch.registry import resolve
-    from hpc_ddp.launch.rerun import plan_rerun
+    from hpc_ddp.watch.registry import resolve
 
     source = _source(resolve(run))
     plan = plan_rerun(source, attempt=attempt, job=job, any_outcome=any_outcome, nodes=nodes,
@@ -81,9 +81,9 @@ def _cuda_visible() -> str | None:
 def _run(plan, echo: bool) -> dict:
     """Make the new run dir, run the attempt through the local executor, and say how both ended."""
     from hpc_ddp.cli.options import warn
+    from hpc_ddp.debug.rerun import attempt_failure, make_rerun_dir
     from hpc_ddp.launch.executors.local import LocalExecutor
-    from hpc_ddp.launch.registry import record_run
-    from hpc_ddp.launch.rerun import attempt_failure, make_rerun_dir
+    from hpc_ddp.watch.registry import record_run
 
     make_rerun_dir(plan)
     executor = LocalExecutor(echo=echo)
@@ -122,9 +122,9 @@ def attach(job: str | None, port: int | None) -> None:
     """
     from hpc_ddp.common.errors import UserError
     from hpc_ddp.common.procs import SubprocessCommands
-    from hpc_ddp.launch.debugattach import serve
-    from hpc_ddp.launch.registry import resolve
-    from hpc_ddp.launch.status import run_status
+    from hpc_ddp.debug.attach import serve
+    from hpc_ddp.watch.registry import resolve
+    from hpc_ddp.watch.status import run_status
 
     run = resolve(job)
     _source(run)  # a sweep: one of its tasks, please

@@ -21,7 +21,7 @@ from hpc_ddp.common.procs import SubprocessCommands
 from hpc_ddp.common.rundir import is_sweep_dir
 from hpc_ddp.common.terminal import printable
 from hpc_ddp.launch.executors import executor_for_run
-from hpc_ddp.launch.registry import resolve
+from hpc_ddp.watch.registry import resolve
 
 
 @click.command()
@@ -35,8 +35,8 @@ def cancel(job: str, as_json: bool) -> None:
     commands = SubprocessCommands()
     executor = executor_for_run(run.executor, commands)
     if is_sweep_dir(run.run_dir):  # every task still queued or running
-        from hpc_ddp.launch.status import LIVE
         from hpc_ddp.launch.sweep import cancel_sweep, in_state
+        from hpc_ddp.watch.status import LIVE
 
         message = "\n".join(cancel_sweep(run.run_dir, executor, in_state(run.run_dir, executor, commands, LIVE)))
     else:

@@ -45,7 +45,7 @@ def submit(ctx: click.Context, **params) -> None:
       hpc-ddp submit --dry-run --nodes 2 --gpus 4 -m mypkg.train
       hpc-ddp submit --nodes 2 --gpus 4 --sweep lr=0.1,0.01 --sweep batch_size=32,64 job.toml
     """
-    from hpc_ddp.launch.registry import record_run
+    from hpc_ddp.watch.registry import record_run
 
     if params["shipped"] is None:
         from hpc_ddp.remote.site import site_for
@@ -131,9 +131,9 @@ def _sweep(params: dict, spec):
 
 def _submit_sweep(params: dict, spec, sweep) -> None:
     """Plan every task (each spec built and checked like a single job's), then one array or task by task."""
-    from hpc_ddp.launch.registry import record_run
     from hpc_ddp.launch.sweep import check_resubmission, plan_sweep, submit_sweep
     from hpc_ddp.spec.sweep import check_spec, describe, task_spec
+    from hpc_ddp.watch.registry import record_run
 
     check_spec(spec)
     executor, now, which = executor_for(spec)
@@ -148,7 +148,7 @@ def _submit_sweep(params: dict, spec, sweep) -> None:
     check_resubmission(plan, executor)  # --dry-run says what the submission would
     _devices(plan.tasks[0].plan.spec)
     if plan.script is not None:
-        from hpc_ddp.launch.preflight import read_slurm_config
+        from hpc_ddp.checks.preflight import read_slurm_config
         from hpc_ddp.launch.sweep import check_array_size
 
         check_array_size(len(plan.tasks), read_slurm_config(SubprocessCommands()))
@@ -206,7 +206,7 @@ def _plan_snapshot(spec, where: str, read: bool, shipped: str | None = None):
     """The snapshot of the spec's project that goes into `where`/code (None: nothing to pin). Writes nothing;
     `read`: hash the files now (a dry run shows the id), else they are read once, as they are copied.
     `shipped`: the manifest of a project a laptop shipped here (submit --ssh), which lists the files."""
-    from hpc_ddp.launch.snapshot import CODE_DIR, plan
+    from hpc_ddp.snapshot.snapshot import CODE_DIR, plan
 
     return plan(spec, str(Path(where) / CODE_DIR), read=read, shipped=_shipped(shipped) if shipped else None)
 
@@ -214,8 +214,8 @@ def _plan_snapshot(spec, where: str, read: bool, shipped: str | None = None):
 def _shipped(path: str):
     """The listing and hashes of the manifest at MIRROR/.hpc-ddp-mirror/shipped/ID.json."""
     from hpc_ddp.common.errors import UserError
-    from hpc_ddp.launch import shipped
     from hpc_ddp.remote.submit import MARK
+    from hpc_ddp.snapshot import shipped
 
     manifest = Path(os.path.realpath(path))
     if manifest.parent.name != "shipped" or manifest.parent.parent.name != MARK:
@@ -237,7 +237,7 @@ def _take_snapshot(snap, where: str, run_dirs: list[str]):
     `where` (the run dir, or a sweep's dir) is made as a run dir is: the user's alone; each of `run_dirs`
     gets the record of the snapshot."""
     from hpc_ddp.common.errors import HpcDdpError
-    from hpc_ddp.launch.snapshot import record, take
+    from hpc_ddp.snapshot.snapshot import record, take
     from hpc_ddp.spec.jobspec import load_spec
 
     previous = None
@@ -271,7 +271,7 @@ def _code_json(spec) -> dict | None:
 def _devices(spec) -> None:
     """The script's way of picking its GPU against the job's binding: a warning, or exit 2 where it
     cannot work (before the dry run too: it shows what would be submitted)."""
-    from hpc_ddp.launch.preflight import gate_devices
+    from hpc_ddp.checks.preflight import gate_devices
 
     gate_devices(spec, warn)
 
@@ -289,7 +289,7 @@ def _chains_need_support(spec, executor) -> None:
 
 
 def _preflight(plan) -> None:
-    from hpc_ddp.launch.preflight import Host, gate, job_paths, run_preflight
+    from hpc_ddp.checks.preflight import Host, gate, job_paths, run_preflight
 
     commands = SubprocessCommands()
     gate(run_preflight(plan.spec, commands, Host.current(), paths=job_paths(plan.spec, plan.run_dir)), warn)
@@ -308,8 +308,8 @@ def doctor(**params) -> None:
       hpc-ddp doctor
       hpc-ddp doctor --nodes 2 --gpus 4 --time 4:00:00 --partition gpu train.py
     """
+    from hpc_ddp.checks.preflight import NO_TARGET, Host, doctor_report
     from hpc_ddp.launch.executors import choose_executor, get_executor
-    from hpc_ddp.launch.preflight import NO_TARGET, Host, doctor_report
     from hpc_ddp.slurm.cluster import format_cluster
 
     spec, commands = build(params, default_target=NO_TARGET), SubprocessCommands()

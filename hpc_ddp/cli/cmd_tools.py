@@ -108,7 +108,7 @@ def _code_of(info: dict) -> str:
     """The snapshot that saved the checkpoint, described from its run dir's records where they are there."""
     from hpc_ddp.common.events import read_jsonl
     from hpc_ddp.common.rundir import RunDir
-    from hpc_ddp.launch.status import code_line, snapshots_of
+    from hpc_ddp.watch.status import code_line, snapshots_of
 
     if not info.get("code"):
         return "not recorded (saved without a code snapshot)"

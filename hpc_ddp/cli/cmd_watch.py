@@ -15,8 +15,8 @@ from hpc_ddp.common.errors import UserError
 from hpc_ddp.common.procs import SubprocessCommands
 from hpc_ddp.common.rundir import is_sweep_dir
 from hpc_ddp.common.terminal import printable
-from hpc_ddp.launch.registry import resolve
 from hpc_ddp.launch.rundirs import on_kernel_fs
+from hpc_ddp.watch.registry import resolve
 
 
 @click.command()
@@ -35,7 +35,7 @@ from hpc_ddp.launch.rundirs import on_kernel_fs
 def status(job: str | None, as_json: bool, watch: bool, interval: float, tunnel: bool) -> None:
     """State, restarts, last checkpoint, progress, ETA, where the time went and last event of JOB (a job
     id or a run dir); without JOB, the most recent run."""
-    from hpc_ddp.launch.status import LIVE, format_status, progress_line
+    from hpc_ddp.watch.status import LIVE, format_status, progress_line
 
     run = resolve(job)
     if is_sweep_dir(run.run_dir):
@@ -75,8 +75,9 @@ def _one_run(job: str | None):
 
 def _sweep_status(run, as_json: bool) -> None:
     from hpc_ddp.launch.executors import executor_for_run
-    from hpc_ddp.launch.status import array_states, run_status
     from hpc_ddp.launch.sweep import format_sweep, sweep_status
+    from hpc_ddp.slurm.jobstate import array_states
+    from hpc_ddp.watch.status import run_status
 
     commands = SubprocessCommands()
     # One question to Slurm for the whole array; a task the answer does not name is asked on its own.
@@ -90,7 +91,7 @@ def _sweep_status(run, as_json: bool) -> None:
 
 
 def _status(run) -> dict:
-    from hpc_ddp.launch.status import run_status
+    from hpc_ddp.watch.status import run_status
 
     return run_status(run.run_dir, run.job_id, run.executor, SubprocessCommands())
 
@@ -111,7 +112,7 @@ _FOLLOWED = ("RUNNING", "PENDING", "CONFIGURING", "COMPLETING")
 @over_ssh(how="follow")
 def logs(job: str | None, rank: int | None, follow: bool, as_json: bool, start: str | None) -> None:
     """Every rank's log across all attempts, each line prefixed by attempt and rank."""
-    from hpc_ddp.launch.status import new_log_entries
+    from hpc_ddp.watch.status import new_log_entries
 
     run = _one_run(job)
     offsets: dict[str, int] = _offsets(start) if start is not None else {}
@@ -156,8 +157,8 @@ def _log_record(line: str) -> dict:
 @click.option("-n", "limit", type=click.IntRange(min=1), default=20, show_default=True, help="How many recent runs.")
 def list_runs(as_json: bool, limit: int) -> None:
     """This user's recent runs, from any directory (newest last)."""
-    from hpc_ddp.launch.registry import runs
-    from hpc_ddp.launch.status import format_runs, with_accounting
+    from hpc_ddp.watch.registry import runs
+    from hpc_ddp.watch.status import format_runs, with_accounting
 
     records = with_accounting([r for r in runs() if isinstance(r, dict)][-limit:], SubprocessCommands())
     if any(r.get("host") for r in records):  # submitted from here over ssh: their clusters say their state
@@ -178,8 +179,8 @@ def list_runs(as_json: bool, limit: int) -> None:
 def timeline(job: str | None, output: str | None) -> None:
     """Draw where JOB's wall-clock time went (a job id or a run dir; without JOB, the most recent run):
     queue waits, each attempt on its nodes, checkpoints, stops, requeues, resumes, steps redone, samples/s."""
-    from hpc_ddp.launch.status import records, submitted_at
-    from hpc_ddp.launch.timeline import build_timeline, draw, save_png, summarize, summary_line
+    from hpc_ddp.watch.status import records, submitted_at
+    from hpc_ddp.watch.timeline import build_timeline, draw, save_png, summarize, summary_line
 
     run = _one_run(job)
     run_dir = run.run_dir
@@ -206,7 +207,7 @@ def timeline(job: str | None, output: str | None) -> None:
 def plot(run_dir: str, output: str | None) -> None:
     """Plot loss and accuracy over steps, with every stop and resume marked (RUN_DIR: a run dir, or the job id
     of a run submitted from here over ssh)."""
-    from hpc_ddp.launch.plot import plot_run
+    from hpc_ddp.watch.plot import plot_run
 
     if not os.path.isdir(run_dir):
         why = "does not exist" if not os.path.lexists(run_dir) else "is a file, not a run dir"

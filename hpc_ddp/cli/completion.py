@@ -75,7 +75,7 @@ def _read_tail(path: Path, limit: int) -> bytes:
 
 def recent_jobs(env: Mapping[str, str] = os.environ) -> list[tuple[str, str]]:
     """(job id, run dir) of this user's recent runs whose run dir still exists, newest first, each once."""
-    from hpc_ddp.launch.registry import registry_path
+    from hpc_ddp.watch.registry import registry_path
 
     seen: dict[str, str] = {}
     for line in reversed(_read_tail(registry_path(env), REGISTRY_TAIL).splitlines()):

@@ -1,6 +1,6 @@
 """Where this user's registry of runs lives and how a record is added to it: one JSON line per submission
 in $XDG_DATA_HOME/hpc-ddp/runs.jsonl (default ~/.local/share; HPC_DDP_REGISTRY overrides). The login
-node's commands read it (`launch.registry`); the requeue fallback on a compute node adds to it.
+node's commands read it (`watch.registry`); the requeue fallback on a compute node adds to it.
 """
 
 from __future__ import annotations

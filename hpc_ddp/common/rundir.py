@@ -14,7 +14,7 @@ requeue policy and the runner on compute nodes, the checkpointer in every traini
       logs/slurm-<job>.out      the batch shell's output
       logs/job-<job>/attempt-<n>/rank-<r>.log   every rank's output, per job and attempt
       checkpoints/step-<N>[-r<k>]/ and checkpoints/latest
-      code/<id>/                the snapshot of the project the ranks run (launch.snapshot), read-only
+      code/<id>/                the snapshot of the project the ranks run (snapshot.snapshot), read-only
       code/<id>.json            its manifest; code/<id>-<commit>.diff: its uncommitted changes
       environments/<hash>.txt   the ranks' installed packages, one list per environment seen (job.provenance)
       submitit/<job>/           submitit's own files

@@ -61,9 +61,9 @@ from hpc_ddp.common.exitcodes import REQUEUE_EXIT_CODE
 from hpc_ddp.common.rundir import LATEST, SCRIPT, RunDir, checkpoint_step
 from hpc_ddp.job.chain import chain_of, members, successor
 
-__all__ = ["Admission", "Attempt", "Limits", "admit", "attempts_from_events", "decide_begin", "decide_end",
-           "decide_successor", "latest_checkpoint_step", "outside_cause", "stopped_cause", "parse_show_job",
-           "resubmit"]
+__all__ = ["Admission", "Attempt", "Limits", "admit", "attempts_from_events", "current_job", "decide_begin",
+           "decide_end", "decide_successor", "latest_checkpoint_step", "outside_cause", "stopped_cause",
+           "parse_show_job", "resubmit"]
 
 NOT_ADMITTED_EXIT_CODE = 3
 # A later job of a chain whose run already completed: nothing to do, and not a failure (the batch script
@@ -94,7 +94,7 @@ class Attempt:
     finished: bool = False         # the trainer or a Session recorded the run's finish in this attempt
     warned: bool = False           # the time-limit warning reached a handler of the program's own
     gave_up: str | None = None     # the policy's reason for stopping the run after this attempt
-    code: str | None = None        # the id of the code snapshot it ran (launch.snapshot)
+    code: str | None = None        # the id of the code snapshot it ran (snapshot.snapshot)
     nodes: str | None = None       # the nodes it ran on (SLURM_JOB_NODELIST)
 
     @property
@@ -177,6 +177,17 @@ def _of_chain(events: Sequence[dict[str, Any]], chain: str | None) -> list[dict[
     starts = [i for i, e in enumerate(events)
               if e.get("event") == "attempt_start" and str(e.get("chain") or e.get("job_id")) == chain]
     return list(events[starts[0]:]) if starts else []
+
+
+def current_job(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The records of the newest job in the run dir (from its first attempt): a job submitted again to
+    resume is judged on its own, not on why the one before it stopped."""
+    starts = [e for e in events if e.get("event") == "attempt_start"]
+    if not starts:
+        return events
+    job = starts[-1].get("job_id")
+    first = next(i for i, e in enumerate(events) if e.get("event") == "attempt_start" and e.get("job_id") == job)
+    return events[first:]
 
 
 def _count(attempts: Sequence[Attempt], *causes: str) -> int:

@@ -13,7 +13,7 @@ The IDE reaches the relay only through what the owner alone can use:
   it is anything else), whose peer is checked by UID as well (SO_PEERCRED);
 - under the local executor, also a loopback TCP port (--debug-port, or the first free from 5678), whose
   peer is checked by UID as above: a connection from another user is closed unanswered;
-- from a login node, `hpc-ddp attach JOB` (launch.debugattach) serves a Unix socket of the same kind there
+- from a login node, `hpc-ddp attach JOB` (debug.attach) serves a Unix socket of the same kind there
   and bridges each connection to the node's socket through `srun --jobid J --overlap -w NODE`, which runs
   `python -m hpc_ddp.job.debugrelay bridge SOCKET` (`bridge`; srun authenticates the user); `ssh -L
   PORT:SOCKET LOGIN` forwards a laptop's port to that socket.

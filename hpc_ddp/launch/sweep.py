@@ -23,6 +23,7 @@ from hpc_ddp.common.errors import SpecError, UserError
 from hpc_ddp.common.events import read_jsonl
 from hpc_ddp.common.rundir import RunDir
 from hpc_ddp.launch.executors.base import Plan, Run, Submission
+from hpc_ddp.slurm.jobstate import array_states
 from hpc_ddp.spec.jobspec import JobSpec
 from hpc_ddp.spec.sweep import Sweep, describe
 
@@ -196,8 +197,6 @@ def task_runs(sweep_dir: Path) -> list[Run]:
 
 def in_state(sweep_dir: Path, executor, commands, states: Sequence[str]) -> Callable[[Run], bool]:
     """Whether a task's scheduler state is one of `states`; for an array, from one question to Slurm."""
-    from hpc_ddp.launch.status import array_states
-
     array = read_sweep(sweep_dir).get("array_job_id")
     if array and executor.queues:
         known = array_states(str(array), commands)
@@ -259,7 +258,7 @@ def best_metric(metrics: Sequence[Mapping[str, Any]], wanted: str | None) -> dic
 
 def sweep_status(sweep_dir: Path, task_status: Callable[[Path, str | None, str | None], dict[str, Any]]) -> dict[str, Any]:
     """The sweep as rows: task, values, state, step, best metric. `task_status(run_dir, job_id, executor)`
-    is `launch.status.run_status` (with the array's scheduler states asked for once)."""
+    is `watch.status.run_status` (with the array's scheduler states asked for once)."""
     sweep = read_sweep(sweep_dir)
     rows = []
     for task in sweep.get("tasks", []):

@@ -1,6 +1,6 @@
 """`submit --ssh HOST` (or a profile with ssh = "HOST"), from the laptop:
 
-1. list and hash the project here, as a snapshot would (launch.snapshot; the same rules and limits, the
+1. list and hash the project here, as a snapshot would (snapshot.snapshot; the same rules and limits, the
    job file's and profile's snapshot settings included);
 2. one ssh call asks the cluster for its hpc-ddp's version, rsync, the mirror folder's state (whose
    project it holds, whether a folder the files go into is a link or a file there), that it is writable,
@@ -38,10 +38,10 @@ from hpc_ddp import __version__
 from hpc_ddp.common.errors import HpcDdpError, UserError
 from hpc_ddp.common.registryfile import register
 from hpc_ddp.common.units import MB, human_bytes
-from hpc_ddp.launch import shipped, snapshot
-from hpc_ddp.launch.gitinfo import Git
 from hpc_ddp.remote.site import Site, command_words, profile_toml, remote_dir_for, shell_words
 from hpc_ddp.remote.ssh import SSH_FAILED, Ssh, classify
+from hpc_ddp.snapshot import shipped, snapshot
+from hpc_ddp.snapshot.gitinfo import Git
 from hpc_ddp.spec.code import DEFAULT_MAX_MB, parse_excludes
 from hpc_ddp.spec.config import resolve_target
 from hpc_ddp.spec.jobspec import JobSpec

@@ -1,7 +1,7 @@
 """Where the ranks' code comes from: `Code`, the snapshot of the user's project that submit took, and the
 checks on the snapshot settings (`snapshot`, `snapshot_exclude`, `snapshot_max_mb`).
 
-The launcher copies the project once, at submit (launch.snapshot); every attempt, requeue, chain job and
+The launcher copies the project once, at submit (snapshot.snapshot); every attempt, requeue, chain job and
 sweep task then runs that copy, whatever happens to the working tree meanwhile. The working directory stays
 the one submitted from, so relative data paths still work: only the code is pinned. Pure.
 """

@@ -9,7 +9,7 @@ the one running hpc-ddp; and the line that says which and why.
 
 A venv's `bin/python` is a symlink to the base interpreter, and only its path makes it the venv's:
 paths are never resolved here. Whether the chosen one works (exists, runs, imports hpc_ddp) is checked
-on the login node before anything queues: `launch.interpreter_check`.
+on the login node before anything queues: `checks.interpreter_check`.
 """
 
 from __future__ import annotations

@@ -498,7 +498,7 @@ def test_run_dir_commands_refuse_what_is_not_a_run_dir(project, command, ref, me
     (["train", "nan.toml"], "train: lr: nan is not a finite number"),
 ])
 def test_other_commands_bad_input(project, monkeypatch, args, message):
-    from hpc_ddp.launch.registry import register
+    from hpc_ddp.watch.registry import register
 
     register({"job_id": "gone", "executor": "sbatch", "run_dir": str(project / "gone-run"), "name": "x"})
     (project / "empty").mkdir()

@@ -13,7 +13,7 @@ import pytest
 
 from hpc_ddp.common.errors import UserError
 from hpc_ddp.common.events import read_jsonl
-from hpc_ddp.launch import status
+from hpc_ddp.watch import status
 
 
 def test_records_through_a_link_to_a_regular_file_are_read(tmp_path):

@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 
 from hpc_ddp.common.procs import ProcessIdentity, die_with_parent_preexec, read_pid_file, signal_process, write_pid_file
+from hpc_ddp.job.attempts import current_job
 from hpc_ddp.launch.executors.base import Run
 from hpc_ddp.launch.executors.local import LocalExecutor
-from hpc_ddp.launch.status import _overall_state, current_job
+from hpc_ddp.watch.status import _overall_state
 
 
 def _local_state(run_dir: Path) -> dict:

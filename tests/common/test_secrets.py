@@ -21,8 +21,8 @@ from hpc_ddp.launch.executors.base import Plan, write_run_dir
 from hpc_ddp.launch.executors.local import LocalExecutor
 from hpc_ddp.launch.executors.submitit_exec import SubmititExecutor
 from hpc_ddp.launch.render import render_sbatch
-from hpc_ddp.launch.status import new_log_lines, run_status
 from hpc_ddp.spec.jobspec import PROFILE_KEYS, JobSpec, Layer, Target, build_spec
+from hpc_ddp.watch.status import new_log_lines, run_status
 
 GH = "ghp_" + "Ab1" * 12                       # a GitHub token: caught by its name and its shape
 WANDB = "0123456789abcdef" * 2 + "fedcba98"    # 40 hex: caught by its name only
@@ -252,7 +252,7 @@ def test_a_local_run_leaks_no_secret(tmp_path, monkeypatch):
 
 
 def test_following_a_log_never_prints_half_a_token(tmp_path, monkeypatch):
-    from hpc_ddp.launch.status import new_log_lines
+    from hpc_ddp.watch.status import new_log_lines
 
     monkeypatch.setenv("HF_TOKEN", "hf_" + "q" * 34)
     log = tmp_path / "logs" / "job-7" / "attempt-0" / "rank-0.log"

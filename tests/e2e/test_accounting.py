@@ -98,7 +98,7 @@ def test_a_preempted_job_in_status_list_and_timeline(accounting_up, tmp_path):
     img = mpimg.imread(run_dir / "timeline.png")
     assert img.shape[0] > 400 and img[..., :3].std() > 0.05
     from hpc_ddp.common.events import read_jsonl
-    from hpc_ddp.launch.timeline import build_timeline
+    from hpc_ddp.watch.timeline import build_timeline
 
     tl = build_timeline(read_jsonl(run_dir / "events.jsonl"), read_jsonl(run_dir / "metrics.jsonl"))
     assert [s.nodes is not None for s in tl.spans] == [True, True]

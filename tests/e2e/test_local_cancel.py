@@ -300,8 +300,8 @@ def test_ctrl_c_between_two_attempts_starts_no_other(ws, monkeypatch):
     from hpc_ddp.common.procs import FakeCommands
     from hpc_ddp.job import attempts
     from hpc_ddp.launch.executors import local
-    from hpc_ddp.launch.status import run_status
     from hpc_ddp.spec.jobspec import Layer, Target, build_spec
+    from hpc_ddp.watch.status import run_status
 
     monkeypatch.chdir(ws)
     spec = build_spec([Layer("t", {"nodes": 1, "tasks_per_node": 2})], target=Target("script", str(ws / "job.py")),

@@ -19,8 +19,8 @@ import pytest
 
 from hpc_ddp.common.events import read_jsonl
 from hpc_ddp.data.datagen import write_mnist
-from hpc_ddp.launch import snapshot
-from hpc_ddp.launch.gitinfo import Git
+from hpc_ddp.snapshot import snapshot
+from hpc_ddp.snapshot.gitinfo import Git
 
 from .helpers import SLOW_MODEL, hpc_ddp, job_field, last_step, release_when_requeued, wait_until
 from .test_frameworks import _preempt_all, _wait_done

@@ -9,8 +9,8 @@ import pytest
 
 from hpc_ddp.common.errors import SpecError, UserError
 from hpc_ddp.job import debugger, debugrelay
-from hpc_ddp.launch.status import debugger_lines
 from hpc_ddp.spec.jobspec import JobSpec, Layer, Target, build_spec
+from hpc_ddp.watch.status import debugger_lines
 
 TARGET = Target("script", "/abs/train.py")
 

@@ -5,7 +5,7 @@ import json
 
 from hpc_ddp.common.events import read_jsonl
 from hpc_ddp.job import provenance
-from hpc_ddp.launch.status import environment_line
+from hpc_ddp.watch.status import environment_line
 
 BEFORE = ["numpy==2.1.0", "torch==2.14.0", "tqdm==4.66.0"]
 AFTER = ["numpy==2.1.0", "rich==13.0.0", "torch==2.14.1"]

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from hpc_ddp.checks.preflight import read_slurm_config, requeue_mode
 from hpc_ddp.common.errors import SubmitError, UserError
 from hpc_ddp.common.procs import Completed, FakeCommands
 from hpc_ddp.launch.executors.base import Plan, write_run_dir
 from hpc_ddp.launch.executors.sbatch import SbatchExecutor, dependency_problem, job_state
-from hpc_ddp.launch.preflight import read_slurm_config, requeue_mode
 from hpc_ddp.launch.render import render_sbatch
 from hpc_ddp.spec.jobspec import Layer, Target, build_spec
 

@@ -17,6 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 import hpc_ddp.launch.executors as executors
+from hpc_ddp.checks.preflight import check_fallback
 from hpc_ddp.cli import cli
 from hpc_ddp.common.machine import count_nvidia_gpus, physical_gpus
 from hpc_ddp.common.secrets import Scrubber
@@ -40,7 +41,6 @@ from hpc_ddp.launch.executors.local import (
     node_scratch,
     rank_envs,
 )
-from hpc_ddp.launch.preflight import check_fallback
 from hpc_ddp.launch.render import runner_command
 from hpc_ddp.spec.jobspec import Layer, Target, build_spec
 

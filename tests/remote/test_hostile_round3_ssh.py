@@ -18,11 +18,11 @@ import pytest
 
 from hpc_ddp.cli.app import cli
 from hpc_ddp.common.errors import HpcDdpError, UserError
-from hpc_ddp.launch import snapshot
-from hpc_ddp.launch.gitinfo import Git
 from hpc_ddp.remote import forward, ssh, submit
 from hpc_ddp.remote.argv import words_of
 from hpc_ddp.remote.site import Site, command_words, remote_dir_for, shell_words, site_for
+from hpc_ddp.snapshot import snapshot
+from hpc_ddp.snapshot.gitinfo import Git
 
 # ------------------------------------------------------------------------------------------------ hosts
 

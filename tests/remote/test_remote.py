@@ -15,14 +15,14 @@ import pytest
 
 from hpc_ddp.cli.app import cli
 from hpc_ddp.common.errors import UserError
-from hpc_ddp.launch import shipped, snapshot
-from hpc_ddp.launch.gitinfo import Git
-from hpc_ddp.launch.status import new_log_entries, new_log_lines
 from hpc_ddp.remote import forward, ssh
 from hpc_ddp.remote.argv import words_of
 from hpc_ddp.remote.site import command_words, profile_toml, remote_dir_for, shell_words, site_for
+from hpc_ddp.snapshot import shipped, snapshot
+from hpc_ddp.snapshot.gitinfo import Git
 from hpc_ddp.spec.config import profile_layer, tomllib
 from hpc_ddp.spec.jobspec import JobSpec, Target
+from hpc_ddp.watch.status import new_log_entries, new_log_lines
 
 
 @pytest.mark.parametrize("host", ["cluster", "ada@login.hpc.example.org", "login-01", "10.0.0.7", "[::1]"])

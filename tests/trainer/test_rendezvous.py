@@ -11,8 +11,8 @@ import torch.distributed as dist
 
 from hpc_ddp.job.distenv import DistEnv
 from hpc_ddp.job.ports import first_free_port, port_in_use
-from hpc_ddp.launch.classify import classify_failure
 from hpc_ddp.trainer import rendezvous
+from hpc_ddp.watch.classify import classify_failure
 
 
 def _env(rank: int, world: int, port: int, per_node: int = 1) -> DistEnv:

@@ -90,8 +90,8 @@ def test_stop_checkpoints_exits_75_and_resumes_bitwise(tmp_path, stop_at):
 
 
 def test_status_and_inspect_read_a_user_loop_run(tmp_path):
-    from hpc_ddp.launch.status import run_status
     from hpc_ddp.trainer.checkpoint import inspect_checkpoint
+    from hpc_ddp.watch.status import run_status
 
     train(tmp_path, log_every=1)
     info = inspect_checkpoint(tmp_path)

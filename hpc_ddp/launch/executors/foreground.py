@@ -130,7 +130,7 @@ def last_cause(run_dir: Path) -> str | None:
 
 def _cancel_pending(run: Run) -> bool:
     """`hpc-ddp cancel` already signalled this run of the job (since its latest first attempt)."""
-    from hpc_ddp.launch.status import current_job
+    from hpc_ddp.job.attempts import current_job
 
     return any(e.get("event") == "cancelled" and e.get("job_id") == run.job_id
                for e in current_job(read_jsonl(run.paths.events)))

@@ -1,5 +1,5 @@
 """How a job that Slurm runs is watched and managed, for the executors that hand jobs to Slurm (sbatch,
-submitit): squeue, then sacct, then scontrol to ask (`launch.status.scheduler_state`); scancel to act.
+submitit): squeue, then sacct, then scontrol to ask (`slurm.jobstate.scheduler_state`); scancel to act.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from hpc_ddp.common.errors import UserError
 from hpc_ddp.common.events import JsonLines
 from hpc_ddp.common.procs import CommandRunner
 from hpc_ddp.launch.executors.base import Run
+from hpc_ddp.slurm.jobstate import scheduler_state
 
 __all__ = ["SlurmControl", "still_queued"]
 
@@ -30,8 +31,6 @@ class SlurmControl:
     commands: CommandRunner
 
     def state(self, run: Run) -> dict[str, Any]:
-        from hpc_ddp.launch.status import scheduler_state
-
         if not run.job_id or not self.commands.which("squeue"):
             return {}
         return scheduler_state(run.job_id, self.commands)

@@ -2,7 +2,8 @@
 recorded (attempts, why each ended, checkpoints, progress, the failure's likely cause).
 
 Slurm's view comes from squeue, then sacct where accounting exists, then `scontrol show job`, each
-falling back cleanly to the next; the run dir's events.jsonl fills in the rest. Where the time went (one
+falling back cleanly to the next (`slurm.jobstate`, asked through the run's executor); the run dir's
+events.jsonl fills in the rest. Where the time went (one
 line) comes from `timeline`; the ETA (`estimate_eta`, pure) from metrics.jsonl, the time limit and the
 requeues still allowed.
 
@@ -26,112 +27,19 @@ from hpc_ddp.common import rundir, secrets
 from hpc_ddp.common.events import read_jsonl
 from hpc_ddp.common.procs import CommandRunner
 from hpc_ddp.common.rundir import RunDir
-from hpc_ddp.job.attempts import attempts_from_events, latest_checkpoint_step
-from hpc_ddp.launch.classify import classify_failure
+from hpc_ddp.job.attempts import attempts_from_events, current_job, latest_checkpoint_step
 from hpc_ddp.launch.executors.base import Run
+from hpc_ddp.slurm.jobstate import ENDED, accounting
 from hpc_ddp.spec.sweep import describe
+from hpc_ddp.watch.classify import classify_failure
 
-__all__ = ["run_status", "scheduler_state", "accounting", "parse_sacct", "SACCT_FIELDS", "log_files", "new_log_lines", "format_status", "Eta", "estimate_eta",
+__all__ = ["run_status", "log_files", "new_log_lines", "format_status", "Eta", "estimate_eta",
            "recent_step_seconds", "progress_line", "LIVE",
-           "current_job", "submitted_at", "records", "with_accounting", "format_runs"]
+           "submitted_at", "records", "with_accounting", "format_runs"]
 
-_ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "PREEMPTED", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
-          "DEADLINE")
 # A job in one of these may still train: `status --watch` and `logs --follow` keep going.
 LIVE = ("RUNNING", "PENDING", "CONFIGURING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING",
         "SUSPENDED", "STOPPED_BY_SLURM")
-
-
-SACCT_FIELDS = ("JobID", "State", "ExitCode", "Elapsed", "Start", "End", "NodeList", "Reason")
-
-
-def parse_sacct(text: str) -> dict[str, list[dict[str, str]]]:
-    """`sacct -n -X -P -o SACCT_FIELDS` output -> job id -> its records, oldest first (with -D, one per
-    run of a requeued job). "CANCELLED by 0" is CANCELLED; a line of another shape is skipped."""
-    jobs: dict[str, list[dict[str, str]]] = {}
-    for line in text.splitlines():
-        values = line.split("|")
-        if len(values) != len(SACCT_FIELDS):
-            continue
-        record = dict(zip((f.lower() for f in SACCT_FIELDS), values))
-        record["state"] = record["state"].split(" ")[0]
-        if record["state"] and "." not in record["jobid"]:  # -X leaves out steps; this guards the rest
-            jobs.setdefault(record.pop("jobid"), []).append(record)
-    return jobs
-
-
-def accounting(job_ids: list[str], commands: CommandRunner, *, history: bool = False) -> dict[str, list[dict[str, str]]]:
-    """What Slurm's accounting (sacct) holds for `job_ids`; {} without sacct or accounting. `history`:
-    every run of a requeued job (-D), not only the latest."""
-    if not job_ids or not commands.which("sacct"):
-        return {}
-    done = commands.run(["sacct", "-n", "-X", "-P", *(["-D"] if history else []), "-j", ",".join(job_ids),
-                         "-o", ",".join(SACCT_FIELDS)], timeout=20)
-    return parse_sacct(done.stdout) if done.returncode == 0 else {}
-
-
-def scheduler_state(job_id: str, commands: CommandRunner) -> dict[str, Any]:
-    """{'state', 'reason', 'source'} from squeue, else sacct, else scontrol; {} if Slurm knows nothing.
-    Where accounting exists, 'history' lists every run of the job (requeues included), from sacct."""
-    runs = accounting([job_id], commands, history=True).get(job_id, [])
-    queue = commands.run(["squeue", "-h", "-j", job_id, "-o", "%T|%r"], timeout=20)
-    if queue.returncode == 0 and queue.stdout.strip():
-        return _queued_state(queue.stdout.strip().splitlines()[0], runs)
-    if runs:
-        return _accounted_state(runs)
-    show = commands.run(["scontrol", "show", "job", job_id], timeout=20)
-    if show.returncode == 0:
-        state = re.search(r"JobState=(\S+)", show.stdout)
-        reason = re.search(r"Reason=(\S+)", show.stdout)
-        code = re.search(r"ExitCode=(\S+)", show.stdout)
-        if state:
-            return {"state": state.group(1), "reason": reason.group(1) if reason and reason.group(1) != "None" else None,
-                    "exit_code": code.group(1) if code else None, "source": "scontrol"}
-    return {}
-
-
-
-def array_states(array_id: str, commands: CommandRunner) -> dict[str, dict[str, Any]]:
-    """scheduler_state of every task of array `array_id` (keyed <array>_<task>), in one squeue and one
-    sacct call: a sweep of hundreds of tasks is one question to the controller, not hundreds."""
-    runs = accounting([array_id], commands, history=True)
-    states = {job: _accounted_state(records) for job, records in runs.items()}
-    queue = commands.run(["squeue", "-h", "-r", "-j", array_id, "-o", "%i|%T|%r"], timeout=20)
-    for line in queue.stdout.splitlines() if queue.returncode == 0 else ():
-        job, _, rest = line.strip().partition("|")
-        if job:
-            states[job] = _queued_state(rest, runs.get(job, []))
-    return states
-
-
-def _history(runs: list[dict[str, str]]) -> dict[str, Any]:
-    return {"history": [{k: r[k] for k in ("state", "elapsed", "exitcode", "start", "end", "nodelist")}
-                        for r in runs]} if runs else {}
-
-
-def _queued_state(line: str, runs: list[dict[str, str]]) -> dict[str, Any]:
-    """From squeue's "%T|%r"."""
-    state, _, reason = line.partition("|")
-    return {"state": state, "reason": None if reason in ("None", "") else reason, "source": "squeue", **_history(runs)}
-
-
-def _accounted_state(runs: list[dict[str, str]]) -> dict[str, Any]:
-    last = runs[-1]
-    return {"state": last["state"], "exit_code": last["exitcode"], "elapsed": last["elapsed"],
-            # A finished job's Reason is why it last waited (BeginTime after a requeue): not news.
-            "reason": None if last["reason"] in ("None", "") or last["state"] in _ENDED else last["reason"],
-            "source": "sacct", **_history(runs)}
-
-
-def current_job(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The records of the newest job in the run dir (from its first attempt): a job submitted again to
-    resume is judged on its own, not on why the one before it stopped."""
-    starts = [e for e in events if e.get("event") == "attempt_start"]
-    if not starts:
-        return events
-    job = starts[-1].get("job_id")
-    first = next(i for i, e in enumerate(events) if e.get("event") == "attempt_start" and e.get("job_id") == job)
-    return events[first:]
 
 
 def log_files(run_dir: Path, rank: int | None = None) -> list[tuple[int, int, Path]]:
@@ -365,7 +273,7 @@ def records(path: Path) -> list[dict[str, Any]]:
 def _time_accounting(run_dir: Path, events: list[dict[str, Any]], metrics: list[dict[str, Any]],
                      job_id: str | None, step: int | None, total: int | None) -> tuple[str | None, "Eta | None"]:
     """The timeline's one-line summary and the ETA of the job's current attempt."""
-    from hpc_ddp.launch.timeline import build_timeline, summarize, summary_line
+    from hpc_ddp.watch.timeline import build_timeline, summarize, summary_line
 
     timeline = build_timeline(events, metrics, submitted_at(run_dir))
     summary = summarize(timeline)
@@ -397,7 +305,7 @@ def _after(record: dict[str, Any], t: float) -> bool:
 
 def submitted_at(run_dir: Path) -> dict[str, float]:
     """job id -> when it was submitted: submissions.jsonl, else this user's registry of runs."""
-    from hpc_ddp.launch.registry import runs
+    from hpc_ddp.watch.registry import runs
 
     here = str(run_dir.resolve())
     found = {str(r.get("job_id")): r["time"] for r in runs() if isinstance(r, dict)
@@ -470,7 +378,7 @@ def recent_step_seconds(metrics: list[dict[str, Any]]) -> float | None:
 def eta_text(eta: dict[str, Any] | None, now: float) -> str | None:
     if not eta:
         return None
-    from hpc_ddp.launch.timeline import duration
+    from hpc_ddp.watch.timeline import duration
 
     more, left = eta["more_attempts"], eta["requeues_left"]
     if eta["seconds"] is None:
@@ -500,7 +408,7 @@ def progress_line(s: dict[str, Any], now: float) -> str:
 
 def _overall_state(sched: dict[str, Any], events: list[dict[str, Any]], gave_up: str | None) -> str:
     live = sched.get("state")
-    if live and live not in _ENDED:
+    if live and live not in ENDED:
         return live
     kinds = [e.get("event") for e in events]
     if any(e.get("event") == "gave_up" and e.get("cause") == "cancelled" for e in events) or (

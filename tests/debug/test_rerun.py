@@ -16,7 +16,7 @@ import pytest
 from hpc_ddp.cli.app import cli as app_cli
 from hpc_ddp.cli.cmd_debug import rerun
 from hpc_ddp.common.errors import UserError
-from hpc_ddp.launch import rerun as rr
+from hpc_ddp.debug import rerun as rr
 from hpc_ddp.spec.jobspec import Layer, Target, build_spec
 from hpc_ddp.spec.trainconfig import TrainConfig
 
@@ -264,7 +264,7 @@ def test_data_comes_from_the_source_else_the_jobs_node_local_copy_still_here(tmp
 def test_a_rerun_runs_the_code_snapshot_its_attempt_ran(tmp_path):
     import sys
 
-    from hpc_ddp.launch.rerun import AttemptRecord, attempt_code
+    from hpc_ddp.debug.rerun import AttemptRecord, attempt_code
     from hpc_ddp.spec.code import Code
     from hpc_ddp.spec.jobspec import Target, build_spec
 

@@ -1,4 +1,4 @@
-"""Hostile and unlucky trees for the code snapshot (launch.snapshot, launch.gitinfo, job/exitsite/hpc_ddp_code):
+"""Hostile and unlucky trees for the code snapshot (snapshot.snapshot, snapshot.gitinfo, job/exitsite/hpc_ddp_code):
 links out of the project, FIFOs and sockets, unreadable files, odd names, a .git that is a file, submodules
 and nested repos, a repo with no commits, huge trees, run dirs inside the project, the shell's GIT_* and the
 repo's own programs, files that change between plan and take, what someone else left where the copy goes,
@@ -27,8 +27,8 @@ from hpc_ddp.cli import cli
 from hpc_ddp.common.errors import UserError
 from hpc_ddp.job import runner
 from hpc_ddp.job.exitsite import hpc_ddp_code
-from hpc_ddp.launch import snapshot
-from hpc_ddp.launch.gitinfo import Git
+from hpc_ddp.snapshot import snapshot
+from hpc_ddp.snapshot.gitinfo import Git
 from hpc_ddp.spec.code import parse_excludes
 from hpc_ddp.spec.jobspec import Layer, Target, build_spec
 
@@ -240,8 +240,8 @@ _AS_NOBODY = r"""
 import json, os, sys
 from pathlib import Path
 from hpc_ddp.common.errors import UserError
-from hpc_ddp.launch import snapshot
-from hpc_ddp.launch.gitinfo import Git
+from hpc_ddp.snapshot import snapshot
+from hpc_ddp.snapshot.gitinfo import Git
 from hpc_ddp.spec.jobspec import Target, build_spec
 top = Path(sys.argv[1])
 out = {}

@@ -1,4 +1,4 @@
-"""`hpc-ddp attach` (launch.debugattach): the bridge it runs to reach a debug rank, what it says, and that it
+"""`hpc-ddp attach` (debug.attach): the bridge it runs to reach a debug rank, what it says, and that it
 joins a debugger's connection to the rank's relay and ends once the rank no longer waits."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import threading
 import time
 import uuid
 
+from hpc_ddp.debug import attach
 from hpc_ddp.job import debugrelay
-from hpc_ddp.launch import debugattach
 
 CLUSTER = {"job_id": "55", "rank": 3, "node": "hpcn1", "slurm_job_id": "55", "python": "/venv/bin/python",
            "socket": "/tmp/hpc-ddp-1000/rank-55-3.sock", "login_socket": "/tmp/hpc-ddp-1000/attach-55-3.sock",
@@ -19,16 +19,16 @@ CLUSTER = {"job_id": "55", "rank": 3, "node": "hpcn1", "slurm_job_id": "55", "py
 
 
 def test_a_cluster_rank_is_reached_through_srun_into_its_job_and_a_local_one_directly():
-    assert debugattach.bridge_command(CLUSTER) == [
+    assert attach.bridge_command(CLUSTER) == [
         "srun", "--jobid", "55", "--overlap", "-w", "hpcn1", "-N1", "-n1", "--quiet",
         "/venv/bin/python", "-m", "hpc_ddp.job.debugrelay", "bridge", "/tmp/hpc-ddp-1000/rank-55-3.sock"]
     local = {**CLUSTER, "loopback": True, "login_socket": None}
-    assert debugattach.bridge_command(local)[0] == "/venv/bin/python"
-    assert debugattach.socket_path(local) == debugrelay.login_socket_path("55", 3)
+    assert attach.bridge_command(local)[0] == "/venv/bin/python"
+    assert attach.socket_path(local) == debugrelay.login_socket_path("55", 3)
 
 
 def test_it_says_the_laptop_command_and_the_local_port():
-    lines = debugattach.intro_lines(CLUSTER, CLUSTER["login_socket"], 5690, "login1")
+    lines = attach.intro_lines(CLUSTER, CLUSTER["login_socket"], 5690, "login1")
     assert lines[1] == ("hpc-ddp: from your laptop: ssh -N -L 5678:/tmp/hpc-ddp-1000/attach-55-3.sock login1  then "
                         "attach VS Code or PyCharm to localhost:5678")
     assert lines[2] == "hpc-ddp: on this machine: attach VS Code or PyCharm to localhost:5690"
@@ -50,7 +50,7 @@ def test_a_session_is_joined_to_the_rank_and_attach_ends_when_the_rank_no_longer
     threading.Thread(target=echo, daemon=True).start()
     waits = {"now": True}
     said: list[str] = []
-    server = threading.Thread(target=debugattach.serve, kwargs={
+    server = threading.Thread(target=attach.serve, kwargs={
         "event": event, "port": None, "current": lambda: event if waits["now"] else None, "say": said.append,
         "poll_s": 0.2}, daemon=True)
     server.start()

@@ -8,9 +8,9 @@ import sys
 import pytest
 from click.testing import CliRunner
 
+from hpc_ddp.checks.preflight import Host, check, job_paths, parse_mounts, run_preflight, sbatch_test_only
 from hpc_ddp.cli import cli
 from hpc_ddp.common.procs import Completed, FakeCommands
-from hpc_ddp.launch.preflight import Host, check, job_paths, parse_mounts, run_preflight, sbatch_test_only
 from hpc_ddp.slurm.cluster import Cluster, Node, Partition, gres_gpus, mem_mb, parse_sinfo
 from hpc_ddp.spec.jobspec import Layer, Target, build_spec
 

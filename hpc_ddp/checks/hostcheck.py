@@ -22,7 +22,7 @@ import ipaddress
 import socket
 from collections.abc import Callable, Mapping, Sequence
 
-from hpc_ddp.launch.preflight import Finding
+from hpc_ddp.checks.finding import Finding
 from hpc_ddp.slurm.cluster import Cluster
 from hpc_ddp.spec.jobspec import JobSpec
 

@@ -1,6 +1,6 @@
 """`hpc-ddp plot RUN_DIR`: training loss and eval accuracy over steps from metrics.jsonl, with the
 stops and resumes from events.jsonl marked, as one PNG. (Where the wall-clock time went is
-`hpc_ddp.launch.timeline`.)"""
+`hpc_ddp.watch.timeline`.)"""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ __all__ = ["plot_run", "figure"]
 
 def plot_run(run_dir: Path, output: Path | None = None) -> Path:
 
-    from hpc_ddp.launch.timeline import save_png
+    from hpc_ddp.watch.timeline import save_png
 
     return save_png(figure(run_dir), output or RunDir(run_dir).picture("training"))
 
@@ -26,7 +26,7 @@ def figure(run_dir: Path):
     matplotlib.use("Agg")  # no display on compute or login nodes
     import matplotlib.pyplot as plt
 
-    from hpc_ddp.launch.status import records
+    from hpc_ddp.watch.status import records
 
     metrics = records(RunDir(run_dir).metrics)
     events = records(RunDir(run_dir).events)

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from hpc_ddp.common.errors import HpcDdpError, UserError
-from hpc_ddp.launch import gitinfo, shipped, snapshot
-from hpc_ddp.launch.gitinfo import Git
+from hpc_ddp.snapshot import gitinfo, shipped, snapshot
+from hpc_ddp.snapshot.gitinfo import Git
 from hpc_ddp.spec.jobspec import Layer, Target, build_spec
 
 GIT = ["git", "-c", "user.email=t@t", "-c", "user.name=t", "-c", "init.defaultBranch=main",

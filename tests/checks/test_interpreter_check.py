@@ -12,9 +12,9 @@ import pytest
 from click.testing import CliRunner
 
 from hpc_ddp import __version__
+from hpc_ddp.checks.interpreter_check import Probe, probe, python_findings
+from hpc_ddp.checks.preflight import Host, run_preflight
 from hpc_ddp.cli import cli
-from hpc_ddp.launch.interpreter_check import Probe, probe, python_findings
-from hpc_ddp.launch.preflight import Host, run_preflight
 from hpc_ddp.spec.interpreter import NAMED
 from hpc_ddp.spec.jobspec import Layer, Target, build_spec
 

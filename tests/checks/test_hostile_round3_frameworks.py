@@ -1,4 +1,4 @@
-"""Hardening round 3 (issue 30), framework detection (launch/frameworks.py, read by launch/preflight.py through
+"""Hardening round 3 (issue 30), framework detection (checks/frameworks.py, read by checks/preflight.py through
 job/devicescan.source_of): what it says of scripts that are odd, huge, binary, not UTF-8, not files, links,
 syntax errors, imports hidden in strings and comments, -m targets and packages whose code must never run.
 Each row: the note it must give (or none), in bounded time, with nothing imported or executed."""
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from hpc_ddp.launch.frameworks import framework_notes
-from hpc_ddp.launch.preflight import device_findings
+from hpc_ddp.checks.frameworks import framework_notes
+from hpc_ddp.checks.preflight import device_findings
 from hpc_ddp.spec.jobspec import Layer, Target, build_spec
 
 LIGHTNING_OK = "import lightning as L\ntrainer = L.Trainer()\ntrainer.fit(model, ckpt_path='last')\n"

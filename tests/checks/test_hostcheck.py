@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from hpc_ddp.launch.hostcheck import MAX_NODES_RESOLVED, is_local_address, master_addr_check, master_addr_finding
+from hpc_ddp.checks.hostcheck import MAX_NODES_RESOLVED, is_local_address, master_addr_check, master_addr_finding
 from hpc_ddp.slurm.cluster import Cluster, Node, Partition
 from hpc_ddp.spec.jobspec import Layer, Target, build_spec
 

@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from hpc_ddp import __version__
+from hpc_ddp.checks.finding import Finding
 from hpc_ddp.common import verbosity
 from hpc_ddp.spec.interpreter import NAMED, choose
 
@@ -64,10 +65,8 @@ def container_python_ok(spec: Any) -> bool:
 
 def python_findings(spec: Any, environ: Mapping[str, str] | None = None, executable: str | None = None,
                     run_probe: Callable[..., Probe] = probe) -> Sequence[Any]:
-    """Preflight findings (`preflight.Finding`) about `spec.python`: one, an error when the ranks could
+    """Preflight findings (`finding.Finding`) about `spec.python`: one, an error when the ranks could
     not start."""
-    from hpc_ddp.launch.preflight import Finding
-
     environ = os.environ if environ is None else environ
     who = _who(spec.python, environ, sys.executable if executable is None else executable)
     if container_python_ok(spec):
@@ -99,8 +98,6 @@ def _unusable(python: str, workdir: str, environ: Mapping[str, str]) -> str | No
 
 
 def _judge(result: Probe, python: str, who: str) -> Any:
-    from hpc_ddp.launch.preflight import Finding
-
     fix = f"install hpc-ddp into that environment ({shlex.quote(python)} -m pip install hpc-ddp), or give --python"
     if result.timed_out:
         return Finding("warning", f"python {python} ({who}) {result.problem} to `import hpc_ddp`: not checked",

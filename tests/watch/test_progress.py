@@ -9,7 +9,7 @@ from click.testing import CliRunner
 from test_timeline import T0, preempted_run
 
 from hpc_ddp.cli import cli
-from hpc_ddp.launch.status import estimate_eta, eta_text, recent_step_seconds
+from hpc_ddp.watch.status import estimate_eta, eta_text, recent_step_seconds
 
 NOW = T0 + 1000
 
@@ -162,12 +162,12 @@ def test_timeline_bad_input_is_one_line_exit_2(run, tmp_path, monkeypatch, setup
 
 def test_timeline_that_cannot_be_written_is_one_line(run, monkeypatch):
     """The run dir passed the checks but the write fails (read-only mount, quota): one line, exit 2."""
-    import hpc_ddp.launch.timeline
+    import hpc_ddp.watch.timeline
 
     def refuse(fig, path):
         raise PermissionError(13, "Permission denied", str(path))
 
-    monkeypatch.setattr(hpc_ddp.launch.timeline, "save_png", refuse)
+    monkeypatch.setattr(hpc_ddp.watch.timeline, "save_png", refuse)
     result = invoke("timeline", str(run))
     assert result.exit_code == 2 and result.output.strip().splitlines() == [
         f"hpc-ddp: error: cannot write {str(run / 'timeline.png')!r}: Permission denied"]
@@ -183,7 +183,7 @@ SACCT = ("7|PREEMPTED|0:15|00:02:00|2027-01-15T08:01:00|2027-01-15T08:03:00|hpcn
 
 
 def test_parse_sacct_keeps_every_run_of_a_requeued_job():
-    from hpc_ddp.launch.status import parse_sacct
+    from hpc_ddp.slurm.jobstate import parse_sacct
 
     jobs = parse_sacct(SACCT)
     assert set(jobs) == {"7", "8"}
@@ -193,7 +193,7 @@ def test_parse_sacct_keeps_every_run_of_a_requeued_job():
 
 def test_status_takes_state_elapsed_exit_and_requeues_from_sacct(run):
     from hpc_ddp.common.procs import Completed, FakeCommands
-    from hpc_ddp.launch.status import format_status, run_status
+    from hpc_ddp.watch.status import format_status, run_status
 
     fake = FakeCommands({"squeue": lambda a: Completed(tuple(a), 0, "", ""),
                          "sacct": lambda a: Completed(tuple(a), 0, "\n".join(SACCT.splitlines()[:2]) + "\n", "")},
@@ -250,7 +250,7 @@ def test_eta_of_an_attempt_still_restarting_counts_the_rest_of_its_start_up():
 
 def test_status_names_the_job_of_each_attempt_when_a_run_spans_several_jobs():
     """Slurm numbers attempts per job: after a chain's second job starts, `attempt 0` alone would be ambiguous."""
-    from hpc_ddp.launch.status import format_status
+    from hpc_ddp.watch.status import format_status
 
     base = {"scheduler": None, "job_id": "12", "executor": "sbatch", "state": "COMPLETED", "run_dir": "/r",
             "step": None, "last_checkpoint_step": 40, "restarts": 2, "resumes": [], "gave_up": None,

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from hpc_ddp.launch.timeline import build_timeline, draw, duration, save_png, summarize, summary_line
+from hpc_ddp.watch.timeline import build_timeline, draw, duration, save_png, summarize, summary_line
 
 T0 = 1_800_000_000.0
 
@@ -130,7 +130,7 @@ def test_png_has_bands_labels_and_markers(tmp_path):
 
 def test_plot_shows_a_resume_at_the_same_step_as_its_stop(tmp_path):
     """The step plot draws stops in the upper half and resumes in the lower: one never hides the other."""
-    from hpc_ddp.launch import plot
+    from hpc_ddp.watch import plot
 
     events, metrics = preempted_run()
     events.append({"time": T0 + 400, "event": "signal", "cause": "preempted", "step": 150})
@@ -151,7 +151,7 @@ def test_plot_shows_a_resume_at_the_same_step_as_its_stop(tmp_path):
 def test_plot_draws_one_loss_line_per_stretch_of_steps(tmp_path):
     """A resume from step 80 after the run reached 100: the redone steps are a second line, not a line
     drawn back from 100 to 90 over them."""
-    from hpc_ddp.launch import plot
+    from hpc_ddp.watch import plot
 
     events, metrics = preempted_run()
     (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))

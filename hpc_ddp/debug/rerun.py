@@ -71,7 +71,7 @@ class AttemptRecord:
     start_step: int | None          # the newest checkpoint when it began
     resumed_from: str | None        # the checkpoint it loaded (a name in checkpoints/), from its resume record
     nodes: str | None               # Slurm's node list of the job
-    code: str | None = None         # the code snapshot it ran (launch.snapshot)
+    code: str | None = None         # the code snapshot it ran (snapshot.snapshot)
 
     @property
     def label(self) -> str:
@@ -446,8 +446,8 @@ def make_rerun_dir(plan: RerunPlan) -> None:
 
 def attempt_failure(run_dir: Path, job_id: str, attempt: int) -> str | None:
     """The exception an attempt's lowest rank with a traceback ended with, or else the failure
-    `launch.classify` finds in its logs ('kind: line'), or None."""
-    from hpc_ddp.launch.classify import classify_failure
+    `watch.classify` finds in its logs ('kind: line'), or None."""
+    from hpc_ddp.watch.classify import classify_failure
 
     texts = [p.read_text(errors="replace")[-200_000:] for p in _rank_logs(run_dir, job_id, attempt)]
     line = next((found for found in map(exception_line, texts) if found), None)

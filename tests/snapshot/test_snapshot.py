@@ -1,4 +1,4 @@
-"""The code snapshot submit takes (launch.snapshot): which files, what is left out and linked, the limits,
+"""The code snapshot submit takes (snapshot.snapshot): which files, what is left out and linked, the limits,
 the content id, the copy, and what changed since an earlier snapshot. Real git, real files; no Slurm."""
 
 import dataclasses
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from hpc_ddp.common.errors import UserError
-from hpc_ddp.launch import snapshot
-from hpc_ddp.launch.gitinfo import Git
+from hpc_ddp.snapshot import snapshot
+from hpc_ddp.snapshot.gitinfo import Git
 from hpc_ddp.spec.code import Code, parse_excludes, pinned
 from hpc_ddp.spec.jobspec import Layer, Target, build_spec
 
@@ -246,8 +246,8 @@ def test_the_spec_keeps_the_code_through_its_json(repo, tmp_path):
 
 def test_the_readme_shows_what_submit_and_status_print(tmp_path):
     """docs/snapshots.md's sample lines are what the code prints for the same snapshot and records."""
-    from hpc_ddp.launch.gitinfo import GitState
-    from hpc_ddp.launch.status import code_line, environment_line, snapshots_of
+    from hpc_ddp.snapshot.gitinfo import GitState
+    from hpc_ddp.watch.status import code_line, environment_line, snapshots_of
 
     readme = (Path(__file__).resolve().parents[2] / "docs" / "snapshots.md").read_text()
     commit, later = "7f70d79121f2" + "0" * 28, "f2e14cbdd826" + "0" * 28

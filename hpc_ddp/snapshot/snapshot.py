@@ -46,7 +46,7 @@ from hpc_ddp.common.durable import NotRegularFile, TooLarge, read_regular
 from hpc_ddp.common.errors import HpcDdpError, UserError
 from hpc_ddp.common.rundir import CHECKPOINTS, CODE, EVENTS, SCRIPT, SPEC, SUBMISSIONS, SWEEP
 from hpc_ddp.common.units import MB, human_bytes
-from hpc_ddp.launch.gitinfo import MAX_LISTED, Git, GitError, GitState
+from hpc_ddp.snapshot.gitinfo import MAX_LISTED, Git, GitError, GitState
 from hpc_ddp.spec.code import Code
 from hpc_ddp.spec.jobspec import JobSpec
 
@@ -114,7 +114,7 @@ class Snapshot:
     code_root: str                   # RUN_DIR/code (a sweep's: SWEEP_DIR/code)
     script: str | None               # the script, relative to the project
     max_bytes: int | None = None     # the limit the copy is held to too (a file may grow after the plan)
-    expected: dict[str, str] | None = None  # a shipped snapshot: the hash each file must have (launch.shipped)
+    expected: dict[str, str] | None = None  # a shipped snapshot: the hash each file must have (snapshot.shipped)
 
     @property
     def dir(self) -> str:
@@ -599,7 +599,7 @@ def plan(spec: JobSpec, code_root: str, git: Git | None = None, *, read: bool = 
     """The snapshot submit will take of the spec's project (None: nothing to pin, or snapshot = false).
     Writes nothing. With `read` every file is read and hashed, so the id is known (--dry-run shows it);
     without, only names and sizes are (a submit reads each file once, as it copies it). `shipped`: the
-    listing and hashes of a project shipped from a laptop (launch.shipped), used instead of listing it."""
+    listing and hashes of a project shipped from a laptop (snapshot.shipped), used instead of listing it."""
     if not spec.snapshot:
         return None
     expected = None
@@ -634,7 +634,7 @@ def plan(spec: JobSpec, code_root: str, git: Git | None = None, *, read: bool = 
 
 
 def hashed(listing: Listing, max_bytes: int | None) -> tuple[str, dict[str, str]]:
-    """(id, each file's sha256) of a listing, every file read once (what a laptop ships: launch.shipped)."""
+    """(id, each file's sha256) of a listing, every file read once (what a laptop ships: snapshot.shipped)."""
     hashes = {item.rel: hashlib.sha256(data).hexdigest()
               for item, data in _each_file(listing.project, listing.files, _Budget(max_bytes))}
     return _content_id(listing, hashes), hashes

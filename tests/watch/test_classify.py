@@ -1,6 +1,6 @@
 """Failure classification, pure: log text -> (kind, the line that shows it)."""
 
-from hpc_ddp.launch.classify import classify_failure
+from hpc_ddp.watch.classify import classify_failure
 
 
 def test_a_plain_traceback_names_the_exception_line():

@@ -29,13 +29,14 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from hpc_ddp.checks.finding import Finding
+from hpc_ddp.checks.frameworks import framework_notes
 from hpc_ddp.common.errors import HpcDdpError, UserError
 from hpc_ddp.common.procs import CommandRunner, slurm_unreachable
 from hpc_ddp.common.rundir import SCRIPT
 from hpc_ddp.job import devicescan
 from hpc_ddp.job.devicescan import exposure_of, judge, scan
 from hpc_ddp.launch.executors import LOAD_SLURM, Machine, fallback_problem, site_note
-from hpc_ddp.launch.frameworks import framework_notes
 from hpc_ddp.slurm.cluster import Cluster, Node, Partition, Unavailable, limit_text, mem_mb, one_line, read_cluster
 from hpc_ddp.slurm.slurmtime import format_time
 from hpc_ddp.spec.jobspec import JobSpec, Target
@@ -66,23 +67,13 @@ class Host:
 
     @classmethod
     def current(cls) -> Host:
-        from hpc_ddp.launch.interpreter_check import probe
+        from hpc_ddp.checks.interpreter_check import probe
 
         try:
             mounts = parse_mounts(Path("/proc/mounts").read_text())
         except OSError:  # not Linux: no filesystem types, the path checks still run
             mounts = ()
         return cls(dict(os.environ), mounts, probe)
-
-
-@dataclasses.dataclass(frozen=True)
-class Finding:
-    level: str  # "error" (cannot run as asked) | "warning" (may not do what you mean) | "ok"
-    message: str
-    hint: str | None = None
-
-    def line(self) -> str:
-        return f"{self.level}: {self.message}" + (f" HINT: {self.hint}" if self.hint else "")
 
 
 def _error(message: str, hint: str | None = None) -> Finding:
@@ -446,7 +437,7 @@ def run_preflight(spec: JobSpec, commands: CommandRunner, host: Host, *, paths: 
                              "checks skipped", hint="check that `sinfo` works in this shell (SLURM_CONF?)")]
     findings += check(spec, cluster, host, paths) + _missing_datasets(spec) + _container_findings(spec, commands)
     if host.probe_python is not None:
-        from hpc_ddp.launch.interpreter_check import python_findings
+        from hpc_ddp.checks.interpreter_check import python_findings
 
         findings += python_findings(spec, host.environ, run_probe=host.probe_python)
     if test_script is not None and cluster is not None and not any(f.level == "error" for f in findings):
@@ -485,8 +476,8 @@ def doctor_report(spec: JobSpec, queues: bool, commands: CommandRunner, host: Ho
     extra = [requeue_mode(read_slurm_config(commands), commands.which("scontrol"))] \
         if spec.executor in (None, "sbatch") else []
     extra += [dependency_finding(spec.after, commands)] if spec.after else []
-    if report.cluster is not None:  # a multi-node job's MASTER_ADDR must not be loopback (launch.hostcheck)
-        from hpc_ddp.launch.hostcheck import master_addr_check
+    if report.cluster is not None:  # a multi-node job's MASTER_ADDR must not be loopback (checks.hostcheck)
+        from hpc_ddp.checks.hostcheck import master_addr_check
 
         extra += [f for f in [master_addr_check(spec, report.cluster)] if f is not None]
     return Report(report.cluster, report.findings + tuple(extra + device_findings(spec)))
@@ -497,7 +488,7 @@ def doctor_report(spec: JobSpec, queues: bool, commands: CommandRunner, host: Ho
 def device_findings(spec: JobSpec) -> list[Finding]:
     """The script read as text (nothing imported): its way of picking its GPU against the binding its ranks
     will get (job/devicescan.py), errors where it cannot give each rank its own GPU and warnings where it may
-    not; and what a framework's script needs to resume after a preemption (launch/frameworks.py)."""
+    not; and what a framework's script needs to resume after a preemption (checks/frameworks.py)."""
     found = devicescan.source_of(spec.target.kind, spec.target.value, spec.workdir)
     if found is None:
         return []

@@ -1,0 +1,2 @@
+"""Watching runs (login node): status and logs, the registry of this user's runs, where the time went
+(timeline), plots, and why a run failed."""
