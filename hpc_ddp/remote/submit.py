@@ -1,6 +1,6 @@
 """`submit --ssh HOST` (or a profile with ssh = "HOST"), from the laptop:
 
-1. list and hash the project here, as a snapshot would (snapshot.snapshot; the same rules and limits, the
+1. list and hash the project here, as a snapshot would (snapshot.listing; the same rules and limits, the
    job file's and profile's snapshot settings included);
 2. one ssh call asks the cluster for its hpc-ddp's version, rsync, the mirror folder's state (whose
    project it holds, whether a folder the files go into is a link or a file there), that it is writable,
@@ -42,6 +42,7 @@ from hpc_ddp.remote.site import Site, command_words, profile_toml, remote_dir_fo
 from hpc_ddp.remote.ssh import SSH_FAILED, Ssh, classify
 from hpc_ddp.snapshot import shipped, snapshot
 from hpc_ddp.snapshot.gitinfo import Git
+from hpc_ddp.snapshot.listing import Listing, check_limits, list_project, parents, project_root
 from hpc_ddp.spec.code import DEFAULT_MAX_MB, parse_excludes
 from hpc_ddp.spec.config import resolve_target
 from hpc_ddp.spec.jobspec import JobSpec
@@ -100,7 +101,7 @@ def _project(params: dict[str, Any], cwd: Path) -> tuple[Path, str | None]:
     module = params.get("module")
     target = resolve_target(None if module else (argv[0] if argv else None), module, tuple(argv[1:]), cwd)
     spec = JobSpec(target, job_name="ship", workdir=str(cwd), python=sys.executable)
-    found = snapshot.project_root(spec, Git())
+    found = project_root(spec, Git())
     if found is None:  # -m of a module not in this folder
         raise UserError(f"-m {module}: the module is not in this folder, so there is no project to ship",
                         hint="run the command in the project's folder (where the module's package is)")
@@ -135,9 +136,9 @@ def _snapshot_settings(params: dict[str, Any], site: Site, job: dict[str, Any]) 
     return excludes, max_mb
 
 
-def _list(project: Path, excludes: list[str], max_mb: int) -> tuple[snapshot.Listing, str, dict[str, str]]:
-    listing = snapshot.list_project(project, excludes, Git(), max_bytes=max_mb * MB)
-    snapshot.check_limits(listing, max_mb)
+def _list(project: Path, excludes: list[str], max_mb: int) -> tuple[Listing, str, dict[str, str]]:
+    listing = list_project(project, excludes, Git(), max_bytes=max_mb * MB)
+    check_limits(listing, max_mb)
     snapshot_id, hashes = snapshot.hashed(listing, max_mb * MB)
     return listing, snapshot_id, hashes
 
@@ -262,11 +263,11 @@ def _encoded(text: str) -> str:
     return "".join(f"\\0{b:03o}" for b in text.encode(errors="surrogateescape"))
 
 
-def _hello(ssh: Ssh, site: Site, remote: str, listing: snapshot.Listing, origin: str) -> dict[str, str]:
+def _hello(ssh: Ssh, site: Site, remote: str, listing: Listing, origin: str) -> dict[str, str]:
     """One call: the cluster's hpc-ddp version, rsync, the mirror's folder (absolute), its state and the
     project it holds, the first folder to ship into that is a link or a file there, write access, free KB."""
     folders = sorted({p for item in listing.items if item.kind != "live"
-                      for p in snapshot.parents(item.rel.rpartition("/")[0]) if p})
+                      for p in parents(item.rel.rpartition("/")[0]) if p})
     encoded = {_encoded(f): f for f in folders}
     end = f"HPC_DDP_{secrets.token_hex(8)}"
     script = f"""
@@ -361,7 +362,7 @@ def _local_rsync() -> str | None:
     return done.stdout.splitlines()[0] if done.returncode == 0 and done.stdout else None
 
 
-def _ship(ssh: Ssh, hello: dict[str, str], project: Path, listing: snapshot.Listing, origin: str,
+def _ship(ssh: Ssh, hello: dict[str, str], project: Path, listing: Listing, origin: str,
           checksum: bool = False) -> None:
     """The project's files and links into the mirror: rsync sends only what changed (tar all, where
     either side has no rsync 3). A transfer cut short leaves the mirror partly updated; the next submit

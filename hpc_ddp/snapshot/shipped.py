@@ -19,7 +19,7 @@ from typing import Any
 
 from hpc_ddp.common.errors import UserError
 from hpc_ddp.snapshot.gitinfo import GitState
-from hpc_ddp.snapshot.snapshot import Item, Listing, parents
+from hpc_ddp.snapshot.listing import Item, Listing, parents
 
 __all__ = ["manifest", "listing", "check_rel", "FORMAT"]
 

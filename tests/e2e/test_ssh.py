@@ -21,6 +21,7 @@ from hpc_ddp.common.events import read_jsonl
 from hpc_ddp.data.datagen import write_mnist
 from hpc_ddp.snapshot import snapshot
 from hpc_ddp.snapshot.gitinfo import Git
+from hpc_ddp.snapshot.listing import list_project
 
 from .helpers import SLOW_MODEL, hpc_ddp, job_field, last_step, release_when_requeued, wait_until
 from .test_frameworks import _preempt_all, _wait_done
@@ -161,7 +162,7 @@ def test_submit_from_the_laptop_survives_a_real_preemption_and_is_watched_from_t
     records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
     assert len(records) >= 2 and {r["value"] for r in records} == {2} and records[-1]["start"] > 0
     assert all(r["file"].startswith(f"{run_dir}/code/") for r in records)   # the snapshot, not the mirror
-    listing = snapshot.list_project(project, git=Git())
+    listing = list_project(project, git=Git())
     assert info["attempts"][0]["code"] == snapshot.hashed(listing, None)[0]   # the laptop's content, exactly
 
     logs = _laptop(cluster, "logs", job, cwd=project)
@@ -475,7 +476,7 @@ def test_where_the_cluster_has_no_rsync_a_tar_over_ssh_ships_the_same_files(clus
     project = _project(cluster["laptop"] / "tarred", {"train.py": "x = 1\n", "pkg/mod.py": "y = 2\n",
                                                       "with space/it's.py": "z = 3\n"})
     os.symlink("pkg/mod.py", project / "alias.py")
-    listing = snapshot.list_project(project, git=Git())
+    listing = list_project(project, git=Git())
     mirror = cluster["mirror"].parent / "tarred"
     env = {**os.environ, **cluster["env"]}
     _ship(Ssh("cluster", env), {"rsync": "no", "dir": str(mirror)}, project, listing, "laptop:tarred")

@@ -21,8 +21,8 @@ from hpc_ddp.common.errors import HpcDdpError, UserError
 from hpc_ddp.remote import forward, ssh, submit
 from hpc_ddp.remote.argv import words_of
 from hpc_ddp.remote.site import Site, command_words, remote_dir_for, shell_words, site_for
-from hpc_ddp.snapshot import snapshot
 from hpc_ddp.snapshot.gitinfo import Git
+from hpc_ddp.snapshot.listing import list_project
 
 # ------------------------------------------------------------------------------------------------ hosts
 
@@ -185,7 +185,7 @@ def listing(tmp_path_factory):
     (root / "pkg").mkdir(parents=True)
     (root / "train.py").write_text("x\n")
     (root / "pkg" / "m.py").write_text("m\n")
-    return snapshot.list_project(root, git=Git(executable=""))
+    return list_project(root, git=Git(executable=""))
 
 
 def _hello(**said) -> str:

@@ -20,6 +20,7 @@ from hpc_ddp.remote.argv import words_of
 from hpc_ddp.remote.site import command_words, profile_toml, remote_dir_for, shell_words, site_for
 from hpc_ddp.snapshot import shipped, snapshot
 from hpc_ddp.snapshot.gitinfo import Git
+from hpc_ddp.snapshot.listing import list_project
 from hpc_ddp.spec.config import profile_layer, tomllib
 from hpc_ddp.spec.jobspec import JobSpec, Target
 from hpc_ddp.watch.status import new_log_entries, new_log_lines
@@ -174,7 +175,7 @@ def project(tmp_path):
 
 
 def test_the_manifest_lists_the_same_snapshot_on_the_cluster(project, tmp_path):
-    listing = snapshot.list_project(project, git=Git(executable=""))
+    listing = list_project(project, git=Git(executable=""))
     snap_id, hashes = snapshot.hashed(listing, None)
     data = json.loads(json.dumps(shipped.manifest(listing, snap_id, hashes)))
     mirror = tmp_path / "mirror"
@@ -202,7 +203,7 @@ def test_a_damaged_or_foreign_manifest_is_one_line(tmp_path):
 
 
 def test_a_mirror_file_that_differs_from_the_laptop_s_stops_the_submit(project, tmp_path):
-    listing = snapshot.list_project(project, git=Git(executable=""))
+    listing = list_project(project, git=Git(executable=""))
     snap_id, hashes = snapshot.hashed(listing, None)
     data = shipped.manifest(listing, snap_id, hashes)
     mirror = tmp_path / "mirror"

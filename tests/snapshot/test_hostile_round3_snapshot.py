@@ -20,6 +20,7 @@ import pytest
 from hpc_ddp.common.errors import HpcDdpError, UserError
 from hpc_ddp.snapshot import gitinfo, shipped, snapshot
 from hpc_ddp.snapshot.gitinfo import Git
+from hpc_ddp.snapshot.listing import MAX_DEPTH, MAX_LINKS, Listing
 from hpc_ddp.spec.jobspec import Layer, Target, build_spec
 
 GIT = ["git", "-c", "user.email=t@t", "-c", "user.name=t", "-c", "init.defaultBranch=main",
@@ -62,7 +63,7 @@ def printable_lines(lines) -> bool:
     return all(str(line).isprintable() for line in lines)
 
 
-def said(listing: snapshot.Listing) -> list[str]:
+def said(listing: Listing) -> list[str]:
     return [*listing.notes, *([listing.git_error] if listing.git_error else [])]
 
 
@@ -524,11 +525,11 @@ def test_deep_nesting_is_copied_or_refused_in_one_line(deep_tmp, mode, depth):
     try:
         snap = snapshot.take(snapshot.plan(spec_for(root / "train.py"), str(tmp_path / "run" / "code"), git=quick_git()))
     except UserError as exc:
-        assert depth > snapshot.MAX_DEPTH and "deeper" in str(exc) and "\n" not in str(exc)
+        assert depth > MAX_DEPTH and "deeper" in str(exc) and "\n" not in str(exc)
         assert not (tmp_path / "run" / "code").exists() or not any(
             p for p in (tmp_path / "run" / "code").iterdir() if not p.name.startswith("."))
         return
-    assert depth <= getattr(snapshot, "MAX_DEPTH", 10 ** 9)
+    assert depth <= MAX_DEPTH
     assert any(i.rel.endswith("/f.py") for i in snap.listing.files)
 
 
@@ -773,9 +774,9 @@ def test_a_script_in_a_left_out_folder_links_its_siblings_at_most_max_links(tmp_
     snap = snapshot.take(snapshot.plan(spec_for(root / "scratch" / "try.py"), str(tmp_path / "run" / "code"),
                                        git=quick_git()))
     live = [i for i in snap.listing.items if i.kind == "live" and i.rel.startswith("scratch/")]
-    assert len(live) == min(siblings, snapshot.MAX_LINKS)
+    assert len(live) == min(siblings, MAX_LINKS)
     assert os.path.isfile(os.path.join(snap.dir, "scratch", "try.py"))
-    assert (siblings > snapshot.MAX_LINKS) == any("no link in the copy" in n for n in snap.listing.notes)
+    assert (siblings > MAX_LINKS) == any("no link in the copy" in n for n in snap.listing.notes)
 
 
 @pytest.mark.parametrize("mode", ["git", "walk"])

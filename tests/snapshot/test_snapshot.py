@@ -16,6 +16,7 @@ import pytest
 from hpc_ddp.common.errors import UserError
 from hpc_ddp.snapshot import snapshot
 from hpc_ddp.snapshot.gitinfo import Git
+from hpc_ddp.snapshot.listing import Item, Listing, check_limits, list_project
 from hpc_ddp.spec.code import Code, parse_excludes, pinned
 from hpc_ddp.spec.jobspec import Layer, Target, build_spec
 
@@ -59,7 +60,7 @@ def rels(listing, kind=None):
 def test_a_git_project_is_its_tracked_and_untracked_files_with_ignored_ones_linked(repo):
     (repo / "new.py").write_text("NEW = 1\n")          # untracked, not ignored: code
     (repo / "helper.py").write_text("VALUE = 2\n")     # an uncommitted edit
-    listing = snapshot.list_project(repo)
+    listing = list_project(repo)
     assert rels(listing, "file") == [".gitignore", "helper.py", "new.py", "pkg/__init__.py", "pkg/model.py",
                                      "run.sh", "train.py"]
     assert rels(listing, "live") == ["data", "train.log"]
@@ -84,7 +85,7 @@ def test_untracked_venvs_run_dirs_and_caches_are_left_out_but_tracked_files_are_
     (repo / "checkpoints").mkdir()
     (repo / "checkpoints" / "keep.txt").write_text("tracked on purpose\n")
     git(repo, "add", "checkpoints/keep.txt")
-    listing = snapshot.list_project(repo)
+    listing = list_project(repo)
     files = rels(listing, "file")
     assert "checkpoints/keep.txt" in files  # tracked: copied, whatever its folder's name
     assert not any(r.startswith(("runs", "myenv", "pkg/__pycache__")) or r == "weights.pt" for r in files)
@@ -101,7 +102,7 @@ def test_outside_git_the_scripts_folder_is_walked_with_the_same_left_outs(tmp_pa
     (root / ".venv" / "x.py").write_text("")
     (root / ".hidden").mkdir()
     (root / "data").mkdir()
-    listing = snapshot.list_project(root, git=Git(executable=""))  # as where git is not installed
+    listing = list_project(root, git=Git(executable=""))  # as where git is not installed
     assert listing.git is None
     assert rels(listing, "file") == ["lib/util.py", "train.py"]
     assert rels(listing, "live") == [".hidden", ".venv", "data"]
@@ -112,7 +113,7 @@ def test_exclude_patterns_match_names_anywhere_or_paths_from_the_root(repo):
     (repo / "notebooks" / "big" / "a.ipynb").write_text("{}")
     (repo / "notebooks" / "small.ipynb").write_text("{}")
     (repo / "pkg" / "table.h5").write_bytes(b"\0")
-    listing = snapshot.list_project(repo, excludes=("notebooks/big", "*.h5"))
+    listing = list_project(repo, excludes=("notebooks/big", "*.h5"))
     assert "notebooks/small.ipynb" in rels(listing, "file")
     assert {"notebooks/big", "pkg/table.h5"} <= set(rels(listing, "live"))
 
@@ -130,7 +131,7 @@ def test_symlinks_stay_links_and_one_out_of_the_project_is_noted(repo, tmp_path)
     (repo / "out.txt").symlink_to(outside)
     (repo / "inside_abs.py").symlink_to(repo / "helper.py")
     (repo / "inside_rel.py").symlink_to("helper.py")
-    listing = snapshot.list_project(repo)
+    listing = list_project(repo)
     links = {i.rel: i.target for i in listing.items if i.kind == "link"}
     assert links == {"out.txt": str(outside), "inside_abs.py": "helper.py", "inside_rel.py": "helper.py"}
     assert any("out.txt links out of the project" in n for n in listing.notes)
@@ -140,12 +141,12 @@ def test_a_project_over_the_limit_is_refused_naming_its_biggest_folders(repo):
     (repo / "blobs").mkdir()
     (repo / "blobs" / "a.bin").write_bytes(b"\0" * 3_000_000)
     git(repo, "add", "blobs")
-    listing = snapshot.list_project(repo)
+    listing = list_project(repo)
     with pytest.raises(UserError) as err:
-        snapshot.check_limits(listing, max_mb=2)
+        check_limits(listing, max_mb=2)
     assert "over the snapshot limit of 2 MB" in err.value.message and "blobs/ 3.0 MB" in err.value.message
     assert "--no-snapshot" in err.value.hint and "--snapshot-exclude" in err.value.hint
-    snapshot.check_limits(listing, max_mb=4)
+    check_limits(listing, max_mb=4)
 
 
 def test_a_walk_stops_early_in_a_huge_folder(tmp_path):
@@ -153,10 +154,10 @@ def test_a_walk_stops_early_in_a_huge_folder(tmp_path):
     root.mkdir()
     for n in range(30):
         (root / f"f{n}.bin").write_bytes(b"\0" * 100_000)
-    listing = snapshot.list_project(root, git=Git(executable=""), max_bytes=1_000_000)
+    listing = list_project(root, git=Git(executable=""), max_bytes=1_000_000)
     assert len(listing.files) < 30
     with pytest.raises(UserError, match="is more than"):
-        snapshot.check_limits(listing, max_mb=1)
+        check_limits(listing, max_mb=1)
 
 
 def test_plan_then_take_copies_read_only_with_an_id_of_the_content(repo, tmp_path):
@@ -219,7 +220,7 @@ def test_a_repo_with_no_commits_is_all_untracked(tmp_path):
     root.mkdir()
     (root / "train.py").write_text("")
     git(root, "init", "-q")
-    listing = snapshot.list_project(root)
+    listing = list_project(root)
     assert rels(listing, "file") == ["train.py"]
     assert listing.git.commit is None and listing.git.dirty and "no commits yet" in listing.git.describe()
 
@@ -252,8 +253,8 @@ def test_the_readme_shows_what_submit_and_status_print(tmp_path):
     readme = (Path(__file__).resolve().parents[2] / "docs" / "snapshots.md").read_text()
     commit, later = "7f70d79121f2" + "0" * 28, "f2e14cbdd826" + "0" * 28
     run = "/home/me/proj/runs/train-20261127-005424"
-    items = tuple(snapshot.Item(n, "file", s) for n, s in (("train.py", 38), ("model.py", 12), (".gitignore", 12)))
-    listing = snapshot.Listing("/home/me/proj", (*items, snapshot.Item("data", "live", target="/home/me/proj/data")),
+    items = tuple(Item(n, "file", s) for n, s in (("train.py", 38), ("model.py", 12), (".gitignore", 12)))
+    listing = Listing("/home/me/proj", (*items, Item("data", "live", target="/home/me/proj/data")),
                                git=GitState(commit, "main", True, ("model.py",), (), b"diff"))
     snap = snapshot.Snapshot(listing, "5af6266a1f87cee1", {}, f"{run}/code", "train.py")
     assert f"hpc-ddp: {snap.describe()}\n" in readme
@@ -296,7 +297,7 @@ def many(tmp_path):
 def test_two_processes_copy_the_same_files_as_one(many, tmp_path, monkeypatch):
     spec = spec_for(many / "train.py")
     one = snapshot.take(snapshot.plan(spec, str(tmp_path / "one"), git=Git(executable="")))
-    monkeypatch.setattr(snapshot, "FORK_FROM_FILES", 0)
+    monkeypatch.setattr("hpc_ddp.snapshot.copying.FORK_FROM_FILES", 0)
     two = snapshot.take(snapshot.plan(spec, str(tmp_path / "two"), git=Git(executable=""), read=False))
     assert two.id == one.id and two.hashes == one.hashes and len(two.hashes) == 302
     for rel, digest in one.hashes.items():
@@ -309,7 +310,7 @@ def test_two_processes_copy_the_same_files_as_one(many, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("half", ["first", "second"])
 def test_a_file_that_grew_in_either_half_is_refused_and_nothing_is_left(many, tmp_path, monkeypatch, half):
-    monkeypatch.setattr(snapshot, "FORK_FROM_FILES", 0)
+    monkeypatch.setattr("hpc_ddp.snapshot.copying.FORK_FROM_FILES", 0)
     snap = snapshot.plan(spec_for(many / "train.py", snapshot_max_mb=2), str(tmp_path / "code"),
                          git=Git(executable=""), read=False)
     files = snap.listing.files
@@ -325,7 +326,7 @@ def test_a_file_that_grew_in_either_half_is_refused_and_nothing_is_left(many, tm
 
 
 def test_no_fork_while_another_thread_runs(many, tmp_path, monkeypatch):
-    monkeypatch.setattr(snapshot, "FORK_FROM_FILES", 0)
+    monkeypatch.setattr("hpc_ddp.snapshot.copying.FORK_FROM_FILES", 0)
     monkeypatch.setattr(os, "fork", lambda: pytest.fail("forked"))
     monkeypatch.setattr(threading, "active_count", lambda: 2)
     taken = snapshot.take(snapshot.plan(spec_for(many / "train.py"), str(tmp_path / "code"), git=Git(executable="")))

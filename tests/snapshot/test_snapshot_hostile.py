@@ -29,6 +29,7 @@ from hpc_ddp.job import runner
 from hpc_ddp.job.exitsite import hpc_ddp_code
 from hpc_ddp.snapshot import snapshot
 from hpc_ddp.snapshot.gitinfo import Git
+from hpc_ddp.snapshot.listing import _STOPPED, check_limits, list_project
 from hpc_ddp.spec.code import parse_excludes
 from hpc_ddp.spec.jobspec import Layer, Target, build_spec
 
@@ -130,7 +131,7 @@ def test_links_stay_links_ones_out_of_the_project_are_noted_and_never_read(tmp_p
     if mode == "git":
         make_repo(root, files={})
     gitter = Git() if mode == "git" else Git(executable="")
-    listing = snapshot.list_project(root, git=gitter)
+    listing = list_project(root, git=gitter)
     links = {i.rel: i.target for i in listing.items if i.kind == "link"}
     assert links == {"f_out": str(outside / "secret.txt"), "d_out": str(outside),
                      "rel_out": str(outside / "secret.txt"), "abs_in": "sub/m.py", "loop1": "loop2",
@@ -154,7 +155,7 @@ def test_a_link_that_leaves_the_project_through_another_link_is_noted(tmp_path, 
     (root / "train.py").write_text("x\n")
     (root / "deep_link").symlink_to(outside / "deep" / "deeper")
     (root / "sneaky").symlink_to("deep_link/../secret.txt")
-    listing = snapshot.list_project(root, git=Git(executable=""))
+    listing = list_project(root, git=Git(executable=""))
     assert os.path.realpath(root / "sneaky") == str(outside / "deep" / "secret.txt")
     assert any(n.startswith("sneaky links out of the project") for n in listing.notes), listing.notes
 
@@ -213,7 +214,7 @@ def test_a_fifo_in_place_of_a_tracked_file_does_not_make_ignored_files_code(tmp_
     (root / "big.log").write_text("not code\n")
     os.unlink(root / "pipe.py")
     os.mkfifo(root / "pipe.py")
-    listing = snapshot.list_project(root)
+    listing = list_project(root)
     assert "big.log" not in rels(listing, "file")
     assert listing.git is not None
 
@@ -398,7 +399,7 @@ def test_a_submodules_ignored_folder_is_linked_live(with_submodule, tmp_path):
     root = with_submodule
     (root / "ext" / "cache").mkdir()
     (root / "ext" / "cache" / "c.bin").write_text("c")
-    listing = snapshot.list_project(root)
+    listing = list_project(root)
     assert "ext/cache" in rels(listing, "live")
 
 
@@ -448,16 +449,16 @@ def test_a_huge_sparse_file_outside_git_is_refused_in_one_line_fast_and_nothing_
 
 
 def test_a_folder_of_too_many_files_is_refused_after_a_walk_that_stops_early(tmp_path, monkeypatch):
-    monkeypatch.setattr(snapshot, "MAX_FILES", 200)
+    monkeypatch.setattr("hpc_ddp.snapshot.listing.MAX_FILES", 200)
     home = tmp_path / "home"
     (home / "lots").mkdir(parents=True)
     (home / "train.py").write_text("x\n")
     for n in range(1000):
         (home / "lots" / f"{n}.py").touch()
-    listing = snapshot.list_project(home, git=Git(executable=""))
-    assert len(listing.files) <= 201 and snapshot._STOPPED in listing.notes
+    listing = list_project(home, git=Git(executable=""))
+    assert len(listing.files) <= 201 and _STOPPED in listing.notes
     with pytest.raises(UserError, match=r"more than 201 files, more than the 200") as err:
-        snapshot.check_limits(listing, 256)
+        check_limits(listing, 256)
     assert one_line(str(err.value))
 
 
@@ -636,7 +637,7 @@ def test_the_repos_fsmonitor_pager_and_diff_programs_do_not_run(tmp_path):
     git(root, "config", "diff.external", _program(tmp_path, "external"))
     git(root, "config", "core.pager", _program(tmp_path, "pager"))
     (root / "m.py").write_text("changed\n")
-    listing = snapshot.list_project(root)
+    listing = list_project(root)
     assert listing.git is not None and listing.git.changed == ("m.py",) and b"changed" in listing.git.patch
     assert sorted(p.name for p in tmp_path.glob("RAN-*")) == []
 
@@ -645,7 +646,7 @@ def test_the_repos_filter_programs_do_not_run(tmp_path):
     root = make_repo(tmp_path / "proj", {"train.py": "x\n", "m.py": "m\n", ".gitattributes": "*.py filter=evil\n"})
     git(root, "config", "filter.evil.clean", _program(tmp_path, "clean"))
     (root / "m.py").write_text("changed\n")
-    snapshot.list_project(root)
+    list_project(root)
     assert sorted(p.name for p in tmp_path.glob("RAN-*")) == []
 
 
@@ -655,7 +656,7 @@ def test_a_repo_owned_by_someone_else_is_not_silently_walked(tmp_path):
     root = make_repo(tmp_path / "proj", {"train.py": "x\n", ".gitignore": "*.log\n"})
     (root / "out.log").write_text("ignored\n")
     subprocess.run(["chown", "-R", f"{NOBODY}:{NOBODY}", str(root)], check=True)
-    listing = snapshot.list_project(root)
+    listing = list_project(root)
     assert listing.git is not None or listing.git_error
 
 
