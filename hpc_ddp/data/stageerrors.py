@@ -1,16 +1,14 @@
-"""What staging raises (staging.py, archives.py, stagelock.py); staging.py re-exports them."""
+"""What staging raises (staging.py, archives.py, stagelock.py); staging.py re-exports them. StageRefused, the
+base of ScratchUnusable, is spec.datasource's: the spec refuses a source that cannot be staged before any job."""
 
 from __future__ import annotations
 
 from hpc_ddp.common.errors import HpcDdpError, UserError
+from hpc_ddp.spec.datasource import StageRefused
 
 
 class StagingError(HpcDdpError):
     """Staging failed (disk full, copy mismatch, ...)."""
-
-
-class StageRefused(UserError):
-    """What was asked cannot be staged safely (a bad name, overlapping paths, a source that is not a dataset)."""
 
 
 class ScratchUnusable(StageRefused):

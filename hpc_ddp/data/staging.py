@@ -26,7 +26,8 @@ node, race-free and verified.
   needed and what is available.
 
 Here the plan, the copy and its checks; archives in `archives.py`, the marker, syncfs and the lock in
-`stagelock.py`, the errors in `stageerrors.py` (re-exported here).
+`stagelock.py`, the errors in `stageerrors.py`, and what may be a source (which the spec checks too, before
+any job) in `spec/datasource.py`; all re-exported here.
 """
 
 from __future__ import annotations
@@ -50,14 +51,7 @@ from hpc_ddp.common.errors import HpcDdpError
 from hpc_ddp.common.rundir import RANK_LOGS_GLOB
 from hpc_ddp.common.units import human_bytes
 from hpc_ddp.data.archives import _archive_dirs, _check_members, _extract, _first_line, _list_archive
-from hpc_ddp.data.stageerrors import (
-    BadArchive,
-    HostileArchive,
-    ScratchUnusable,
-    StageRefused,
-    StagingError,
-    TargetOccupied,
-)
+from hpc_ddp.data.stageerrors import BadArchive, HostileArchive, ScratchUnusable, StagingError, TargetOccupied
 from hpc_ddp.data.stagelock import (
     _complete,
     _die_with_parent,
@@ -67,12 +61,12 @@ from hpc_ddp.data.stagelock import (
     _read_marker,
     _write_marker,
 )
+from hpc_ddp.spec.datasource import ARCHIVE_SUFFIXES, StageRefused, missing_here, source_kind, source_problem
 
 __all__ = ["stage", "wait_for_stage", "download_once", "is_archive", "StagingError", "source_manifest",
            "ARCHIVE_SUFFIXES", "StageResult", "StageRefused", "ScratchUnusable", "TargetOccupied", "BadArchive",
            "HostileArchive", "source_problem", "missing_here", "check_name"]
 
-ARCHIVE_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".zip")
 MARKER_SUFFIX = ".complete.json"
 SPACE_MARGIN = 1.05
 _TMP_INFIX = ".tmp-"
@@ -180,65 +174,6 @@ def _default_name(src: Path) -> str:
     return name
 
 
-def _source_kind(src: Path) -> str:
-    """'dir' or 'archive'. A single plain file is refused rather than guessed at: the staged path is always
-    a directory (DATASETS_PATH/NAME), and a file's copy there would not be where a program looks for it."""
-    try:
-        info = src.stat()
-    except FileNotFoundError:
-        raise StageRefused(f"dataset source {str(src)!r} does not exist") from None
-    except OSError as exc:
-        raise StageRefused(f"cannot read dataset source {str(src)!r}: {exc.strerror}") from None
-    if stat.S_ISDIR(info.st_mode):
-        return "dir"
-    if stat.S_ISREG(info.st_mode) and src.name.endswith(ARCHIVE_SUFFIXES):
-        return "archive"
-    what = "a single file" if stat.S_ISREG(info.st_mode) else "not a regular file or directory"
-    raise StageRefused(f"dataset source {str(src)!r} is {what}: staging takes a directory or an archive "
-                       f"({', '.join(ARCHIVE_SUFFIXES)})",
-                       hint="put the file in a directory and stage that directory, or pack it as a .tar")
-
-
-def source_problem(path: str) -> tuple[str, str] | None:
-    """(message, hint) when this machine can tell for sure that `path` cannot be staged, else None."""
-    p = Path(os.path.abspath(path))
-    if not os.path.exists(p):
-        missing = missing_here(str(p))
-        return (f"dataset source {missing}", "give a directory or an archive (.tar, .tar.gz, .zip) that exists") \
-            if missing else None
-    try:
-        _source_kind(p)
-    except StageRefused as exc:
-        return exc.message, exc.hint or ""
-    return None
-
-
-def missing_here(path: str) -> str | None:
-    """Why `path` surely does not exist (e.g. "/data/mnsit does not exist (/data has no 'mnsit')"), or None
-    when it exists or this machine cannot tell.
-
-    A missing path counts only where its filesystem is visible here: its nearest existing ancestor is a
-    non-empty directory below `/`. A missing top-level directory, or an empty one (an unmounted mount point,
-    an autofs root), may be a filesystem only the compute nodes mount: that is the preflight's to report."""
-    p = Path(os.path.abspath(path))
-    if os.path.exists(p):
-        return None
-    ancestor = p.parent
-    while not os.path.exists(ancestor):
-        ancestor = ancestor.parent
-    if not ancestor.is_dir():
-        return f"{p} cannot exist: {ancestor} is a file"
-    if ancestor == ancestor.parent:
-        return None
-    try:
-        with os.scandir(ancestor) as entries:
-            if next(entries, None) is None:
-                return None
-    except OSError:
-        return None  # unreadable here: cannot tell
-    return f"{p} does not exist ({ancestor} has no {p.relative_to(ancestor).parts[0]!r})"
-
-
 def _within(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
 
@@ -276,7 +211,7 @@ def stage(src: str | os.PathLike, scratch: str | os.PathLike, *, name: str | Non
           lock_timeout: float = 3600, log: Callable[[str], None] = print) -> StageResult:
     """Stage `src` (a directory or an archive) into `scratch`/NAME; return where it is."""
     src = Path(src)
-    kind = _source_kind(src)
+    kind = source_kind(src)
     name = check_name(name if name is not None else _default_name(src))
     root = Path(scratch)
     _refuse_overlap(src, root, name)  # before mkdir: a --dest inside the source must not even be created

@@ -308,7 +308,7 @@ def _datasets(raw: Any) -> tuple[tuple[str, str], ...]:
 def _stageable(path: str) -> str:
     """Refuse, --no-preflight or not, what this machine can tell for sure (a missing path whose filesystem
     is visible here, a single file); a path only compute nodes may mount is left to the preflight."""
-    from hpc_ddp.data.staging import source_problem
+    from hpc_ddp.spec.datasource import source_problem
 
     problem = source_problem(path)
     if problem:
@@ -317,7 +317,7 @@ def _stageable(path: str) -> str:
 
 
 def _train(raw: Any) -> TrainConfig:
-    from hpc_ddp.data.staging import missing_here
+    from hpc_ddp.spec.datasource import missing_here
 
     config = parse_train(raw)
     missing = missing_here(config.data_dir) if config.data_dir else None
@@ -359,8 +359,8 @@ def _last_job_of(ref: str) -> str:
 
 def _container(raw: Any) -> Container | None:
     """A container whose image is a path that surely does not exist here is refused now (one whose filesystem
-    only the compute nodes mount is not: see `data.staging.missing_here`)."""
-    from hpc_ddp.data.staging import missing_here
+    only the compute nodes mount is not: see `datasource.missing_here`)."""
+    from hpc_ddp.spec.datasource import missing_here
 
     container = parse_container(raw)
     if container is not None and image_is_path(container.runtime, container.image):
