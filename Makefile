@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 SLURM_ENV := /var/tmp/hpc-ddp-slurm/env.sh
 
-.PHONY: install demo test test-fast test-gpu slurm-up slurm-down bench scale clean
+.PHONY: install demo test test-fast test-gpu gpu-check gpu-wheels slurm-up slurm-down bench scale clean
 
 install: $(STAMP)
 
@@ -53,6 +53,20 @@ test-fast: install
 # tests skip where torch sees no GPU, so `make test` passes on CPU-only machines and CI.
 test-gpu: install
 	$(PY) -m pytest -q tests/gpu tests/trainer/test_session.py
+
+# One visit to a GPU machine (issue 40; bench/gpu_check.py): make test-gpu's tests, the trainer on ImageFolder
+# JPEGs (data_path device and cpu x bf16 and fp32, each to a finite loss, device within 10% of cpu) and the
+# gpu_data bench rows, summarised in $(GPU_CHECK_OUT)/gpu-check.md and .json (under 8 minutes on one H100/H200).
+# It runs with the machine's own python3 and no network: run `make gpu-wheels` here first and carry .gpu-wheels.
+# Without a GPU: make gpu-check GPU_CHECK_ARGS=--smoke runs the same parts small on the CPU (what CI runs).
+GPU_PY ?= python3
+GPU_CHECK_OUT ?= $(if $(OUT),$(OUT),gpu-check)
+gpu-check:
+	$(GPU_PY) bench/gpu_check.py --out $(GPU_CHECK_OUT) $(GPU_CHECK_ARGS)
+
+# The wheels a GPU machine's python3 lacks (submitit, and pytest for the GPU tests), for make gpu-check there.
+gpu-wheels: install
+	$(PY) -m pip download -q --no-deps -d .gpu-wheels submitit cloudpickle pytest pluggy iniconfig packaging
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

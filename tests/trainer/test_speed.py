@@ -6,18 +6,56 @@ from __future__ import annotations
 import pytest
 
 from hpc_ddp.spec.trainconfig import parse_train
-from hpc_ddp.trainer.speed import COMPILE_MIN_STEPS, decide
+from hpc_ddp.trainer.speed import COMPILE_MIN_STEPS, PROVEN, Proof, decide, proof_table
+
+EVERYTHING = {name: (Proof("a GPU", "2026-01-01", "a test"),) for name in PROVEN}
 
 
-def _decide(table=None, *, device="cuda", bf16=True, conv=True, steps=100_000, native=True, jpegs=True):
+def _decide(table=None, *, device="cuda", bf16=True, conv=True, steps=100_000, native=True, jpegs=True,
+            proven=EVERYTHING):
     return decide(parse_train(table or {}), device_type=device, bf16_supported=bf16, convolutional=conv,
-                  total_steps=steps, native_size=native, jpegs=jpegs)
+                  total_steps=steps, native_size=native, jpegs=jpegs, proven=proven)
 
 
-def test_on_a_gpu_auto_turns_everything_on():
+def test_on_a_gpu_auto_turns_everything_proven_on():
     speed = _decide({"dataset": "cifar10", "data_dir": "d"})
     assert (speed.precision, speed.data_path, speed.channels_last, speed.compile) == ("bf16", "device", True, True)
     assert len(speed.notes) == 4
+
+
+@pytest.mark.parametrize("name,table,field,off", [
+    ("data_path", {"dataset": "imagefolder", "data_dir": "d"}, "data_path", "cpu"),
+    ("precision", {}, "precision", "fp32"),
+    ("channels_last", {}, "channels_last", False),
+    ("compile", {}, "compile", False),
+])
+def test_auto_never_picks_what_no_gpu_has_proven(name, table, field, off):
+    """Issue 40: a default must have trained on the hardware it is for; until then it is opt-in, the log
+    line says so and names the setting, and setting it by hand still works."""
+    unproven = {**EVERYTHING, name: ()}
+    speed = _decide(table, proven=unproven)
+    assert getattr(speed, field) == off
+    (note,) = [n for n in speed.notes if "opt-in" in n]
+    assert "proven on a GPU" in note and "make gpu-check" in note and name in note
+    forced = {"data_path": "device", "precision": "bf16", "channels_last": True, "compile": True}[name]
+    assert getattr(_decide({**table, name: forced}, proven=unproven), field) == forced
+
+
+def test_the_shipped_defaults_keep_the_gpu_data_path_opt_in():
+    """Until make gpu-check has shown the device data path training on a GPU (issue 40), "auto" is the
+    CPU path, and the trainer's log line says why."""
+    speed = _decide({"dataset": "imagefolder", "data_dir": "d"}, proven=None)
+    assert speed.data_path == "cpu"
+    assert 'data on cpu (the GPU data path is opt-in until proven on a GPU (make gpu-check): set data_path = "device")' \
+        in speed.notes
+    assert all(p.gpu and p.date and p.how for proofs in PROVEN.values() for p in proofs)
+
+
+def test_the_trainer_docs_show_where_each_default_was_proven():
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "trainer.md").read_text()
+    assert "\n".join(proof_table()) in text
 
 
 def test_on_cpus_auto_changes_nothing():
@@ -57,3 +95,12 @@ def test_auto_settings_are_said_and_chosen_ones_are_not():
 def test_bad_values_name_the_key(table, message):
     with pytest.raises(ValueError, match=message):
         parse_train(table)
+
+
+def test_the_log_line_the_trainer_docs_show_is_the_one_decide_gives():
+    from pathlib import Path
+
+    speed = decide(parse_train({"dataset": "imagefolder", "data_dir": "d", "model": "resnet50"}), device_type="cuda",
+                   bf16_supported=True, convolutional=True, total_steps=40, native_size=False, jpegs=True)
+    line = f"hpc-ddp: {speed.describe()} ({'; '.join(speed.notes)})"   # as trainer/train.py logs it
+    assert line in (Path(__file__).resolve().parents[2] / "docs" / "trainer.md").read_text()
