@@ -31,6 +31,7 @@ from typing import Any
 
 from hpc_ddp.checks.finding import Finding
 from hpc_ddp.checks.frameworks import framework_notes
+from hpc_ddp.checks.scriptcheck import script_findings
 from hpc_ddp.common.errors import HpcDdpError, UserError
 from hpc_ddp.common.procs import CommandRunner, slurm_unreachable
 from hpc_ddp.common.rundir import SCRIPT
@@ -468,7 +469,7 @@ def doctor_report(spec: JobSpec, queues: bool, commands: CommandRunner, host: Ho
         from hpc_ddp.launch.executors import probe_machine
 
         here = [] if spec.executor else check_fallback(spec, probe_machine())
-        return Report(None, tuple(here + check(spec, None, host) + device_findings(spec)))
+        return Report(None, tuple(here + check(spec, None, host) + ranks_python(spec, host) + device_findings(spec)))
     from hpc_ddp.launch.render import render_sbatch
 
     script = render_sbatch(spec, run_dir, generated_at="", command_line="hpc-ddp doctor")
@@ -483,10 +484,27 @@ def doctor_report(spec: JobSpec, queues: bool, commands: CommandRunner, host: Ho
     return Report(report.cluster, report.findings + tuple(extra + device_findings(spec)))
 
 
+def ranks_python(spec: JobSpec, host: Host) -> list[Finding]:
+    """For a job whose ranks start on this machine (the local executor): that their Python imports hpc_ddp,
+    the check the sbatch path's preflight makes (a rank without it dies with "Error while finding module
+    specification for 'hpc_ddp.job.runner'")."""
+    if host.probe_python is None:
+        return []
+    from hpc_ddp.checks.interpreter_check import python_findings
+
+    return list(python_findings(spec, host.environ, run_probe=host.probe_python))
+
+
+def gate_ranks_python(spec: JobSpec, warn: Callable[[str], None]) -> None:
+    """Before a local submission (and its dry run): an error stops it, nothing started."""
+    gate(Report(None, tuple(f for f in ranks_python(spec, Host.current()) if f.level != "ok")), warn, skip_hint=None)
+
+
 # ---- what the script's text says (submit and doctor) ----
 
 def device_findings(spec: JobSpec) -> list[Finding]:
-    """The script read as text (nothing imported): its way of picking its GPU against the binding its ranks
+    """The script read as text (nothing imported): that it compiles and what its own mp.spawn would start
+    (checks/scriptcheck.py); its way of picking its GPU against the binding its ranks
     will get (job/devicescan.py), errors where it cannot give each rank its own GPU and warnings where it may
     not; and what a framework's script needs to resume after a preemption (checks/frameworks.py)."""
     found = devicescan.source_of(spec.target.kind, spec.target.value, spec.workdir)
@@ -496,7 +514,7 @@ def device_findings(spec: JobSpec) -> list[Finding]:
     name = os.path.basename(path)
     exposure = exposure_of(spec)
     devices = [Finding(p.level, p.message, p.hint) for p in judge(scan(text), exposure, name)] if exposure else []
-    return devices + [Finding(*note) for note in framework_notes(text, name)]
+    return script_findings(spec, path, text) + devices + [Finding(*note) for note in framework_notes(text, name)]
 
 
 def gate_devices(spec: JobSpec, warn: Callable[[str], None]) -> None:

@@ -14,7 +14,7 @@ import click
 
 from hpc_ddp.cli.options import build, executor_for, spec_options, warn
 from hpc_ddp.common.durable import write_file
-from hpc_ddp.common.errors import SpecError
+from hpc_ddp.common.errors import SpecError, UserError
 from hpc_ddp.common.procs import SubprocessCommands
 from hpc_ddp.common.rundir import RunDir
 from hpc_ddp.launch.rundirs import check_kind, check_not_live, new_run_dir
@@ -55,6 +55,7 @@ def submit(ctx: click.Context, **params) -> None:
                                       os.environ)
         site = site_for(params["ssh"], profile)
         if site is not None:  # the cluster's hpc-ddp submits: the profile named there as it was chosen here
+            _queued_over_ssh(params, job, site)
             from hpc_ddp.remote.argv import words_of
             from hpc_ddp.remote.submit import submit_over_ssh
 
@@ -76,6 +77,7 @@ def submit(ctx: click.Context, **params) -> None:
         warn(which)
         warn(explain(spec))
     _devices(plan.spec)
+    _ranks_python(plan.spec, executor)
     if params["dry_run"]:
         _say_snapshot_plan(spec, snap)
         if params["as_json"]:
@@ -147,6 +149,7 @@ def _submit_sweep(params: dict, spec, sweep) -> None:
     plan = planned(snap)
     check_resubmission(plan, executor)  # --dry-run says what the submission would
     _devices(plan.tasks[0].plan.spec)
+    _ranks_python(plan.tasks[0].plan.spec, executor)
     if plan.script is not None:
         from hpc_ddp.checks.preflight import read_slurm_config
         from hpc_ddp.launch.sweep import check_array_size
@@ -274,6 +277,33 @@ def _devices(spec) -> None:
     from hpc_ddp.checks.preflight import gate_devices
 
     gate_devices(spec, warn)
+
+
+def _ranks_python(spec, executor) -> None:
+    """The local executor starts the ranks here: their Python must import hpc_ddp (the sbatch path's
+    preflight asks the same), said before anything runs, in a dry run too."""
+    if getattr(executor, "ranks_here", False):
+        from hpc_ddp.checks.preflight import gate_ranks_python
+
+        gate_ranks_python(spec, warn)
+
+
+# Executors that run the job in the foreground of the submitting process: over ssh that process is the cluster's
+# submit, whose output is the laptop's answer, on the login node.
+_FOREGROUND = ("local", "srun")
+
+
+def _queued_over_ssh(params: dict, job: dict, site) -> None:
+    """submit --ssh queues the job on the cluster: an executor that would run it in the foreground of the
+    cluster's submit (on its login node, its ranks' output mixed into the answer) is refused here."""
+    for origin, value in (("--executor", params.get("executor")), ("the job file's executor", (job or {}).get("executor")),
+                          ("the profile's executor", (site.profile or {}).get("executor"))):
+        if value in _FOREGROUND:
+            raise UserError(f"{origin} {value} with --ssh would run the job on {site.host}'s login node, in the "
+                            "foreground of the submit there", hint="leave --executor out (the cluster's Slurm "
+                            "queues it), or run hpc-ddp submit --executor local on the machine itself")
+        if value is not None:
+            return
 
 
 def _chains_need_support(spec, executor) -> None:

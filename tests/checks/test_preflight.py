@@ -314,11 +314,13 @@ def test_doctor_does_not_import_torch(project):
     assert done.stdout.strip() == "clean", done.stdout + done.stderr
 
 
-def test_doctor_for_the_local_executor_checks_only_the_shell(project):
+def test_doctor_for_the_local_executor_checks_only_the_shell_and_the_ranks_python(project):
     result = invoke("doctor", "--executor", "local", "--nodes", "9", "train.py")
     assert result.exit_code == 0, result.output
-    assert result.output.splitlines() == ["executor local (as requested)",
-                                          "ok: no SBATCH_*, SLURM_* or SRUN_* variables in your shell change the job"]
+    lines = result.output.splitlines()
+    assert lines[:2] == ["executor local (as requested)",
+                         "ok: no SBATCH_*, SLURM_* or SRUN_* variables in your shell change the job"]
+    assert len(lines) == 3 and lines[2].startswith("ok: python ") and "imports hpc_ddp" in lines[2], lines
 
 
 def test_sbatch_partition_in_the_shell_is_the_partition_checked():

@@ -1,0 +1,127 @@
+"""The script's own text before the queue (issue 42, items 10 and 11): a script that does not compile, and
+one whose mp.spawn cannot work under the tasks hpc-ddp starts, are refused in one line at submit, its dry
+run and doctor; nothing is submitted. The seeds are run as a reader copied them, from ../shared/seeds."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from hpc_ddp.checks.scriptcheck import compile_findings, spawn_findings
+
+SEEDS = Path(__file__).resolve().parents[3] / "shared" / "seeds"
+
+
+def _spec(gpus: int, tasks: int):
+    return types.SimpleNamespace(gpus=gpus, tasks_per_node=tasks, target=types.SimpleNamespace(kind="script"))
+
+
+def test_a_no_break_space_is_named_with_its_line_and_the_fix():
+    text = "import os\nif True:\n\u00a0   print(os.getcwd())\n"
+    (finding,) = compile_findings("train.py", text)
+    assert finding.level == "error"
+    line = finding.line()
+    assert "train.py line 3" in line and "U+00A0" in line and "no-break space" in line
+    assert "sed -i 's/\\xc2\\xa0/ /g' train.py" in line and "\n" not in line
+
+
+def test_another_syntax_error_names_the_line_and_py_compile():
+    (finding,) = compile_findings("train.py", "x = 1\ndef f(:\n    pass\n")
+    assert "train.py line 2 does not compile" in finding.message
+    assert "python -m py_compile train.py" in finding.hint
+
+
+def test_a_script_that_compiles_is_not_refused_and_nothing_runs(tmp_path):
+    marker = tmp_path / "ran"
+    assert compile_findings("t.py", f"open({str(marker)!r}, 'w')\n") == []
+    assert not marker.exists()
+
+
+SPAWN = "import torch.multiprocessing as mp\nworld_size = 4\n\ndef main():\n    mp.spawn(train, args=(world_size,), nprocs=world_size, join=True)\n"
+
+
+@pytest.mark.parametrize("gpus,tasks,says", [
+    (1, 1, "starts 4 processes with mp.spawn (nprocs=world_size=4), but each task gets 1 GPU"),
+    (4, 4, "hpc-ddp starts 4 tasks per node: each would spawn 4 processes"),
+    (0, 2, "hpc-ddp starts 2 tasks per node"),
+])
+def test_mp_spawn_that_cannot_work_is_refused(gpus, tasks, says):
+    (finding,) = spawn_findings(_spec(gpus, tasks), "s.py", SPAWN)
+    assert finding.level == "error" and says in finding.message, finding.message
+    assert "line 5" in finding.message and "examples/spawn_mnist.py" in finding.hint
+
+
+@pytest.mark.parametrize("text,gpus,tasks", [
+    (SPAWN, 4, 1),                                               # one task per node, one process per GPU
+    (SPAWN.replace("nprocs=world_size", "nprocs=torch.cuda.device_count()"), 1, 1),  # not known: not refused
+    ("import os\nprint(os.getpid())\n", 4, 4),                   # no spawn at all
+    (SPAWN.replace("nprocs=world_size", "nprocs=2"), 2, 1),      # a literal that fits
+])
+def test_mp_spawn_that_fits_is_left_alone(text, gpus, tasks):
+    assert spawn_findings(_spec(gpus, tasks), "s.py", text) == []
+
+
+def test_a_literal_nprocs_above_the_tasks_gpus_is_refused():
+    (finding,) = spawn_findings(_spec(2, 1), "s.py", SPAWN.replace("nprocs=world_size", "nprocs=8"))
+    assert "starts 8 processes" in finding.message and "--gpus 8 --tasks-per-node 1" in finding.hint
+
+
+# ---- the seeds, as a reader submits them ----
+
+def _submit(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, Path]:
+    """hpc-ddp from the seeds' folder, with an sbatch that records being called."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    called = tmp_path / "sbatch-called"
+    for tool in ("sbatch", "sinfo", "scontrol", "squeue"):
+        (bin_dir / tool).write_text(f"#!/bin/sh\necho \"$0 $*\" >> {called}\necho '1;cluster'\n")
+        (bin_dir / tool).chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{Path(sys.executable).parent}:/usr/bin:/bin",
+           "HPC_DDP_PROFILES": str(tmp_path / "profiles.toml")}
+    for name in ("SLURM_CONF", "SLURM_JOB_ID"):
+        env.pop(name, None)
+    done = subprocess.run([sys.executable, "-m", "hpc_ddp", *args[:1], "--run-dir", str(tmp_path / "run"), *args[1:]],
+                          cwd=SEEDS, env=env, capture_output=True, text=True, timeout=120)
+    return done, called
+
+
+def _error_line(done: subprocess.CompletedProcess) -> str:
+    errors = [line for line in done.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1, done.stderr
+    return errors[0]
+
+
+@pytest.mark.skipif(not SEEDS.is_dir(), reason="needs ../shared/seeds")
+@pytest.mark.parametrize("dry", [[], ["--dry-run"]])
+def test_seed_001_as_copied_is_refused_in_one_line_at_submit(tmp_path, dry):
+    done, called = _submit(tmp_path, "submit", *dry, "--executor", "sbatch", "--nodes", "2", "--gpus", "4",
+                           "linear_regression_as_copied.py")
+    assert done.returncode == 2, done.stderr
+    line = _error_line(done)
+    assert "linear_regression_as_copied.py line 30 does not compile" in line and "U+00A0" in line
+    assert "HINT:" in line and "sed -i" in line and "nothing was submitted" in line
+    assert not called.exists() or "sbatch " not in called.read_text().replace("--help", "")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.skipif(not SEEDS.is_dir(), reason="needs ../shared/seeds")
+def test_doctor_reports_seed_001s_syntax_error(tmp_path):
+    done, _ = _submit(tmp_path, "doctor", "--executor", "local", "linear_regression_as_copied.py")
+    assert done.returncode == 2
+    assert "error: linear_regression_as_copied.py line 30 does not compile" in done.stdout
+
+
+@pytest.mark.skipif(not SEEDS.is_dir(), reason="needs ../shared/seeds")
+@pytest.mark.parametrize("gpus,says", [("1", "but each task gets 1 GPU"), ("4", "hpc-ddp starts 4 tasks per node")])
+def test_seed_000_mp_spawn_is_refused_in_one_line_at_submit(tmp_path, gpus, says):
+    done, called = _submit(tmp_path, "submit", "--executor", "sbatch", "--gpus", gpus, "spawn_mnist.py")
+    assert done.returncode == 2, done.stderr
+    line = _error_line(done)
+    assert "spawn_mnist.py line 85" in line and says in line and "examples/spawn_mnist.py" in line, line
+    assert not called.exists() or "sbatch " not in called.read_text().replace("--help", "")
+    assert not (tmp_path / "run").exists()
