@@ -13,7 +13,10 @@ group of its own: signals reach the whole group, and whatever ends it (its own e
 limit, a cancel, the executor's death, SIGKILL included) nothing it started outlives it, not even a process
 that left the group. `local.pid` records the executor's start time and command line, so a recycled pid is
 never signalled. With --time, each attempt gets the warning signal `signal_lead` seconds before its limit,
-SIGTERM at the limit and SIGKILL 30 s later, as on Slurm; an attempt so stopped ends `time_limit`.
+SIGTERM at the limit and SIGKILL 30 s later, as on Slurm; an attempt so stopped ends `time_limit`. A SIGTERM
+from outside (a preemption's; `hpc-ddp preempt --signal TERM` rehearses it) is followed, as Slurm's is, by
+SIGKILL to the ranks still running KILL_WAIT_S later, and the attempt ends `preempted` and runs again: a
+framework that ignores or half-handles the signal never leaves the run hanging.
 Output goes to the same per-rank log files as on Slurm and, prefixed by rank, to the terminal.
 """
 
@@ -201,6 +204,7 @@ def _plan_body(spec: JobSpec, run_dir: str, job_id: str, envs: list[dict[str, st
 class LocalExecutor(ForegroundControl):
     name = "local"
     pid_name = rundir.LOCAL_PID
+    ranks_here = True  # the ranks start on this machine, with spec.python: submit checks it imports hpc_ddp
 
     def __init__(self, *, echo: bool = True, job_id: str | None = None, **_ignored):
         self.echo = echo
@@ -288,7 +292,9 @@ class LocalExecutor(ForegroundControl):
                     _say(f"stopped at the time limit, not restarting: {reason}")
                 return rc
             attempt += 1
-            _say(f"checkpointed at a stop request; restarting ({reason})")
+            _say(f"checkpointed at a stop request; restarting ({reason})" if rc == REQUEUE_EXIT_CODE else
+                 f"attempt {attempt - 1} ended with exit code {rc} after SIG{outside}; restarting ({reason})"
+                 if outside else f"restarting ({reason})")
 
 
 def refuse_taken_debug_port(spec: JobSpec) -> None:
@@ -509,8 +515,17 @@ def _wait_all(procs: list[subprocess.Popen], timeline: list[tuple[float, int]], 
     sends SIGTERM (checkpoint and stop), and SIGKILL at a second one or KILL_WAIT_S later."""
     cancel = cancel or _Cancel()
     first_failure, acted, killed = 0, 0, False
+    outside = len(received or [])  # SIGTERMs forwarded from outside (a preemption's, `preempt --signal TERM`)
+    term_at: float | None = None
     try:
         while True:
+            if term_at is None and received is not None and "SIGTERM" in received[outside:]:
+                term_at = time.monotonic()  # as Slurm: the stop signal, KillWait, then SIGKILL and a requeue
+            if term_at is not None and not killed and time.monotonic() > term_at + KILL_WAIT_S:
+                killed = True
+                _say(f"ranks still running {KILL_WAIT_S} s after SIGTERM; killing them, as Slurm does after "
+                     "its KillWait")
+                _signal_live(procs, signal.SIGKILL)
             if cancel.count != acted:
                 acted = cancel.count
                 _say("cancelling: asking every rank to checkpoint and stop (Ctrl-C again to stop them at once)"
@@ -525,6 +540,7 @@ def _wait_all(procs: list[subprocess.Popen], timeline: list[tuple[float, int]], 
                 _say(f"time limit: sending {signal.Signals(signum).name} to every rank")
                 if received is not None and signum == signal.SIGTERM:
                     received.append("SIGTERM")  # the limit's stop, as Slurm's reaches the batch shell
+                    outside = len(received)  # its SIGKILL is on the timeline already
                 for p in procs:
                     if p.poll() is None:
                         _signal_group(p, signum)
