@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, g
 from hpc_ddp.common.errors import SpecError
 from hpc_ddp.data.arrays import ArrayImages
 from hpc_ddp.data.augment import sample_seed
-from hpc_ddp.data.elastic import rank_share
+from hpc_ddp.data.elastic import Split, rank_share, split_share
 from hpc_ddp.spec.trainconfig import TrainConfig
 
 __all__ = ["DataBundle", "build_data", "shutdown_workers", "ResumableSampler", "SeededSamples", "EvalSampler",
@@ -118,16 +118,29 @@ class ResumableSampler(Sampler):
                                         seed=seed, drop_last=True)
         self.size, self.rank, self.world_size, self.seed, self.shuffle = size, rank, world_size, seed, shuffle
         self.epoch, self.start, self.keys = 0, 0, keys
+        self.split: Split | None = None   # an uneven split of the global batch (data.elastic), once resumed so
+        self._consumed: int | None = None
 
     @property
     def consumed(self) -> int:
         """Samples of the epoch's global order before this rank's next one (every rank's together)."""
-        return self.start * self.world_size
+        return self._consumed if self._consumed is not None else self.start * self.world_size
 
     def set_position(self, epoch: int, start: int) -> None:
         """Start `epoch` at this rank's `start`-th sample (all ranks at theirs: start x world_size consumed)."""
-        self.epoch, self.start = epoch, start
+        self.epoch, self.start, self._consumed = epoch, start, None
         self.inner.set_epoch(epoch)
+
+    def place(self, epoch: int, consumed: int, split: Split) -> None:
+        """Start `epoch` at `consumed` samples of its global order (a whole number of steps), the ranks
+        sharing each step as `split` says: uneven splits (data.elastic.Split) deal the step's positions in
+        rounds; an even one is `set_position`'s interleaving, exactly."""
+        self.split = None if split.even else split
+        if self.split is None:
+            self.set_position(epoch, consumed // self.world_size)
+        else:
+            self.epoch, self.start, self._consumed = epoch, 0, consumed
+            self.inner.set_epoch(epoch)
 
     def order(self) -> list[int]:
         """The epoch's global order: DistributedSampler's permutation (seed + epoch), whatever the world size."""
@@ -141,15 +154,23 @@ class ResumableSampler(Sampler):
         """DistributedSampler's call, so loops written for it run unchanged: the epoch the sampler was
         positioned in (a resumed one) keeps its start; any other epoch starts at its beginning."""
         if epoch != self.epoch:
-            self.set_position(epoch, 0)
+            if self.split is not None:
+                self.place(epoch, 0, self.split)
+            else:
+                self.set_position(epoch, 0)
+
+    def _positions(self):
+        if self.split is not None:
+            return split_share(self.size, self.consumed, self.rank, self.split)
+        return rank_share(self.size, self.consumed, self.rank, self.world_size)
 
     def __iter__(self) -> Iterator[tuple[int, int]] | Iterator[int]:
         order = self.order()
-        indices = [order[p] for p in rank_share(self.size, self.consumed, self.rank, self.world_size)]
+        indices = [order[p] for p in self._positions()]
         return iter([(self.epoch, i) for i in indices] if self.keys else indices)
 
     def __len__(self) -> int:
-        return len(rank_share(self.size, self.consumed, self.rank, self.world_size))
+        return len(self._positions())
 
 
 class EvalSampler(Sampler):

@@ -63,6 +63,7 @@ from hpc_ddp.common.events import JsonLines
 from hpc_ddp.common.exitcodes import REQUEUE_EXIT_CODE
 from hpc_ddp.common.procs import exit_after_handlers
 from hpc_ddp.common.rundir import RunDir
+from hpc_ddp.data.elastic import Split
 from hpc_ddp.data.loaders import ResumableSampler, shield_loader_workers
 from hpc_ddp.job.deadline import job_deadline
 from hpc_ddp.job.distenv import DistEnv, from_environ
@@ -114,6 +115,11 @@ class Session(StepAndStop, SaveAndResume):
         self._watch_stalls = getattr(spec, "debug_rank", None) is None  # a rank at a breakpoint is no hang
         self.stallwatch: StallWatch | None = None
         self._batch_size: int | None = None
+        self._split: Split | None = None      # how the ranks share each step's global batch (data.elastic)
+        self._finished = False
+        self._resume_called = False
+        self._batch_asked = False             # batch_size() was asked: the loop's loaders follow an uneven split
+        self._loaders: list[Any] = []         # the DataLoaders loader() made (their batch follows the split)
         self.progress = Progress()
         self.total_steps: int | None = None
         self.epochs_total: int | None = None

@@ -4,6 +4,7 @@ and a diverged loss raise, and the run's Progress as a checkpoint saves it. Re-e
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from hpc_ddp.common.errors import HpcDdpError, UserError
 
@@ -28,3 +29,10 @@ class Progress:
     restarts: int = 0           # resumes from a checkpoint so far
     samples: int = 0            # samples consumed, all ranks together (where step() is told)
 
+
+def at_least_one(what: str, **values: Any) -> None:
+    """A count the API is given must be a whole number >= 1: 0 or -2 would train or count nothing, in silence."""
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise UsageError(f"{what}(): {name}={value!r} is not a whole number of at least 1",
+                             hint=f"pass {name}= 1 or more")

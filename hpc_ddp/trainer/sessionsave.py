@@ -15,11 +15,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hpc_ddp.data.elastic import Resized, resize
+from hpc_ddp.data.elastic import Resized, Split, resize
 from hpc_ddp.trainer import rendezvous
 from hpc_ddp.trainer.checkpoint import Loaded, state_sha256
 from hpc_ddp.trainer.rngstate import capture_rng, restore_rng
-from hpc_ddp.trainer.sessionbase import IncompatibleResume, Progress, UsageError
+from hpc_ddp.trainer.sessionbase import IncompatibleResume, Progress, UsageError, at_least_one
 
 SESSION_FILE = "session.pt"   # progress + every rank's RNG streams, next to the tracked states
 
@@ -31,6 +31,10 @@ class SaveAndResume:
         """Name the states a checkpoint holds: modules (a DDP wrapper is unwrapped), optimizers,
         schedulers, scalers, anything with state_dict()/load_state_dict(), or a plain dict (updated in
         place on resume). `model=` is the one `hpc-ddp inspect` hashes."""
+        if self._resume_called:
+            raise UsageError(f"track({', '.join(objects)}=...) after resume(): the checkpoint was already loaded, so "
+                             "these would train on from fresh weights while the step count goes on",
+                             hint="call run.track(...) before run.resume()")
         for name, obj in objects.items():
             if not name.isidentifier() or f"{name}.pt" == SESSION_FILE:
                 raise UsageError(f"track(): {name!r} cannot name a checkpoint file",
@@ -130,6 +134,11 @@ class SaveAndResume:
             meta["code"] = os.environ["HPC_DDP_CODE_ID"]
         if self._accum is not None:  # what a resume on another world size starts from (data.elastic)
             meta["grad_accum"] = self._accum
+        if self._split is not None:  # an uneven split's G is not batch x ranks x rank 0's accumulation
+            meta["global_batch"] = self._split.global_batch
+        batch_size = self._known_batch_size()
+        if batch_size is not None:  # the unit of batch_in_epoch: a resume with another one is refused
+            meta["batch_size"] = batch_size
         if model_hash and "model.pt" in payloads:
             meta["model_sha256"] = state_sha256(payloads["model.pt"])
         return meta
@@ -152,6 +161,7 @@ class SaveAndResume:
         rank's RNG; False (and a "start" record) when there is none. `total_steps` is the run's length:
         `status` shows progress against it, and a checkpoint beyond it is refused (BeyondSchedule)."""
         self.total_steps = total_steps or self.total_steps
+        self._resume_called = True
         loaded = self.checkpoints.load_latest(max_step=self.total_steps)  # one beyond the schedule: refused
         if loaded is None:
             self.events.write({"event": "start", "step": 0, "total_steps": self.total_steps,
@@ -164,13 +174,24 @@ class SaveAndResume:
             raise IncompatibleResume(f"cannot resume from {loaded.path}: it holds {held}, not {missing or ['session']}",
                                      hint="track() the same names as the run that saved it, or use another --run-dir")
         for name, obj in self._tracked.items():
-            _load_into(obj, loaded.payloads[f"{name}.pt"])
+            try:
+                _load_into(obj, loaded.payloads[f"{name}.pt"])
+            except (RuntimeError, KeyError, ValueError, TypeError) as exc:
+                first = (str(exc).strip().splitlines() or [""])[0].strip().rstrip(":.")
+                raise IncompatibleResume(
+                    f"cannot resume from {loaded.path}: its {name} does not fit this run's {name} "
+                    f"({type(exc).__name__}: {first[:200]})",
+                    hint=f"build the same {name} as the run that saved it, or start afresh with another --run-dir"
+                ) from None
         session = loaded.payloads[SESSION_FILE]
         self.progress = Progress(**session["progress"])
         self.progress.restarts += 1
         saved_world = len(session["rng"])
-        if saved_world != self.world_size:
-            self._resume_resized(saved_world, _saved_accum(loaded.manifest))
+        self._check_batch(loaded.manifest, self._known_batch_size())
+        saved_global = _saved_global(loaded.manifest)
+        if saved_world != self.world_size or (saved_global and self._batch_size and
+                                               not Split(saved_global, self._batch_size, saved_world).even):
+            self._resume_resized(saved_world, _saved_accum(loaded.manifest), saved_global)
         if self.rank < saved_world:
             restore_rng(session["rng"][self.rank])
         # epochs counted from 1, as the step lines count them ("epoch 2/3"); the records keep the index
@@ -183,23 +204,69 @@ class SaveAndResume:
         return True
 
     def accumulation(self, grad_accum: int = 1, *, batch_size: int) -> int:
-        """The micro-batches per optimizer step from now on: `grad_accum`, unless this run resumes on another
-        world size than the checkpoint's and keeps the global batch (`elastic = "keep_global_batch"`, a node
-        range's default): then as many more or fewer as keep batch x ranks x accumulation the same. Ask it
-        before the loop's schedule is built (the steps per epoch follow from it)."""
+        """This rank's micro-batches per optimizer step from now on: `grad_accum`, unless this run resumes on
+        another world size than the checkpoint's and keeps the global batch (`elastic = "keep_global_batch"`,
+        a node range's default): then as many more or fewer as keep batch x ranks x accumulation the same.
+        Where the new size does not divide it (32 = 4 x 8 on 3 ranks), the ranks take different counts
+        (2, 1, 1) and each micro-batch's loss must be multiplied by `loss_weight()` (data.elastic). Ask it
+        before the loop's schedule is built (the steps per epoch follow from it) and before `resume()`."""
+        at_least_one("accumulation", grad_accum=grad_accum, batch_size=batch_size)
         manifest = self.checkpoints.latest_manifest()
         saved, used = _saved_world(manifest), _saved_accum(manifest)
+        self._check_batch(manifest, batch_size)
         self._batch_size = batch_size
         if saved is None:
             self._accum = grad_accum
-        elif saved == self.world_size:
-            self._accum = used or grad_accum  # a run resized before goes on with the accumulation it had
-        else:
-            self._accum = self._resize(saved, batch_size, used or grad_accum, batch_in_epoch=0).grad_accum
+            self._split = Split(batch_size * self.world_size * grad_accum, batch_size, self.world_size)
+        else:  # a run resized before goes on with the accumulation it had
+            moved = self._resize(saved, batch_size, used or grad_accum, 0, _saved_global(manifest))
+            self._accum, self._split = moved.grad_accum, moved.split
+        self._size_loaders()
         return self._accum
 
-    def _resize(self, saved: int, batch_size: int, grad_accum: int, batch_in_epoch: int) -> Resized:
-        if self.elastic is None:
+    def batch_size(self) -> int:
+        """This rank's micro-batch: the `batch_size` given to `accumulation()` (or the first sampler), or,
+        after a resume on a size that splits the global batch unevenly (data.elastic), this rank's share of
+        it (at most that). Build the DataLoader of a `sampler()` with it; `loader()`'s follow by themselves."""
+        self._batch_asked = True
+        if self._split is not None:
+            return self._split.rank_batch(self.rank)
+        known = self._known_batch_size()
+        if known is None:
+            raise UsageError("batch_size() before the batch size is known",
+                             hint="call run.accumulation(grad_accum, batch_size=B) or run.sampler(..., batch_size=B) first")
+        return known
+
+    def _size_loaders(self) -> None:
+        """The DataLoaders `loader()` made take this rank's batch of the split (they read it per epoch)."""
+        if self._split is None:
+            return
+        for loader in self._loaders:
+            loader.batch_sampler.batch_size = self._split.rank_batch(self.rank)
+
+    def loss_weight(self) -> float:
+        """What each micro-batch's mean loss is multiplied by before backward(), so that DDP's average over
+        ranks is the global batch's mean gradient: 1 / accumulation while every rank takes the same number
+        of micro-batches; W / C (C micro-batches of the global batch on W ranks) after a resume that split it
+        unevenly: b_r x W / G, this rank's share. 1.0 before `accumulation()`."""
+        return self._split.loss_weight(self.rank) if self._split is not None else 1.0
+
+    def _known_batch_size(self) -> int | None:
+        return self._batch_size or (self._samplers[0][1] if self._samplers else None)
+
+    def _check_batch(self, manifest: Mapping[str, Any] | None, batch_size: int | None) -> None:
+        """The checkpoint counts the epoch's position in batches of the size it was saved with: another
+        size would start the samplers elsewhere and skip or repeat samples (issue 43). Refused, named."""
+        saved = (manifest or {}).get("batch_size")
+        if type(saved) is int and batch_size is not None and saved != batch_size:
+            raise IncompatibleResume(
+                f"cannot resume with batch_size {batch_size}: the checkpoint was saved with batch_size {saved} "
+                "(its place in the epoch is counted in those batches; another size would skip or repeat samples)",
+                hint=f"resume with batch_size={saved}, or start afresh with another --run-dir")
+
+    def _resize(self, saved: int, batch_size: int, grad_accum: int, batch_in_epoch: int,
+                global_batch: int | None = None) -> Resized:
+        if self.elastic is None and saved != self.world_size:
             raise IncompatibleResume(
                 f"cannot resume: the checkpoint was saved by {saved} ranks, this run has {self.world_size} (a fixed "
                 "number of nodes: each rank's data order and random streams are in it)",
@@ -207,11 +274,11 @@ class SaveAndResume:
                      "to let a run resume on another size")
         try:
             return resize(saved_world=saved, world=self.world_size, batch_size=batch_size, grad_accum=grad_accum,
-                          batch_in_epoch=batch_in_epoch, policy=self.elastic)
+                          batch_in_epoch=batch_in_epoch, policy=self.elastic or "keep_global_batch",
+                          global_batch=global_batch, rank=self.rank)
         except ValueError as exc:
             raise IncompatibleResume(f"cannot resume on {self.world_size} ranks: {exc}",
-                                     hint="resume on a number of nodes the global batch divides, or set "
-                                          "--elastic keep_per_rank_batch") from None
+                                     hint="resume on fewer nodes, or set --elastic keep_per_rank_batch") from None
 
     def _check_compatible(self, loaded: Loaded) -> None:
         saved = loaded.manifest.get("fingerprint") or {}
@@ -223,24 +290,53 @@ class SaveAndResume:
             raise IncompatibleResume(f"cannot resume from {loaded.path}: the run changed {'; '.join(changed)}",
                                      hint="restore those settings, or start afresh with another --run-dir")
 
-    def _resume_resized(self, saved_world: int, saved_accum: int | None) -> None:
+    def _resume_resized(self, saved_world: int, saved_accum: int | None, saved_global: int | None) -> None:
         """Go on at this world size from where `saved_world` ranks stopped: the same global position in the
         epoch's order (data.elastic). The batch size is the one `accumulation()` was told, else the first
-        followed sampler's; the saved run's accumulation is in its checkpoint (1 where it was never asked)."""
-        batch_size = self._batch_size or (self._samplers[0][1] if self._samplers else 1)
-        moved = self._resize(saved_world, batch_size, saved_accum or 1, self.progress.batch_in_epoch)
+        followed sampler's; the saved run's accumulation is in its checkpoint (1 where it was never asked).
+        Also for the same size when the saved run split its global batch unevenly: each rank's own count."""
+        batch_size = self._known_batch_size()
+        if batch_size is None:
+            raise IncompatibleResume(
+                f"cannot resume on {self.world_size} ranks what {saved_world} saved: this loop has no run.sampler() "
+                "or run.loader() and never told run.accumulation() its batch size, so where its data stopped is "
+                "not known in samples",
+                hint=f"resume on {saved_world} ranks, or give the loop run.sampler(...) (or call "
+                     "run.accumulation(accum, batch_size=B)) before run.resume()")
+        moved = self._resize(saved_world, batch_size, saved_accum or 1, self.progress.batch_in_epoch, saved_global)
+        if moved.split is not None and not moved.split.even and (self._accum is None or not self._batch_asked):
+            raise IncompatibleResume(
+                f"cannot resume on {self.world_size} ranks: the global batch of {moved.global_batch} splits unevenly "
+                f"there (per-rank batches {moved.split.rank_batch(0)} to {moved.split.rank_batch(self.world_size - 1)}"
+                f", {moved.split.accum} a step), and this loop never asked for "
+                f"{'run.accumulation()' if self._accum is None else 'run.batch_size()'}",
+                hint="before run.resume(): accum = run.accumulation(grad_accum, batch_size=B); build the DataLoader "
+                     "with batch_size=run.batch_size() (run.loader() does it); multiply each batch's loss by "
+                     "run.loss_weight()")
         if self._accum is not None and moved.grad_accum != self._accum:
             raise IncompatibleResume(f"the checkpoint resumed is not the one the run planned with (accumulation "
                                      f"{self._accum}, this one needs {moved.grad_accum})",
                                      hint="resubmit: the next attempt plans with the checkpoint it finds")
-        self._accum = moved.grad_accum
+        self._accum, self._split = moved.grad_accum, moved.split
+        self._size_loaders()
         self.progress.batch_in_epoch = moved.batch_in_epoch
+        if saved_world == self.world_size:
+            return
         fresh = f"; ranks {saved_world}-{self.world_size - 1} had no random streams in the checkpoint and start from " \
                 "their seeds" if self.world_size > saved_world else ""
         self.log(f"hpc-ddp: {moved.note}{fresh}")
-        self.events.write({"event": "resized", "from_world_size": saved_world, "world_size": self.world_size,
-                           "grad_accum": moved.grad_accum, "global_batch": moved.global_batch,
-                           "policy": self.elastic})
+        record = {"event": "resized", "from_world_size": saved_world, "world_size": self.world_size,
+                  "grad_accum": moved.grad_accum, "global_batch": moved.global_batch, "policy": self.elastic}
+        if moved.split is not None and not moved.split.even:
+            record.update({"batch_per_rank": [moved.split.rank_batch(r) for r in range(self.world_size)],
+                           "loss_weight_per_rank": [moved.split.loss_weight(r) for r in range(self.world_size)]})
+        self.events.write(record)
+
+
+def _saved_global(manifest: Mapping[str, Any] | None) -> int | None:
+    """The global batch the saving run trained with, where its checkpoint says (None: older checkpoints)."""
+    value = (manifest or {}).get("global_batch")
+    return value if type(value) is int and value > 0 else None
 
 
 def _saved_accum(manifest: Mapping[str, Any] | None) -> int | None:

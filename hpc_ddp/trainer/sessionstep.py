@@ -27,7 +27,7 @@ from hpc_ddp.common.rundir import RunDir
 from hpc_ddp.data.loaders import ResumableSampler, SeededSamples, worker_init, worker_niceness
 from hpc_ddp.job.deadline import stop_lead
 from hpc_ddp.trainer import rendezvous
-from hpc_ddp.trainer.sessionbase import Diverged
+from hpc_ddp.trainer.sessionbase import Diverged, UsageError, at_least_one
 from hpc_ddp.trainer.stallwatch import FACTOR, STALL_EXIT_CODE, STORE_ANSWER_S
 
 
@@ -49,6 +49,7 @@ class StepAndStop:
         positions at the resumed batch. Give the DataLoader the same `batch_size`. Exact as long as the
         dataset draws no random numbers (a DataLoader draws one from the global RNG when each epoch's
         iterator is made); for random augmentation use `loader()`."""
+        at_least_one("sampler", batch_size=batch_size)
         sampler = ResumableSampler(len(dataset), rank=self.rank, world_size=self.world_size, seed=seed,
                                    shuffle=shuffle, keys=False)
         return self.follow(sampler, batch_size=batch_size)
@@ -60,17 +61,23 @@ class StepAndStop:
         epoch's iterator draws from a generator of the loader's, not the training RNG. `options` go to
         DataLoader (num_workers, pin_memory, ...); loader workers ignore the stop signals and, when the
         session trains on the CPU, run at a lower priority than the rank (`loaders.worker_niceness`)."""
+        at_least_one("loader", batch_size=batch_size)
         sampler = ResumableSampler(len(dataset), rank=self.rank, world_size=self.world_size, seed=seed,
                                    shuffle=shuffle, keys=True)
         generator = torch.Generator().manual_seed(seed)
         if options.get("num_workers"):
             options.setdefault("worker_init_fn", worker_init(worker_niceness(self.device.type)))
         self.follow(sampler, batch_size=batch_size, generator=(generator, seed))
-        return DataLoader(SeededSamples(dataset, seed), batch_size=batch_size, sampler=sampler, drop_last=True,
-                          generator=generator, **options)
+        loader = DataLoader(SeededSamples(dataset, seed), batch_size=batch_size, sampler=sampler, drop_last=True,
+                            generator=generator, **options)
+        self._loaders.append(loader)
+        self._batch_asked = True   # its batch follows the split (_size_loaders)
+        self._size_loaders()
+        return loader
 
     def follow(self, sampler: ResumableSampler, *, batch_size: int, generator: tuple | None = None) -> ResumableSampler:
         """Have `epochs()` position a sampler made elsewhere (the trainer's, which yields seeded keys)."""
+        at_least_one("follow", batch_size=batch_size)
         self._samplers.append((sampler, batch_size, generator))
         return sampler
 
@@ -83,8 +90,13 @@ class StepAndStop:
         self.epochs_total = total
         while self.progress.epoch < total:
             if batches_per_epoch is None or self.progress.batch_in_epoch < batches_per_epoch:
+                split = self._split if self._split is not None and not self._split.even else None
                 for sampler, batch_size, generator in self._samplers:
-                    sampler.set_position(self.progress.epoch, self.progress.batch_in_epoch * batch_size)
+                    if split is not None:  # uneven: each rank's batches count its own share of each step
+                        sampler.place(self.progress.epoch, self.progress.batch_in_epoch // max(1, self._accum or 1)
+                                      * split.global_batch, split)
+                    else:
+                        sampler.set_position(self.progress.epoch, self.progress.batch_in_epoch * batch_size)
                     if generator is not None:  # the same worker seeds in this epoch, resumed or not
                         generator[0].manual_seed(generator[1] * 1_000_003 + self.progress.epoch)
                 yield self.progress.epoch
@@ -125,9 +137,17 @@ class StepAndStop:
         """Count one optimizer step (on every rank, after `optimizer.step()`): record metrics every
         `log_every` steps, save when a checkpoint is due, and when any rank was asked to stop, save and
         exit 75 (or return True with exit_on_stop=False). `batches`: loader batches it consumed (gradient
-        accumulation); `samples`: samples it consumed on all ranks together, for samples/s. With the loss
+        accumulation; >= 1); `samples`: samples it consumed on all ranks together, for samples/s, status's
+        ETA and the timeline: derived from the batch size `sampler()`, `loader()` or `accumulation()` was told
+        (batches x batch x ranks, the global batch per step when uneven) where not given. With the loss
         on a GPU, the step's flags are read by the next call (lagged.py): its record is written then, and a
         stop or a NaN in them is acted on there, or by a checkpoint due now, settle(), finish() or close()."""
+        if self._finished:
+            raise UsageError("step() after finish(): the run is complete and its final checkpoint written",
+                             hint="call run.finish() once, after the last step")
+        at_least_one("step", batches=batches)
+        if samples is None:
+            samples = self._samples_in(batches)
         self._check_writer()  # a failed background checkpoint write stops the run here, not silently
         sent = self._sent if self._sent is not None else self.flags(loss)
         self._sent = None
@@ -161,6 +181,14 @@ class StepAndStop:
         if due:
             self.save("periodic", wait=False)  # in the background when async checkpoints are on
         return False
+
+    def _samples_in(self, batches: int) -> int:
+        """Samples a step of `batches` loader batches consumed on all ranks together, where the batch size is
+        known: batches x batch x ranks, or this rank's share of an uneven split's global batch scaled up."""
+        if self._split is not None and self._accum:
+            return batches * self._split.global_batch // self._accum
+        batch_size = self._samplers[0][1] if self._samplers else self._batch_size
+        return batches * batch_size * self.world_size if batch_size else 0
 
     @contextlib.contextmanager
     def busy(self, what: str = "work that is not a step"):
@@ -318,9 +346,10 @@ class StepAndStop:
             raise SystemExit(REQUEUE_EXIT_CODE)
 
     def finish(self) -> Path | None:
-        """The final checkpoint and the "finish" record: the run is complete."""
+        """The final checkpoint and the "finish" record: the run is complete (step() after it is an error)."""
         self._drain()
         path = self.save("final")
+        self._finished = True
         self.events.write({"event": "finish", "step": self.progress.step, "epoch": self.progress.epoch})
         self.log(f"hpc-ddp: training finished at step {self.progress.step}; checkpoints in {self.checkpoints.root}")
         return path
@@ -338,3 +367,4 @@ class StepAndStop:
             at, _, who = os.environ.get(knob, "").partition(":")
             if at == str(self.progress.step) and self.rank == int(who or 0):
                 os.kill(os.getpid(), sig)
+

@@ -94,7 +94,16 @@ class Trainer:
             session.log(f"hpc-ddp: reading the staged copy {self.data.root} of {cfg.data_dir}")
         # The accumulation from now on: cfg.grad_accum, or what keeps the global batch on resuming on another size.
         self.grad_accum = session.accumulation(cfg.grad_accum, batch_size=cfg.batch_size)
-        self.steps_per_epoch = self.data.micro_batches_per_epoch // self.grad_accum
+        split = session._split
+        # An uneven split (a resume on a size the global batch does not divide, data.elastic): this rank's
+        # own micro-batch, its loss weighted by its share; an epoch is floor(N / G) steps.
+        self.loss_weight = split.loss_weight(rank) if split is not None and not split.even else None
+        if self.loss_weight is not None:
+            _rank_batch(self.data.train, session.batch_size())
+        self.global_batch = split.global_batch if split is not None else \
+            cfg.batch_size * self.grad_accum * session.world_size
+        self.steps_per_epoch = self.data.micro_batches_per_epoch // self.grad_accum if self.loss_weight is None \
+            else self.data.sampler.size // self.global_batch
         total = self.steps_per_epoch * cfg.epochs
         self.total_steps = min(total, cfg.max_steps) if cfg.max_steps else total
         self.flags: StepFlags | None = None   # set by _model when DDP carries the step's flags
@@ -195,13 +204,13 @@ class Trainer:
 
     def _epoch(self) -> bool:
         """One epoch from the resumed batch on; True when the ranks stopped (checkpointed) in it."""
-        p, cfg = self.progress, self.cfg
+        p = self.progress
         self.model.train()
         steps_left = min(self.steps_per_epoch - p.batch_in_epoch // self.grad_accum, self.total_steps - p.step)
         if steps_left <= 0:
             return False
         batches = iter(self.data.train)
-        samples = cfg.batch_size * self.grad_accum * self.session.world_size
+        samples = self.global_batch
         for _ in range(steps_left):
             self._step(batches)
             summed = self.flags.incoming if self.flags is not None else None
@@ -225,7 +234,8 @@ class Trainer:
             with sync:
                 with torch.autocast(self.session.device.type, dtype=self.autocast_dtype or torch.float32,
                                     enabled=self.autocast_dtype is not None):
-                    loss = nn.functional.cross_entropy(self.forward(x), y) / self.grad_accum
+                    loss = nn.functional.cross_entropy(self.forward(x), y)
+                    loss = loss / self.grad_accum if self.loss_weight is None else loss * self.loss_weight
                 total = total + (loss.detach().double() if on_device else loss.item())
                 if last:
                     # This rank's flags, set before the synchronising backward that carries them (reduce.py).
@@ -269,6 +279,20 @@ class Trainer:
     def close(self) -> None:
         shutdown_workers(self.data.train)
         shutdown_workers(self.data.eval)
+
+
+def _rank_batch(loader, batch_size: int) -> None:
+    """Have the training loader yield this rank's micro-batch of an uneven split (its BatchSampler reads
+    the size at each epoch's iterator); the device path's batches wrap a loader of their own."""
+    loader = loader if hasattr(loader, "batch_sampler") else getattr(loader, "loader", loader)  # device path
+    batches = getattr(loader, "batch_sampler", None)
+    if batches is None or not hasattr(batches, "batch_size"):
+        raise IncompatibleResume(
+            "cannot resume on this number of ranks: its share of the global batch is uneven, and this data path "
+            "cannot change its batch size",
+            hint='set data_path = "cpu" in [train] for this resume, or resume on a number of ranks the global '
+                 "batch divides")
+    batches.batch_size = batch_size
 
 
 def run(spec: JobSpec, run_dir: Path, env=None) -> int:

@@ -35,7 +35,7 @@ for epoch in run.epochs(2):
         for _ in range(accum):
             x = next(batches)
             seen += x.tolist()
-            model(x.float().view(-1, 1)).sum().backward()
+            (model(x.float().view(-1, 1)).sum() * run.loss_weight()).backward()  # uneven splits weight it
         opt.step()
         opt.zero_grad()
         time.sleep(float(os.environ.get("KEYS_STEP_S", "0")))  # slow enough to be preempted mid-run

@@ -53,6 +53,28 @@ def test_a_run_resumed_on_half_its_ranks_trains_the_uninterrupted_samples(tmp_pa
         == [(4, 2, 2)]
 
 
+def test_a_run_stopped_on_4_ranks_mid_epoch_resumes_on_3_with_uneven_batches_and_exact_samples(tmp_path):
+    """Issue 44: a global batch of 16 (4 ranks x 4) does not split into whole batches of 4 on 3 ranks; the
+    resume goes on with 2 micro-steps of 8 a step (3, 3, 2 a rank, each weighted by its share) and trains the
+    uninterrupted multiset."""
+    shutil.copy(SCRIPT, tmp_path)
+    done = _submit(tmp_path, "whole", tmp_path / "whole-keys", "--nodes", "4")
+    assert done.returncode == 0, done.stderr
+    stopped = _submit(tmp_path, "run", tmp_path / "keys", "--nodes", "4", "--max-preemptions", "0",
+                      env={"HPC_DDP_FAULT_STOP_AT": "5"})
+    assert stopped.returncode != 0 and "checkpointed" in stopped.stderr, stopped.stderr
+    resumed = _submit(tmp_path, "run", tmp_path / "keys", "--nodes", "1-3")
+    out = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, out
+    assert "global batch kept at 16 as 2 micro-steps of 8, per-rank batches 3 or 2 (was 4)" in out
+    whole, parts = _trained(tmp_path / "whole-keys"), _trained(tmp_path / "keys")
+    assert parts == whole and max(parts.values()) == 1 and sum(whole.values()) == 2 * (200 // 16 * 16)
+    events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
+    resized = [e for e in events if e["event"] == "resized"]
+    assert [(e["from_world_size"], e["world_size"], e["grad_accum"], e["batch_per_rank"]) for e in resized] \
+        == [(4, 3, 2, [3, 3, 2])]
+
+
 def test_a_fixed_size_run_refuses_another_size_and_names_the_range(tmp_path):
     shutil.copy(SCRIPT, tmp_path)
     stopped = _submit(tmp_path, "run", tmp_path / "keys", "--nodes", "4", "--max-preemptions", "0",
@@ -161,3 +183,17 @@ def test_the_trainer_resumes_on_half_its_ranks_with_the_global_batch_kept(tmp_pa
     out = resumed.stdout + resumed.stderr
     assert resumed.returncode == 0, out
     assert "global batch kept at 32 with gradient accumulation 1 -> 2" in out and "training finished at step 16" in out
+
+
+def test_the_trainer_resumes_on_3_of_4_ranks_with_uneven_batches(tmp_path):
+    """Issue 44 on the built-in trainer: a global batch of 32 (4 x 8) on 3 ranks: 2 micro-steps of 16 (6, 5,
+    5 a rank), the same 8 steps per epoch, finished at step 16 (it was refused before: 32 does not split by 3)."""
+    (tmp_path / "job.toml").write_text(TRAINER_JOB.replace('script = ""\n', ""))
+    stopped = hpc_ddp("submit", "--executor", "local", "--nodes", "4", "--max-preemptions", "0", "--run-dir", "run",
+                      "job.toml", cwd=tmp_path, env={"HPC_DDP_FAULT_STOP_AT": "3"})
+    assert "checkpointed" in stopped.stderr, stopped.stderr
+    resumed = hpc_ddp("submit", "--executor", "local", "--nodes", "1-3", "--run-dir", "run", "job.toml", cwd=tmp_path)
+    out = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, out
+    assert "global batch kept at 32 as 2 micro-steps of 16, per-rank batches 6 or 5 (was 8)" in out
+    assert "training finished at step 16" in out
