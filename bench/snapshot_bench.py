@@ -184,7 +184,8 @@ def _remove(path: Path) -> None:
 def code_under_test(module) -> dict:
     """Which snapshot code was measured: the commit, the files of the copy path changed since, and the
     sha256 of snapshot.py as imported (the working tree may hold uncommitted changes)."""
-    paths = ["hpc_ddp/launch/snapshot.py", "hpc_ddp/launch/gitinfo.py", "hpc_ddp/common/durable.py"]
+    paths = ["hpc_ddp/snapshot/snapshot.py", "hpc_ddp/snapshot/listing.py", "hpc_ddp/snapshot/copying.py",
+             "hpc_ddp/snapshot/gitinfo.py", "hpc_ddp/common/durable.py"]
 
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=False).stdout
@@ -210,7 +211,7 @@ def destination(ws: Workspace) -> tuple[Path, str]:
 
 
 def measure(ws: Workspace) -> dict:
-    from hpc_ddp.launch import snapshot
+    from hpc_ddp.snapshot import snapshot
 
     code = code_under_test(snapshot)
     src = ws.root / "snapshot-project"

@@ -62,3 +62,7 @@ def test_the_wheel_ships_the_templates_and_the_exit_guard(tmp_path):
     for name in ("hpc_ddp/templates/sbatch.sh.j2", "hpc_ddp/templates/sweep.sh.j2",
                  "hpc_ddp/job/exitsite/sitecustomize.py"):
         assert name in names, name
+    # Every package of the source tree is in the wheel (hpc_ddp.remote, the whole --ssh path, was missing).
+    for init in sorted((REPO / "hpc_ddp").rglob("__init__.py")):
+        name = init.relative_to(REPO).as_posix()
+        assert name in names, f"{name}: add its package to pyproject.toml's packages"

@@ -1,6 +1,6 @@
 """The launcher-side work over a run dir at `nodes` x `per_node` ranks with hundreds of attempts:
 `hpc_ddp.job.attempts` begin/finish for every attempt (what the batch script runs around each srun),
-then `hpc_ddp.launch.status.run_status` over the result (what `hpc-ddp status` prints).
+then `hpc_ddp.watch.status.run_status` over the result (what `hpc-ddp status` prints).
 
 The run dir is real (in /dev/shm where it fits: see _memory_dir): `attempts` writes events.jsonl
 itself; the trainer's records (start/resume, the stop signal, the checkpoint pointer, a few metrics per
@@ -122,7 +122,7 @@ def _memory_dir(files: int) -> str | None:
 
 
 def run(nodes: int, per_node: int, *, jobs: int = 10, per_job: int = 20) -> dict:
-    from hpc_ddp.launch.status import run_status
+    from hpc_ddp.watch.status import run_status
 
     world = nodes * per_node
     where = _memory_dir(world * jobs * per_job)
