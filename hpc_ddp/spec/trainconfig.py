@@ -49,7 +49,8 @@ class TrainConfig:
     augment: bool = True
     eval_every_epoch: bool = True
     checkpoint_every_steps: int = 0    # 0: only at stops and at the end
-    checkpoint_every_minutes: float = 30.0  # a node failure loses at most this much
+    checkpoint_every_minutes: float | str = 30.0  # a node failure loses at most this much; "auto": Young's
+                                                   # interval from the save cost and interruption rate
     keep_checkpoints: int = 3
     async_checkpoint: bool = True      # periodic saves: snapshot to host memory, write in the background
     log_every: int = 10
@@ -95,6 +96,15 @@ def _auto_bool(value: Any) -> bool | str:
     raise ValueError(f"{value!r} is not true, false or \"auto\"")
 
 
+def _minutes_or_auto(value: Any) -> float | str:
+    if value == "auto":
+        return value
+    try:
+        return number(0.0, maximum=DAY_MINUTES * 365)(value)
+    except ValueError as exc:
+        raise ValueError(f"{exc} (minutes, or \"auto\": from the save cost and the interruption rate)") from None
+
+
 def _path(value: Any) -> str:
     if not isinstance(value, str) or not value.strip():
         raise ValueError(f"{value!r} is not a path")
@@ -117,7 +127,7 @@ _PARSERS = {
     "warmup_steps": _int(0, MAX_STEPS), "schedule": _choice(("cosine", "constant")),
     "precision": _choice(PRECISIONS), "sync_bn": _bool, "clip_grad": number(0.0),
     "num_workers": _int(0, 1024), "seed": _int(0, MAX_SEED), "augment": _bool, "eval_every_epoch": _bool,
-    "checkpoint_every_steps": _int(0, MAX_STEPS), "checkpoint_every_minutes": number(0.0, maximum=DAY_MINUTES * 365),
+    "checkpoint_every_steps": _int(0, MAX_STEPS), "checkpoint_every_minutes": _minutes_or_auto,
     "keep_checkpoints": _int(2, 10_000), "log_every": _int(1, MAX_STEPS), "fake_size": _int(1, 10**9),
     "stop_lead_seconds": number(0.0, maximum=86400.0 * 365), "async_checkpoint": _bool,
     "loggers": _loggers, "data_path": _choice(DATA_PATHS), "channels_last": _auto_bool, "compile": _auto_bool,

@@ -71,6 +71,7 @@ from hpc_ddp.job.gpubind import own_device
 from hpc_ddp.trainer import rendezvous
 from hpc_ddp.trainer.asyncsave import BackgroundWriter, Snapshot, Snapshotter
 from hpc_ddp.trainer.checkpoint import CheckpointManager
+from hpc_ddp.trainer.interval import AUTO
 from hpc_ddp.trainer.lagged import LaggedFlags
 from hpc_ddp.trainer.loggers import Loggers
 from hpc_ddp.trainer.sessionbase import Diverged, IncompatibleResume, Progress, UsageError
@@ -92,7 +93,7 @@ class Session(StepAndStop, SaveAndResume):
     """One rank's handle on a preemption-safe run. Build it with `hpc_ddp.start()`."""
 
     def __init__(self, run_dir: str | os.PathLike | None = None, *, checkpoint_every_steps: int = 0,
-                 checkpoint_every_minutes: float = 30.0, keep: int = 3, log_every: int = 10,
+                 checkpoint_every_minutes: float | str = 30.0, keep: int = 3, log_every: int = 10,
                  fingerprint: Mapping[str, Any] | None = None, stop_lead_seconds: float = 0.0,
                  stop_on_nonfinite: bool = True, exit_on_stop: bool = True, env: DistEnv | None = None,
                  async_checkpoint: bool = True, loggers: tuple[str, ...] | list[str] = ()):
@@ -104,7 +105,16 @@ class Session(StepAndStop, SaveAndResume):
         self.signal_lead = float(getattr(spec, "signal_lead", 120))
         self.gpus_asked = int(getattr(spec, "gpus", 0) or 0)
         self.stop = StopFlag((getattr(spec, "signal", "USR2"), "TERM"))
-        self.checkpoint_every_steps, self.checkpoint_every_minutes = checkpoint_every_steps, checkpoint_every_minutes
+        # "auto": Young's interval from the measured save cost and the interruption rate (interval.py), chosen
+        # by rank 0 at setup and again when the first save is measured and sacct answers.
+        if isinstance(checkpoint_every_minutes, str) and checkpoint_every_minutes != AUTO:
+            raise UsageError(f"checkpoint_every_minutes={checkpoint_every_minutes!r} is neither minutes nor \"auto\"",
+                             hint="pass a number of minutes (0: none), or \"auto\"")
+        self.auto_interval = checkpoint_every_minutes == AUTO
+        self.checkpoint_every_steps = checkpoint_every_steps
+        self.checkpoint_every_minutes = 0.0 if self.auto_interval else float(checkpoint_every_minutes)
+        self._interval_inputs: dict[str, Any] = {}   # auto: the evidence and save cost the interval was chosen from
+        self._interval_dirty = False
         self.log_every, self.stop_lead_seconds = max(1, log_every), stop_lead_seconds
         self.stop_on_nonfinite, self.exit_on_stop = stop_on_nonfinite, exit_on_stop
         self.fingerprint = {**(fingerprint or {}), "world_size": self.env.world_size}
@@ -208,6 +218,8 @@ class Session(StepAndStop, SaveAndResume):
             if self._watch_stalls and os.environ.get("HPC_DDP_STALL_MIN_S") != "off":
                 self.stallwatch = StallWatch(self, self._stalled, cap_s=self.collective_timeout).start()
         self.deadline = job_deadline(os.environ) if self.is_main else None
+        if self.auto_interval and self.is_main:
+            self._start_interval()
         atexit.register(self.close)  # a script that never leaves a `with` block still leaves cleanly
         _one_line_errors()
         return self

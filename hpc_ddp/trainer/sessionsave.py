@@ -111,6 +111,7 @@ class SaveAndResume:
         """The "checkpoint" record, once a checkpoint is durable (on the writer thread for background
         saves). `seconds` is snapshot to durable: what a stop's save costs, so the stop lead uses it."""
         self.save_seconds = seconds
+        self._save_measured(blocked if blocked is not None else seconds)  # "auto": w, what blocks the loop
         record = {"event": "checkpoint", "step": step, "epoch": epoch, "reason": reason, "path": str(path),
                   "seconds": round(seconds, 3)}
         if blocked is not None:

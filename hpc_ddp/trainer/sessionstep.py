@@ -21,12 +21,13 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from hpc_ddp.common.events import JsonLines
+from hpc_ddp.common.errors import HpcDdpError
+from hpc_ddp.common.events import JsonLines, read_jsonl
 from hpc_ddp.common.exitcodes import REQUEUE_EXIT_CODE
 from hpc_ddp.common.rundir import RunDir
 from hpc_ddp.data.loaders import ResumableSampler, SeededSamples, worker_init, worker_niceness
 from hpc_ddp.job.deadline import stop_lead
-from hpc_ddp.trainer import rendezvous
+from hpc_ddp.trainer import interval, rendezvous
 from hpc_ddp.trainer.sessionbase import Diverged, UsageError, at_least_one
 from hpc_ddp.trainer.stallwatch import FACTOR, STALL_EXIT_CODE, STORE_ANSWER_S
 
@@ -108,6 +109,8 @@ class StepAndStop:
         all-reduces it; a loop that can carry it on its own collective (the trainer's DDP hook) calls this
         before that collective and hands `step()` the sum."""
         step = self.progress.step + 1
+        if self._interval_dirty:
+            self._choose_interval()
         self._check_deadline()
         if str(step) in os.environ.get("HPC_DDP_FAULT_STOP_AT", "").split(","):
             self.stop.request("HPC_DDP_FAULT_STOP_AT")  # a rehearsal: as if the signal came during this step
@@ -131,6 +134,50 @@ class StepAndStop:
         value = 0.0 if loss is None else float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
         self._sent = torch.tensor([value, float(self.stop.requested), float(due)], dtype=torch.float64)
         return self._sent
+
+    # ---- checkpoint_every_minutes = "auto" (interval.py), on rank 0 ----
+
+    def _start_interval(self) -> None:
+        """At setup: the run's history now, sacct in the background (once per attempt, bounded), the first
+        choice from the history and the prior."""
+        try:
+            events = read_jsonl(RunDir(self.run_dir).events)
+        except (OSError, HpcDdpError):
+            events = []
+        self._interval_inputs = {"history": interval.from_history(events, nodes=self.env.num_nodes, now=time.time()),
+                                 "save_s": None}
+        if os.environ.get("SLURM_JOB_ID"):
+            partition = os.environ.get("SLURM_JOB_PARTITION")
+            self._interval_inputs["sacct"] = interval.Evidence(
+                "sacct", 0, 0.0, f"asked about partition {partition}: the interval is chosen again when it answers")
+
+            def ask() -> None:
+                self._interval_inputs["sacct"] = interval.from_sacct(partition)
+                self._interval_dirty = True
+            threading.Thread(target=ask, name="hpc-ddp-sacct", daemon=True).start()
+        else:
+            self._interval_inputs["sacct"] = interval.Evidence("sacct", 0, 0.0, "not a Slurm job: not asked")
+        self._choose_interval()
+
+    def _choose_interval(self) -> None:
+        """Young's interval from what is known now; one `checkpoint_interval` event and one line."""
+        self._interval_dirty = False
+        inputs = self._interval_inputs
+        left = self.deadline - time.time() if self.deadline is not None else None
+        record = interval.choose(save_s=inputs.get("save_s"), nodes=self.env.num_nodes,
+                                 evidence=[inputs["history"], inputs["sacct"]], time_left_s=left)
+        self.checkpoint_every_minutes = record["seconds"] / 60.0
+        self.events.write({**record, "step": self.progress.step, "job_id": self.env.job_id})
+        self.log(f"hpc-ddp: checkpoint every {record['minutes']:g} min (checkpoint_every_minutes = \"auto\"; "
+                 f"{record['why']})")
+
+    def _save_measured(self, seconds: float) -> None:
+        """The first save of the attempt gives w its measured value (any thread; rank 0 re-chooses at its
+        next step)."""
+        if self.auto_interval and self.is_main and self._interval_inputs.get("save_s") is None \
+                and self._interval_inputs:
+            self._interval_inputs["save_s"] = seconds
+            self._interval_dirty = True
 
     def step(self, loss: float | torch.Tensor | None = None, *, batches: int = 1, samples: int | None = None,
              summed: torch.Tensor | None = None, **metrics: float) -> bool:
