@@ -15,6 +15,7 @@ import click
 from hpc_ddp.cli.options import build, executor_for, spec_options, warn
 from hpc_ddp.common.durable import write_file
 from hpc_ddp.common.errors import SpecError, UserError
+from hpc_ddp.common.exitcodes import CANCELLED
 from hpc_ddp.common.procs import SubprocessCommands
 from hpc_ddp.common.rundir import RunDir
 from hpc_ddp.launch.rundirs import check_kind, check_not_live, new_run_dir
@@ -113,6 +114,8 @@ def submit(ctx: click.Context, **params) -> None:
         warn(f"{sub.executor} job {sub.job_id} {said} (exit code {sub.returncode}); run dir {sub.run_dir}")
         if sub.state == "CHECKPOINTED":
             warn("submit it again with the same --run-dir to resume")
+    if sub.state == "CANCELLED":  # asked for (Ctrl-C, hpc-ddp cancel): not a failure, and said apart from one
+        sys.exit(CANCELLED)
     if sub.returncode:
         sys.exit(1)
 
@@ -182,6 +185,9 @@ def _submit_sweep(params: dict, spec, sweep) -> None:
         record_run(task.plan.spec, task.run_dir, job_id, executor.name, warn,
                    {"sweep": plan.sweep_dir, "task": task.index, "values": dict(task.values),
                     **({"array_job_id": array} if array else {})})
+    if plan.script is None and not params["as_json"]:  # tasks run one by one from here: say where, first
+        warn(f"sweep dir {plan.sweep_dir}: {len(plan.tasks)} task{'s' if len(plan.tasks) != 1 else ''}, run one "
+             f"after another; watch it from another shell: hpc-ddp status {shlex.quote(plan.sweep_dir)}")
     subs = submit_sweep(executor, plan, recorded)
     if params["as_json"]:
         click.echo(json.dumps({"executor": plan.executor, "sweep_dir": plan.sweep_dir,
@@ -201,6 +207,7 @@ def _submit_sweep(params: dict, spec, sweep) -> None:
                        f"{describe(task.values)}")
         if len(subs) < len(plan.tasks):
             warn(f"stopped after task {len(subs) - 1}; tasks {len(subs)}..{len(plan.tasks) - 1} did not run")
+        click.echo(f"sweep dir {plan.sweep_dir}; hpc-ddp status {shlex.quote(plan.sweep_dir)} shows every task")
     if any(s.returncode for s in subs):
         sys.exit(1)
 

@@ -48,7 +48,7 @@ TABLE = (
     ExitCode(REQUEUE_EXIT_CODE, "a rank", "checkpointed at a stop request: requeue me (`REQUEUE_EXIT_CODE`)"),
     ExitCode(CANCELLED, "`hpc-ddp`, a local or srun run", "interrupted by Ctrl-C; for a local or srun run, the code "
                                                           "`status` shows once it was cancelled (Ctrl-C or "
-                                                          "`hpc-ddp cancel`)"),
+                                                          "`hpc-ddp cancel`), and `submit`'s exit code then"),
     ExitCode(STOPPED_AT_RENDEZVOUS, "a rank", "stopped by a signal while the ranks were still meeting: nothing "
                                               "trained, nothing to requeue"),
 )

@@ -81,9 +81,10 @@ class ForegroundControl:
         if _cancel_pending(run):
             who = self._running(run)
             say(f"job {run.job_id} is already being cancelled; waiting for it")
-        else:
-            who = self._signal(run, signal.SIGINT)
+        else:  # recorded before the ranks hear of it, so a rank that stops can tell a cancel from a preemption
+            self._running(run)
             JsonLines(run.paths.events).write({"event": "cancelled", "job_id": run.job_id, "by": "hpc-ddp cancel"})
+            who = self._signal(run, signal.SIGINT)
         deadline = time.monotonic() + CANCEL_WAIT_S
         while who.alive() and time.monotonic() < deadline:
             time.sleep(0.1)
