@@ -493,7 +493,25 @@ def with_accounting(runs: list[dict[str, Any]], commands: CommandRunner) -> list
         last = (acct.get(str(r.get("job_id"))) or [None])[-1]
         if last:
             r["slurm"] = {"state": last["state"], "elapsed": last["elapsed"], "exit_code": last["exitcode"]}
+        elif not r.get("host") and not _queued(r, executor_for_run):
+            r["state"] = _foreground_state(r, executor_for_run)
     return runs
+
+
+def _foreground_state(record: dict[str, Any], executor_for_run) -> str | None:
+    """A local or srun run's state: RUNNING while its process runs, else how its run dir recorded the end
+    (COMPLETED, CANCELLED, CHECKPOINTED, TIMEOUT, FAILED); None where neither says."""
+    from hpc_ddp.common.errors import HpcDdpError
+
+    try:
+        run = Run(Path(str(record.get("run_dir"))), str(record.get("job_id")), str(record.get("executor")))
+        if executor_for_run(record.get("executor")).state(run).get("state"):
+            return "RUNNING"
+        ended = [sub.get("state") for sub in records(RunDir(run.run_dir).submissions)
+                 if isinstance(sub, dict) and str(sub.get("job_id")) == run.job_id and sub.get("state")]
+    except (HpcDdpError, OSError, ValueError):
+        return None
+    return str(ended[-1]) if ended and ended[-1] != "RUNNING" else None
 
 
 def _queued(record: dict[str, Any], executor_for_run) -> bool:
@@ -510,14 +528,16 @@ def format_runs(runs: list[dict[str, Any]]) -> Iterator[str]:
     """`hpc-ddp list`: one line per run, newest last; a sweep's tasks under one line naming the sweep."""
     if not runs:
         yield "no runs yet"
+        return
+    yield f"{'JOB':28} {'EXECUTOR':8} {'STATE':10} {'ELAPSED':>10} {'NAME':20} RUN DIR"
     sweep = None
     for r in runs:
-        slurm = r.get("slurm") or {}
+        slurm = r.get("slurm") or ({"state": r["state"]} if r.get("state") else {})
         if r.get("sweep") != sweep and r.get("sweep"):
             yield f"sweep {r['sweep']}" + (f" (array job {r['array_job_id']})" if r.get("array_job_id") else "")
         sweep = r.get("sweep")
         what = f"  task {r.get('task')}: {describe(r.get('values') or {})}" if sweep else r.get("run_dir")
         if r.get("host") and not sweep:
             what = f"{r['host']}:{what}"
-        yield (f"{str(r.get('job_id')):28} {r.get('executor', '?'):8} {slurm.get('state', '-'):10} "
-               f"{slurm.get('elapsed', '-'):>10} {r.get('name', ''):20} {what}")
+        yield (f"{str(r.get('job_id')):28} {str(r.get('executor') or '?'):8} {str(slurm.get('state', '-')):10} "
+               f"{str(slurm.get('elapsed', '-')):>10} {str(r.get('name') or ''):20} {what}")

@@ -221,9 +221,10 @@ def test_list_shows_state_and_elapsed_from_sacct(tmp_path, monkeypatch):
     result = invoke("list")
     assert result.exit_code == 0, result.output
     rows = [line.split() for line in result.output.splitlines()]
-    assert rows[0][:4] == ["7", "sbatch", "COMPLETED", "00:02:19"]
-    assert rows[1][:4] == ["8", "sbatch", "CANCELLED", "00:00:00"]
-    assert rows[2][:4] == ["local-1-2", "local", "-", "-"]
+    assert rows[0] == ["JOB", "EXECUTOR", "STATE", "ELAPSED", "NAME", "RUN", "DIR"]
+    assert rows[1][:4] == ["7", "sbatch", "COMPLETED", "00:02:19"]
+    assert rows[2][:4] == ["8", "sbatch", "CANCELLED", "00:00:00"]
+    assert rows[3][:4] == ["local-1-2", "local", "-", "-"]  # its run dir is gone: nothing says how it ended
     assert "-j 7,8 " in (tmp_path / "args").read_text()  # one call for all of them, local runs left out
     out = json.loads(invoke("list", "--json").output)
     assert out[0]["slurm"] == {"state": "COMPLETED", "elapsed": "00:02:19", "exit_code": "0:0"}
@@ -264,3 +265,20 @@ def test_status_names_the_job_of_each_attempt_when_a_run_spans_several_jobs():
     one_job = [{**a, "job_id": "11"} for a in attempts[:2]]
     assert "  attempt 1: started at checkpoint step 20, ended: time_limit (exit code 75)" in list(
         format_status({**base, "attempts": one_job}))
+
+
+def test_list_shows_how_a_finished_local_run_ended(tmp_path, monkeypatch):
+    """Issue 42, item 15: a local run's state is its run dir's record of the end, not '-'."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "submissions.jsonl").write_text(
+        json.dumps({"executor": "local", "job_id": "local-1-2", "run_dir": str(run_dir), "state": "RUNNING"}) + "\n"
+        + json.dumps({"executor": "local", "job_id": "local-1-2", "run_dir": str(run_dir), "state": "CANCELLED",
+                      "returncode": 130}) + "\n")
+    registry = tmp_path / "runs.jsonl"
+    registry.write_text(json.dumps({"time": T0, "job_id": "local-1-2", "executor": "local", "run_dir": str(run_dir),
+                                    "name": "n"}) + "\n")
+    monkeypatch.setenv("HPC_DDP_REGISTRY", str(registry))
+    result = invoke("list")
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines()[1].split()[:3] == ["local-1-2", "local", "CANCELLED"]
