@@ -10,6 +10,7 @@ from pathlib import Path
 
 import click
 
+from hpc_ddp.cli.options import warn
 from hpc_ddp.cli.remote import over_ssh
 from hpc_ddp.common.errors import UserError
 from hpc_ddp.common.procs import SubprocessCommands
@@ -160,7 +161,11 @@ def list_runs(as_json: bool, limit: int) -> None:
     from hpc_ddp.watch.registry import runs
     from hpc_ddp.watch.status import format_runs, with_accounting
 
-    records = with_accounting([r for r in runs() if isinstance(r, dict)][-limit:], SubprocessCommands())
+    damaged: list = []
+    records = with_accounting(runs(left_out=damaged)[-limit:], SubprocessCommands())
+    if damaged:
+        warn(f"warning: {len(damaged)} damaged line(s) of the run registry left out (a value of another type than "
+             "hpc-ddp writes there)")
     if any(r.get("host") for r in records):  # submitted from here over ssh: their clusters say their state
         from hpc_ddp.remote.forward import with_remote_accounting
 

@@ -26,9 +26,10 @@ import click
 from hpc_ddp.common.errors import UserError
 from hpc_ddp.common.events import read_jsonl
 from hpc_ddp.common.registryfile import registry_path
+from hpc_ddp.common.terminal import printable
 from hpc_ddp.remote.argv import words_of
 from hpc_ddp.remote.site import command_words
-from hpc_ddp.remote.ssh import SSH_FAILED, Ssh, check_host, classify
+from hpc_ddp.remote.ssh import SSH_FAILED, Ssh, check_host, classify, raise_if_lost, unbounded
 
 __all__ = ["remote_run", "forward", "with_remote_accounting", "RECONNECTS"]
 
@@ -100,23 +101,27 @@ def forward(command: click.Command, params: dict[str, Any], record: dict[str, An
     if params.get("tunnel"):
         return _tunnel(ssh, hpc_ddp, record)
     words = words_of(command, {**params, job_param: record["run_dir"]})
-    return _pass_through(ssh, f"exec {hpc_ddp} {command.name} {shlex.join(words)}\n")
+    return _pass_through(ssh, f"exec {hpc_ddp} {command.name} {shlex.join(words)}\n", raw=how == "follow")
 
 
-def _pass_through(ssh: Ssh, script: str) -> int:
-    """Run the script there, its output shown here as it comes; ssh's own failure is one line."""
+def _pass_through(ssh: Ssh, script: str, raw: bool = False) -> int:
+    """Run the script there, its output shown here as it comes; ssh's own failure is one line. What the
+    other side says is shown through `printable`, but for `raw` (logs: the ranks' own output, as a local
+    `logs` passes it on)."""
     proc = ssh.stream(script)
     said = _Tee(proc.stderr)
     assert proc.stdout is not None
     try:
         for line in proc.stdout:
-            sys.stdout.write(line.decode(errors="replace"))
+            text = line.decode(errors="replace")
+            sys.stdout.write(text if raw else printable(text))
             sys.stdout.flush()
     except KeyboardInterrupt:
         proc.terminate()
         raise
     code = proc.wait()
     said.join()
+    raise_if_lost(proc)
     if code == SSH_FAILED:  # hpc-ddp never exits 255: ssh could not connect, or the connection dropped
         raise classify(ssh.host, said.text())
     return code
@@ -135,7 +140,7 @@ class _Tee(threading.Thread):
             line = raw.decode(errors="replace")
             self.lines.append(line)
             if not _is_ssh_noise(line):
-                sys.stderr.write(line)
+                sys.stderr.write(printable(line))
                 sys.stderr.flush()
 
     def text(self) -> str:
@@ -174,6 +179,7 @@ def _follow_logs(ssh: Ssh, hpc_ddp: str, command: click.Command, params: dict[st
     while True:
         script = f"exec {hpc_ddp} {shlex.join(words)} --from {shlex.quote(json.dumps(cursor.offsets))}\n"
         proc = ssh.stream(script)
+        unbounded(proc)  # follows as long as asked; the keep-alives notice a dead link
         said = _Tee(proc.stderr)
         assert proc.stdout is not None
         try:
@@ -221,7 +227,7 @@ def _picture(ssh: Ssh, hpc_ddp: str, command: click.Command, params: dict[str, A
     out = Path(params.get("output") or f"{command.name}-{record.get('job_id') or 'run'}.png")
     words = words_of(command, {**params, job_param: record["run_dir"], "output": None})
     done = ssh.run(f"exec {hpc_ddp} {command.name} {shlex.join(words)}\n", check=False)
-    sys.stderr.write(done.stderr.decode(errors="replace"))
+    sys.stderr.write(printable(done.stderr.decode(errors="replace")))
     if done.returncode != 0:
         return done.returncode
     lines = done.text.splitlines()
@@ -235,8 +241,8 @@ def _picture(ssh: Ssh, hpc_ddp: str, command: click.Command, params: dict[str, A
         raise UserError(f"cannot write {str(out)!r}: {exc.strerror or exc}", hint="give -o PNG") from None
     for line in lines:
         if not line.startswith("Wrote "):
-            click.echo(line)
-    click.echo(f"Wrote {out} (drawn on {ssh.host}: {drawn})")
+            click.echo(printable(line))
+    click.echo(printable(f"Wrote {out} (drawn on {ssh.host}: {drawn})"))
     return 0
 
 
@@ -268,8 +274,7 @@ def _tunnel(ssh: Ssh, hpc_ddp: str, record: dict[str, Any]) -> int:
         raise UserError(f"`hpc-ddp attach` did not start on {ssh.host} within 10 s",
                         hint=f"run it there to see why: ssh {ssh.host} {hpc_ddp} attach {record.get('job_id')}")
     local = _free(port) or _free(0)
-    opened = subprocess.run(["ssh", *ssh.options(), "-O", "forward", "-L", f"127.0.0.1:{local}:{sock}",
-                             "--", ssh.host], capture_output=True, check=False)
+    opened = ssh.bounded(["ssh", *ssh.options(), "-O", "forward", "-L", f"127.0.0.1:{local}:{sock}", "--", ssh.host])
     if opened.returncode != 0:
         raise UserError(f"could not open the tunnel to {sock} on {ssh.host}: "
                         f"{opened.stderr.decode(errors='replace').strip() or opened.returncode}",
@@ -296,18 +301,18 @@ def with_remote_accounting(records: list[dict[str, Any]], env: Mapping[str, str]
     host); a host that cannot be reached leaves its runs' state unknown, with a warning."""
     hosts: dict[str, list[dict[str, Any]]] = {}
     for record in records:
-        if record.get("host"):
-            hosts.setdefault(record["host"], []).append(record)
+        if record.get("host"):  # a damaged record's host (a list, a number) is still one host of the list
+            hosts.setdefault(str(record["host"]), []).append(record)
     for host, mine in hosts.items():
-        hpc_ddp = command_words(str(mine[-1].get("remote_hpc_ddp") or "hpc-ddp"))
         try:
+            hpc_ddp = command_words(str(mine[-1].get("remote_hpc_ddp") or "hpc-ddp"))
             done = Ssh(host, env).run(f"exec {hpc_ddp} list --json -n 1000\n", timeout=60)
             theirs = {str(r.get("job_id")): r for r in json.loads(done.stdout) if isinstance(r, dict)}
         except (UserError, ValueError) as exc:
-            click.echo(f"warning: the state of the runs on {host} is not known: {exc}", err=True)
+            click.echo(printable(f"warning: the state of the runs on {host} is not known: {exc}"), err=True)
             continue
         except Exception as exc:  # noqa: BLE001 - one host's failure never hides the list
-            click.echo(f"warning: the state of the runs on {host} is not known: {exc}", err=True)
+            click.echo(printable(f"warning: the state of the runs on {host} is not known: {exc}"), err=True)
             continue
         for record in mine:
             found = theirs.get(str(record.get("job_id")))

@@ -42,6 +42,10 @@ def site_for(ssh: str | None, profile: str | None, env: Mapping[str, str] = os.e
             found = read_toml(path, "profiles file").get(profile)
             here = isinstance(found, dict)
             table = found if here else {}
+    if ssh is not None and not ssh.strip():
+        # `--ssh "$HOST"` with HOST unset: submitting here instead of on the cluster is never what was meant
+        raise SpecError("--ssh was given an empty host (an unset variable?): nothing is submitted here instead",
+                        hint="give the cluster's host (--ssh login.example.org, or a Host alias of ~/.ssh/config)")
     host = ssh or table.get("ssh")
     if not host:
         return None
@@ -52,6 +56,7 @@ def site_for(ssh: str | None, profile: str | None, env: Mapping[str, str] = os.e
     if not hpc_ddp.isprintable() or not hpc_ddp.strip():
         raise SpecError(f"profile {profile!r}: remote_hpc_ddp must be the path of hpc-ddp on the cluster, not "
                         f"{hpc_ddp!r}")
+    command_words(hpc_ddp)  # refused here, naming remote_hpc_ddp, where the cluster's shell could not take it
     remote_dir = table.get("remote_dir") or None
     if remote_dir is not None:
         _printable_path(remote_dir, f"profile {profile!r}: remote_dir")
@@ -92,7 +97,7 @@ _VAR = re.compile(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?")
 _USER = re.compile(r"~([a-z_][a-z0-9_.-]{0,31})")
 
 
-def shell_words(path: str) -> str:
+def shell_words(path: str, what: str = "remote_dir") -> str:
     """A folder of the cluster as words of its sh: '~/x' (or '~'), '~user/x', '$VAR/x' and '${VAR}/x' expand
     there, the rest is quoted; a relative path is under the home folder."""
     head, sep, rest = path.partition("/")
@@ -103,8 +108,9 @@ def shell_words(path: str) -> str:
     elif (var := _VAR.fullmatch(head)) is not None:
         start = f'"${{{var.group(1)}}}"'
     elif head.startswith(("~", "$")):
-        raise SpecError(f"remote_dir {path!r}: only ~, ~USER, $VAR or ${{VAR}} may begin it",
-                        hint='e.g. remote_dir = "$SCRATCH/projects" or "~/projects"')
+        raise SpecError(f"{what} {path!r}: only ~, ~USER, $VAR or ${{VAR}} may begin it",
+                        hint=f'e.g. {what} = "$SCRATCH/projects" or "~/projects"' if what == "remote_dir" else
+                        f'e.g. {what} = "~/venv/bin/hpc-ddp" or "$SCRATCH/venv/bin/hpc-ddp"')
     elif path.startswith("/"):
         return shlex.quote(path)
     else:
@@ -114,7 +120,7 @@ def shell_words(path: str) -> str:
 
 def command_words(command: str) -> str:
     """remote_hpc_ddp as a word of the cluster's sh: a path (~/ and $VAR/ expand), never shell code."""
-    return shell_words(command) if command.startswith(("~", "$", "/")) else shlex.quote(command)
+    return shell_words(command, "remote_hpc_ddp") if command.startswith(("~", "$", "/")) else shlex.quote(command)
 
 
 def profile_toml(name: str, table: Mapping[str, Any]) -> str:

@@ -7,6 +7,12 @@ unreachable, authentication refused, a changed host key. `Ssh.run` is the one ed
 point it at a real sshd on a loopback port (HPC_DDP_SSH_CONFIG: an ssh_config file instead of
 ~/.ssh/config).
 
+Every call that waits on the cluster has a bound, set here and nowhere else (`Ssh.bounded`, `Ssh.stream`):
+ssh gives up a connection not made within ConnectTimeout and one that stops answering after
+ServerAliveInterval x ServerAliveCountMax; and each call (ssh, rsync or tar through it) is ended after
+`timeout_s` of wall clock whatever it waits on (a remote command that hangs, a pipe that never closes),
+and said in one line: the connection was lost. HPC_DDP_SSH_TIMEOUT_S sets that bound (default 900 s).
+
 A remote command is a POSIX sh script sent on ssh's standard input to `sh -s`, so the cluster account's
 login shell (bash, zsh, tcsh) never parses our quoting.
 """
@@ -19,15 +25,19 @@ import re
 import shlex
 import stat
 import subprocess
+import threading
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from hpc_ddp.common.errors import HpcDdpError, UserError
 
-__all__ = ["Ssh", "Done", "check_host", "classify", "control_dir", "SSH_FAILED"]
+__all__ = ["Ssh", "Done", "check_host", "classify", "control_dir", "call_bound", "raise_if_lost", "unbounded", "SSH_FAILED"]
 
 SSH_FAILED = 255           # ssh's own exit code: it could not connect (or the remote command exited 255)
 PERSIST_S = 600            # the shared connection stays this long after its last command
+CONNECT_S = 30             # ssh's ConnectTimeout: a connection not made by then fails
+CALL_S = 900.0             # the wall-clock bound of one call over ssh (HPC_DDP_SSH_TIMEOUT_S overrides)
 # [user@]host, where host is a name (an alias of ~/.ssh/config, a DNS name, an IPv4 address) or an IPv6
 # address in brackets. No ':' outside brackets: rsync reads HOST:PATH at the first colon (and HOST::MODULE as
 # its daemon), so "login:/tmp" or "::1" would send the project somewhere else than ssh connects to.
@@ -98,12 +108,14 @@ class Ssh:
         self.host = check_host(host)
         self.config = env.get("HPC_DDP_SSH_CONFIG") or None
         self.sockets = control_dir(env)
+        self.timeout_s = call_bound(env)
 
     def options(self) -> list[str]:
-        """ssh's options, also for rsync's -e: the shared connection; keep-alives so a dropped link is
-        noticed within a minute instead of hanging."""
+        """ssh's options, also for rsync's -e: the shared connection; a connection not made within
+        CONNECT_S fails, and keep-alives notice a dropped link within a minute instead of hanging."""
         opts = ["-o", "ControlMaster=auto", "-o", f"ControlPath={self.sockets}/%C",
-                "-o", f"ControlPersist={PERSIST_S}", "-o", "ServerAliveInterval=15", "-o", "ServerAliveCountMax=4"]
+                "-o", f"ControlPersist={PERSIST_S}", "-o", f"ConnectTimeout={CONNECT_S}",
+                "-o", "ServerAliveInterval=15", "-o", "ServerAliveCountMax=4"]
         return (["-F", self.config] if self.config else []) + opts
 
     def argv(self, remote: str = "sh -s") -> list[str]:
@@ -113,19 +125,30 @@ class Ssh:
         """rsync's -e: the same ssh, the same connection."""
         return shlex.join(["ssh", *self.options()])
 
-    def run(self, script: str, *, check: bool = True, timeout: float | None = None) -> Done:
-        """Run a POSIX sh script on the host; its output, captured. A failure to connect is one line
-        (`classify`); with `check`, so is a script that fails."""
+    def lost(self, timeout: float) -> UserError:
+        """The one line for a call that outlived its bound."""
+        return UserError(f"the connection to {self.host} was lost: no answer within {timeout:g} s",
+                         hint=f"check that ssh {self.host} works by hand, then run the command again "
+                              "(HPC_DDP_SSH_TIMEOUT_S sets the bound)")
+
+    def bounded(self, argv: list[str], *, input: bytes | None = None, stdin=None,
+                timeout: float | None = None) -> Done:
+        """Run a command that waits on the cluster (ssh, or rsync and tar through it), its output captured,
+        ended after `timeout` (default: this host's bound) with a UserError that says the connection was lost."""
+        limit = timeout if timeout is not None else self.timeout_s
         try:
-            done = subprocess.run(self.argv(), input=script.encode(errors="surrogateescape"), capture_output=True,
-                                  timeout=timeout,
-                                  check=False)
+            done = subprocess.run(argv, input=input, stdin=stdin, capture_output=True, timeout=limit, check=False)
         except FileNotFoundError:
-            raise UserError("there is no ssh on this machine", hint="install OpenSSH's client") from None
+            raise UserError(f"there is no {os.path.basename(argv[0])} on this machine",
+                            hint="install OpenSSH's client" if argv[0] == "ssh" else f"install {argv[0]}") from None
         except subprocess.TimeoutExpired:
-            raise UserError(f"{self.host} did not answer within {timeout:.0f} s over ssh",
-                            hint=f"check the connection (ssh {self.host}), then run the command again") from None
-        result = Done(done.returncode, done.stdout, done.stderr)
+            raise self.lost(limit) from None
+        return Done(done.returncode, done.stdout, done.stderr)
+
+    def run(self, script: str, *, check: bool = True, timeout: float | None = None) -> Done:
+        """Run a POSIX sh script on the host; its output, captured, within `timeout` (`bounded`). A failure
+        to connect is one line (`classify`); with `check`, so is a script that fails."""
+        done = result = self.bounded(self.argv(), input=script.encode(errors="surrogateescape"), timeout=timeout)
         if done.returncode == SSH_FAILED:
             raise classify(self.host, done.stderr.decode(errors="replace"))
         if check and done.returncode != 0:
@@ -134,16 +157,67 @@ class Ssh:
         return result
 
     def stream(self, script: str) -> subprocess.Popen:
-        """Start a script whose output the caller reads as it comes (logs -f); its stderr passes through."""
-        proc = subprocess.Popen(self.argv(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        """Start a script whose output the caller reads as it comes; its stderr passes through. It is killed
+        after this host's bound (`raise_if_lost(proc)` then says so), unless the caller lifts the bound
+        (`unbounded(proc)`: logs -f follows as long as the user wants, the keep-alives notice a dead link)."""
+        try:
+            proc = subprocess.Popen(self.argv(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        except FileNotFoundError:
+            raise UserError("there is no ssh on this machine", hint="install OpenSSH's client") from None
+        timer = threading.Timer(self.timeout_s, _overrun, (proc, self.lost(self.timeout_s)))
+        timer.daemon = True
+        proc.hpc_ddp_timer = timer  # type: ignore[attr-defined]
+        timer.start()
         assert proc.stdin is not None
-        proc.stdin.write(script.encode(errors="surrogateescape"))
-        proc.stdin.close()
+        try:
+            proc.stdin.write(script.encode(errors="surrogateescape"))
+            proc.stdin.close()
+        except BrokenPipeError:
+            pass  # ssh is gone already: its exit code says why
         return proc
 
     def close(self) -> None:
         """End the shared connection now (its commands are done)."""
-        subprocess.run(["ssh", *self.options(), "-O", "exit", "--", self.host], capture_output=True, check=False)
+        try:
+            self.bounded(["ssh", *self.options(), "-O", "exit", "--", self.host], timeout=min(10.0, self.timeout_s))
+        except UserError:
+            pass  # the master is gone or hangs: it ends by itself after ControlPersist
+
+
+def _overrun(proc: subprocess.Popen, lost: UserError) -> None:
+    if proc.poll() is None:
+        proc.hpc_ddp_lost = lost  # type: ignore[attr-defined]
+        proc.kill()
+
+
+def unbounded(proc: Any) -> None:
+    """Lift `Ssh.stream`'s bound from `proc` (a call that follows for as long as the user wants)."""
+    timer = getattr(proc, "hpc_ddp_timer", None)
+    if timer is not None:
+        timer.cancel()
+
+
+def raise_if_lost(proc: Any) -> None:
+    """Raise the one line of a streamed call that its bound ended; cancel the bound of one that ended."""
+    unbounded(proc)
+    lost = getattr(proc, "hpc_ddp_lost", None)
+    if lost is not None:
+        raise lost
+
+
+def call_bound(env: Mapping[str, str] = os.environ) -> float:
+    """The wall-clock bound of one call over ssh: HPC_DDP_SSH_TIMEOUT_S (seconds), default CALL_S."""
+    raw = env.get("HPC_DDP_SSH_TIMEOUT_S")
+    if not raw:
+        return CALL_S
+    try:
+        value = float(raw)
+        if not 0 < value < 1e7:
+            raise ValueError
+    except ValueError:
+        raise UserError(f"HPC_DDP_SSH_TIMEOUT_S={raw!r} is not a number of seconds",
+                        hint="give a positive number, e.g. HPC_DDP_SSH_TIMEOUT_S=900") from None
+    return value
 
 
 # ssh's words (OpenSSH 7-9) -> what went wrong, and the fix.

@@ -37,6 +37,7 @@ import click
 from hpc_ddp import __version__
 from hpc_ddp.common.errors import HpcDdpError, UserError
 from hpc_ddp.common.registryfile import register
+from hpc_ddp.common.terminal import printable
 from hpc_ddp.common.units import MB, human_bytes
 from hpc_ddp.remote.site import Site, command_words, profile_toml, remote_dir_for, shell_words
 from hpc_ddp.remote.ssh import SSH_FAILED, Ssh, classify
@@ -80,7 +81,7 @@ def submit_over_ssh(site: Site, params: dict[str, Any], argv: list[str], job: di
         # rsync's quick check (size and time) took a changed file for unchanged, or a file changed here
         # while it was shipped: list and hash again, and compare contents this time
         listing, snap_id, hashes = _list(project, excludes, max_mb)
-    sys.stderr.write(done.stderr.decode(errors="replace"))
+    sys.stderr.write(printable(done.stderr.decode(errors="replace")))  # the cluster's words: shown, not obeyed
     try:
         answer = json.loads(done.stdout) if done.stdout.strip() else None
     except ValueError:
@@ -205,7 +206,7 @@ def _report(site: Site, answer: dict[str, Any], params: dict[str, Any], env) -> 
         click.echo(json.dumps({**answer, "host": host}, indent=2))
     if params.get("dry_run"):
         if not params.get("as_json"):
-            click.echo(answer.get("script") or answer.get("plan") or json.dumps(answer, indent=2), nl=False)
+            click.echo(printable(str(answer.get("script") or answer.get("plan") or json.dumps(answer, indent=2))), nl=False)
         return
     records = _records(answer, host, site.hpc_ddp)
     for record in records:
@@ -243,7 +244,7 @@ def _say(answer: dict[str, Any], host: str) -> None:
         click.echo(f"Submitted {head} ({answer.get('executor')} on {host}): {len(tasks)} task"
                    f"{'s' if len(tasks) != 1 else ''}, sweep dir {host}:{answer.get('sweep_dir')}")
         for t in tasks:
-            click.echo(f"  task {t.get('task')}: job {t.get('job_id')}  {describe(t.get('values') or {})}")
+            click.echo(printable(f"  task {t.get('task')}: job {t.get('job_id')}  {describe(t.get('values') or {})}"))
         return
     ids = answer.get("job_ids") or [answer.get("job_id")]
     if len(ids) > 1:
@@ -282,6 +283,10 @@ elif [ -d "$D" ] && [ -z "$(ls -A "$D" 2>/dev/null)" ]; then echo state=empty
 elif [ -e "$D" ]; then echo state=foreign
 else echo state=absent; fi
 if [ -f "$D/{MARK}/origin" ]; then printf 'origin=%s\\n' "$(head -n 1 "$D/{MARK}/origin")"; fi
+for m in "$D/{MARK}" "$D/{MARK}/shipped" "$D/{MARK}/origin" "$D/{MARK}/profiles.toml"; do
+    if [ -L "$m" ]; then echo mark=link; break; fi
+done
+if [ -e "$D/{MARK}/shipped" ] && [ ! -d "$D/{MARK}/shipped" ]; then echo mark=notdir; fi
 if [ -d "$D" ] && [ ! -L "$D" ]; then
     while IFS= read -r enc; do
         f=$(printf '%bx' "$enc"); f=${{f%x}}
@@ -317,6 +322,11 @@ if [ -d "$P" ] && [ -w "$P" ] && [ -x "$P" ]; then echo writable=yes; else print
         raise UserError(f"{ssh.host}:{mirror} holds another project, shipped from {theirs_origin}",
                         hint="set remote_dir in the profile to give this project a folder of its own (or remove "
                              "that folder on the cluster if its project is gone)")
+    if said.get("mark") in ("link", "notdir"):
+        raise UserError(f"{ssh.host}:{mirror}/{MARK} (hpc-ddp's own folder there) holds a link or a file where "
+                        "hpc-ddp writes its manifests and answers: nothing is written through it",
+                        hint=f"remove {mirror}/{MARK} on the cluster (hpc-ddp makes it again), or set remote_dir in "
+                             "the profile")
     if said.get("blocked"):
         rel = encoded.get(said["blocked"], said["blocked"])
         raise UserError(f"{ssh.host}:{mirror}/{rel} is a link or a file on the cluster, where this project has a "
@@ -374,17 +384,26 @@ def _ship(ssh: Ssh, hello: dict[str, str], project: Path, listing: Listing, orig
     if _rsync_3(hello.get("rsync")) and _rsync_3(_local_rsync()):
         argv = ["rsync", "-a", "-s", *(["--checksum"] if checksum else []), "--from0", "--files-from=-",
                 "-e", ssh.rsh(), f"{project}/", f"{ssh.host}:{hello['dir']}/"]
-        done = subprocess.run(argv, input=names, capture_output=True, check=False)
+        done = ssh.bounded(argv, input=names)
     else:
         tar = subprocess.Popen(["tar", "-C", str(project), "--null", "--no-recursion", "-T", "-", "-cf", "-"],
-                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         assert tar.stdin is not None and tar.stdout is not None
         tar.stdin.write(names)
         tar.stdin.close()
-        done = subprocess.run(ssh.argv(f"tar -xf - -C {mirror}"), stdin=tar.stdout, capture_output=True, check=False)
-        tar.wait()
+        try:
+            done = ssh.bounded(ssh.argv(f"tar -xf - -C {mirror}"), stdin=tar.stdout)
+        finally:
+            tar.kill()  # done, or the other side hung: it never waits on a pipe nobody reads
+            tar.wait()
     if done.returncode != 0:
         said = done.stderr.decode(errors="replace")
+        if "is your shell clean" in said or "protocol version mismatch" in said:
+            raise UserError(f"rsync could not talk to {ssh.host}: the cluster's shell start-up files print something "
+                            "on a login that is not interactive (a banner, a module list), and rsync reads it as "
+                            "its protocol; nothing was submitted", hint=f"make ~/.bashrc (or ~/.cshrc, ~/.profile) on "
+                            f"{ssh.host} print only in an interactive shell: put `case $- in *i*) ;; *) return;; esac` "
+                            "before what prints (`ssh HOST true` must print nothing)")
         if done.returncode == SSH_FAILED and "connection unexpectedly closed" not in said:
             raise classify(ssh.host, said)
         if done.returncode in _DROPPED or done.returncode < 0 or "connection unexpectedly closed" in said \
@@ -413,12 +432,16 @@ def _submit(ssh: Ssh, site: Site, mirror: str, where: str, manifest: dict[str, A
     path = f"{mark}/shipped/{manifest['id']}.json"
     answer = f"{mark}/shipped/{answer_name}"
     end = f"HPC_DDP_{secrets.token_hex(8)}"
-    lines = ["set -e", f"cat > {path}.tmp <<'{end}'", json.dumps(manifest), end, f"mv -f {path}.tmp {path}"]
+    # each file written new (rm -f first: a link planted in its place is removed, never written through)
+    lines = ["set -e", f"rm -f {path}.tmp", f"cat > {path}.tmp <<'{end}'", json.dumps(manifest), end,
+             f"mv -f {path}.tmp {path}"]
     if site.profile_name and site.profile is not None:
-        lines += [f"cat > {mark}/profiles.toml <<'{end}'", profile_toml(site.profile_name, site.profile).rstrip("\n"),
-                  end, f"export HPC_DDP_PROFILES={mark}/profiles.toml"]
+        lines += [f"rm -f {mark}/profiles.toml.tmp", f"cat > {mark}/profiles.toml.tmp <<'{end}'",
+                  profile_toml(site.profile_name, site.profile).rstrip("\n"), end,
+                  f"mv -f {mark}/profiles.toml.tmp {mark}/profiles.toml", f"export HPC_DDP_PROFILES={mark}/profiles.toml"]
     folder = f"{shlex.quote(mirror)}/{shlex.quote(where)}" if where else shlex.quote(mirror)
     lines += [f"mkdir -p {folder}", f"cd {folder}", "set +e",
+              f"rm -f {answer}.tmp",
               f"{command_words(site.hpc_ddp)} submit --json --shipped {path} {shlex.join(args)} > {answer}.tmp",
               "rc=$?", f"mv -f {answer}.tmp {answer}", f"cat {answer}", "exit $rc"]
     try:

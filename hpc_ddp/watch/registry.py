@@ -11,7 +11,7 @@ from typing import Any
 
 from hpc_ddp.common.errors import UserError
 from hpc_ddp.common.events import read_jsonl
-from hpc_ddp.common.registryfile import register, registry_path
+from hpc_ddp.common.registryfile import records, register, registry_path
 from hpc_ddp.common.rundir import RunDir, is_sweep_dir
 from hpc_ddp.launch.executors.base import Run
 from hpc_ddp.launch.rundirs import existing_run_dir
@@ -21,8 +21,9 @@ from hpc_ddp.spec.jobspec import JobSpec
 __all__ = ["registry_path", "register", "record_run", "runs", "find_run", "resolve"]
 
 
-def runs(env: Mapping[str, str] = os.environ) -> list[dict[str, Any]]:
-    return read_jsonl(registry_path(env))
+def runs(env: Mapping[str, str] = os.environ, left_out: list[Any] | None = None) -> list[dict[str, Any]]:
+    """The registry's well-formed records (a damaged line is left out: `registryfile.records`)."""
+    return records(env, left_out)
 
 
 def find_run(ref: str, env: Mapping[str, str] = os.environ) -> tuple[Path, str | None, str | None]:
@@ -37,7 +38,7 @@ def find_run(ref: str, env: Mapping[str, str] = os.environ) -> tuple[Path, str |
         last = subs[-1] if subs else {}
         return path.resolve(), last.get("job_id"), last.get("executor")
     for record in reversed(runs(env)):
-        if str(record.get("job_id")) == ref:
+        if str(record.get("job_id")) == ref and record.get("run_dir"):
             return Path(record["run_dir"]), ref, record.get("executor")
         if str(record.get("array_job_id")) == ref and record.get("sweep"):
             return Path(record["sweep"]), ref, record.get("executor")
@@ -63,7 +64,9 @@ def resolve(ref: str | None, env: Mapping[str, str] = os.environ) -> Run:
         recent = runs(env)
         if not recent:
             raise UserError("no runs recorded yet", hint="give a job id or a run dir")
-        ref = recent[-1].get("sweep") or recent[-1]["run_dir"]  # the last run, or the sweep it is a task of
+        ref = recent[-1].get("sweep") or recent[-1].get("run_dir")
+        if not ref:
+            raise UserError("the registry's last record names no run dir", hint="give a job id or a run dir")  # the last run, or the sweep it is a task of
     run_dir, job_id, executor = find_run(ref, env)
     if is_sweep_dir(run_dir):
         return Run(run_dir, job_id, executor)

@@ -165,7 +165,12 @@ def test_remote_hpc_ddp_is_one_word_of_the_cluster_s_shell(tmp_path, command, wo
 # ------------------------------------------------------------------------- the cluster's hello, hostile
 
 class FakeSsh:
-    """Ssh's edge: each run() answers the next text (bytes for stdout); records the scripts."""
+    """Ssh's edge: each run() answers the next text (bytes for stdout); records the scripts. Other commands
+    (ssh -O forward) go through the real bounded runner."""
+
+    timeout_s = 5.0
+    bounded = ssh.Ssh.bounded
+    lost = ssh.Ssh.lost
 
     def __init__(self, *answers, host: str = "c") -> None:
         self.host, self.answers, self.scripts = host, list(answers), []
