@@ -52,6 +52,7 @@ from hpc_ddp.launch.executors.foreground import CANCELLED_EXIT_CODE, ForegroundC
 from hpc_ddp.launch.executors.foreground import say as _say
 from hpc_ddp.launch.render import env_exports, node_setup_command, runner_command
 from hpc_ddp.launch.shellwords import bash_word, comment_text  # noqa: F401 - srun.py and tests import them here
+from hpc_ddp.launch.tracefilter import TerminalFilter
 from hpc_ddp.spec.jobspec import JobSpec
 
 _GRACE_S = 10
@@ -498,13 +499,18 @@ def _pump(proc: subprocess.Popen, log_path: Path, prefix: str, echo: bool, scrub
             fd: int | None = stack.enter_context(appending(log_path))
         except OSError:
             fd = None
+        shown = TerminalFilter(str(log_path))  # a library's trace after hpc-ddp's own line: the log only
         for text in scrubber.lines(raw):
             line = text.encode("utf-8", "surrogateescape")
             if fd is not None:
                 os.write(fd, line)
             if echo:
-                sys.stdout.write(prefix + line.decode(errors="replace"))
+                for out in shown.feed(line.decode(errors="replace")):
+                    sys.stdout.write(prefix + out)
                 sys.stdout.flush()
+        for out in shown.close() if echo else ():
+            sys.stdout.write(prefix + out)
+            sys.stdout.flush()
 
 
 def _wait_all(procs: list[subprocess.Popen], timeline: list[tuple[float, int]], cancel: _Cancel | None = None,
