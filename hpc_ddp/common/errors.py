@@ -66,5 +66,8 @@ def report(exc: BaseException, who: str = "hpc-ddp", *, traceback_for_bugs: bool
         line = f"internal error: {type(exc).__name__}: {exc}" + ("" if shown else
                                                                   " (set HPC_DDP_DEBUG=1 for the traceback)")
         code = 1
-    print(f"{who}: error: {secrets.current()(line)}", file=sys.stderr, flush=True)
+    from hpc_ddp.common.terminal import printable
+
+    # a message quotes what came from files, records and the other side of ssh: shown, never obeyed
+    print(f"{who}: error: {printable(secrets.current()(line))}", file=sys.stderr, flush=True)
     return code

@@ -166,8 +166,12 @@ def write_pid_file(path, tag: str) -> None:
 def read_pid_file(path) -> tuple[ProcessIdentity | None, str | None, str]:
     """(the recorded process if it still runs, its tag, why not). A pid file of an older hpc-ddp
     (no start time) or one whose process is gone or was replaced by another is never trusted."""
-    try:
-        fields = Path(path).read_text().split()
+    from hpc_ddp.common.durable import NotRegularFile, TooLarge, read_regular  # here: see write_pid_file
+
+    try:  # a regular file of at most 4 KB: a FIFO in its place is never waited on, /dev/zero never read
+        fields = read_regular(path, limit=4096).decode(errors="replace").split()
+    except (NotRegularFile, TooLarge) as exc:
+        return None, None, f"its pid file {exc.strerror} (it is not one hpc-ddp wrote)"
     except (OSError, ValueError):
         return None, None, "no pid file"
     tag = fields[1] if len(fields) > 1 else None

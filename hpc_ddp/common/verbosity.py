@@ -31,7 +31,9 @@ def level() -> int:
 
 
 def _emit(message: str) -> None:
-    print(f"hpc-ddp: {message}", file=sys.stderr, flush=True)
+    from hpc_ddp.common.terminal import printable
+
+    print(f"hpc-ddp: {printable(message)}", file=sys.stderr, flush=True)  # names from files: shown, not obeyed
 
 
 def say(message: str) -> None:

@@ -5,7 +5,12 @@ Only read-only git commands, run with the user's git but none of the repo's prog
 no external diff or textconv driver, no pager; and none of the shell's GIT_DIR/GIT_WORK_TREE/GIT_INDEX_FILE,
 which would point the commands at another repo. git opens its rule files (.gitignore, .gitattributes,
 info/exclude, core.excludesFile...) as they are: one that is a FIFO or a device would make it wait forever,
-so `check_inputs` refuses those first. `Git.run` is the one edge; tests fake it.
+so `check_inputs` refuses those first. Those it cannot know of beforehand (a file an include.path of the
+configuration names, a .gitignore in an untracked folder) are caught as git opens them: every git command
+is watched while it runs, and one that waits to open a FIFO is ended at once (`GitWaits`, one line naming
+the FIFO where it can be found); any other is ended after HPC_DDP_GIT_TIMEOUT_S (default 120 s). Either is
+a refusal, never a fallback to walking the folder (which would copy what git ignores). `Git.run` is the
+one edge; tests fake it.
 """
 
 from __future__ import annotations
@@ -15,11 +20,14 @@ import os
 import shutil
 import stat
 import subprocess
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-__all__ = ["Git", "GitState", "GitError"]
+from hpc_ddp.common.errors import UserError
+
+__all__ = ["Git", "GitState", "GitError", "GitWaits"]
 
 # The repo's own configuration may name programs to run (core.fsmonitor, diff drivers): not from here.
 _SAFE = ("--no-pager", "-c", "core.fsmonitor=false", "-c", "core.untrackedCache=false")
@@ -33,6 +41,16 @@ MAX_LISTED = 50  # changed and untracked files named in the record (the diff and
 
 class GitError(Exception):
     """git failed where it should not have (not: the folder is no repo)."""
+
+
+class GitWaits(UserError):
+    """git waits on something that does not answer (a FIFO it opens, or past its bound): the snapshot is
+    refused, never made another way."""
+
+
+GIT_S = 120.0   # the bound of one git command (HPC_DDP_GIT_TIMEOUT_S overrides)
+# What /proc/PID/wchan says of a process blocked opening a FIFO that has no writer (Linux).
+_FIFO_WAITS = ("wait_for_partner", "fifo_open")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,10 +82,98 @@ Runner = Callable[[list[str], str], "subprocess.CompletedProcess[bytes]"]
 
 
 def _subprocess(argv: list[str], cwd: str) -> "subprocess.CompletedProcess[bytes]":
+    """One git command, watched while it runs: ended at once where it waits to open a FIFO, and after
+    `git_bound()` seconds in any case; either is a GitWaits."""
     env = {k: v for k, v in os.environ.items() if k not in _REPO_VARIABLES}
     env["GIT_OPTIONAL_LOCKS"] = "0"  # reading must not take the index lock another git holds
-    return subprocess.run(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, capture_output=True, timeout=120,
-                          check=False)
+    bound = git_bound()
+    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    deadline, wait = time.monotonic() + bound, 0.002
+    with proc:
+        while True:
+            try:
+                out, err = proc.communicate(timeout=wait)
+                return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+            except subprocess.TimeoutExpired:
+                pass
+            on_fifo = _waits_on_fifo(proc.pid)
+            if on_fifo or time.monotonic() > deadline:
+                proc.kill()
+                proc.communicate()
+                what = " ".join(a for a in argv[len(_SAFE) + 1:] if not a.startswith("-"))[:60]
+                if on_fifo:
+                    found = _fifo_named(cwd)
+                    raise GitWaits(f"git {what} waits to open {_shown(found) if found else 'a FIFO'}, a FIFO where git "
+                                   "reads its rules or configuration: nothing was copied",
+                                   hint="remove the FIFO (or the include.path that names it)")
+                raise GitWaits(f"git {what} did not finish within {bound:g} s in {_shown(cwd)}: nothing was copied",
+                               hint="find what it waits on (GIT_TRACE=1 git status), or raise HPC_DDP_GIT_TIMEOUT_S")
+            wait = min(wait * 2, 0.05)
+
+
+def git_bound() -> float:
+    """The bound of one git command: HPC_DDP_GIT_TIMEOUT_S seconds, default GIT_S."""
+    raw = os.environ.get("HPC_DDP_GIT_TIMEOUT_S")
+    try:
+        value = float(raw) if raw else GIT_S
+        if not 0 < value < 1e7:
+            raise ValueError
+    except ValueError:
+        raise UserError(f"HPC_DDP_GIT_TIMEOUT_S={raw!r} is not a number of seconds",
+                        hint="give a positive number, e.g. HPC_DDP_GIT_TIMEOUT_S=120") from None
+    return value
+
+
+def _waits_on_fifo(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/wchan", "rb") as fh:
+            return fh.read(64).decode(errors="replace").strip() in _FIFO_WAITS
+    except OSError:  # not Linux, or gone: the bound still holds
+        return False
+
+
+def _fifo_named(cwd: str, budget_s: float = 2.0) -> str | None:
+    """The FIFO git waits on, where it can be told within `budget_s`: a file an include.path of the repo's
+    or the user's configuration names, or a .gitignore/.gitattributes under `cwd`."""
+    home = os.path.expanduser("~")
+    config_home = os.environ.get("XDG_CONFIG_HOME") or os.path.join(home, ".config")
+    for config in (os.path.join(cwd, ".git", "config"), os.path.join(home, ".gitconfig"),
+                   os.path.join(config_home, "git", "config")):
+        try:
+            if not stat.S_ISREG(os.stat(config).st_mode):
+                continue
+            with open(config, "rb") as fh:
+                text = fh.read(1 << 20).decode(errors="replace")
+        except OSError:
+            continue
+        for line in text.splitlines():
+            key, eq, value = line.strip().partition("=")
+            if eq and key.strip().lower() == "path":
+                value = value.strip().strip('"')
+                path = os.path.join(os.path.dirname(config), os.path.expanduser(value))
+                if _is_fifo(path):
+                    return path
+    deadline = time.monotonic() + budget_s
+    for folder, dirs, files in os.walk(cwd):
+        dirs[:] = [d for d in dirs if d != ".git"]
+        for name in (".gitignore", ".gitattributes"):
+            if name in files and _is_fifo(os.path.join(folder, name)):
+                return os.path.join(folder, name)
+        if time.monotonic() > deadline:
+            break
+    return None
+
+
+def _is_fifo(path: str) -> bool:
+    try:
+        return stat.S_ISFIFO(os.stat(path).st_mode)
+    except (OSError, ValueError):
+        return False
+
+
+def _shown(path: str) -> str:
+    return path if path.isprintable() else repr(path)
 
 
 class Git:
