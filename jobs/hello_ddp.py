@@ -22,9 +22,12 @@ def main() -> None:
 
     dist.init_process_group(os.environ.get("BACKEND", "gloo"))
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))  # torchrun's and hpc-ddp's: this rank's GPU on its node
+    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     torch.manual_seed(0)  # the same initial weights on every rank (DDP also broadcasts them)
-    model = DDP(torch.nn.Linear(1, 1).to(device))
+    model = DDP(torch.nn.Linear(1, 1).to(device), device_ids=[local_rank] if device.type == "cuda" else None)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr)
     gen = torch.Generator().manual_seed(1000 + rank)  # different data on every rank
     for step in range(1, args.steps + 1):

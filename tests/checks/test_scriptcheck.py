@@ -125,3 +125,15 @@ def test_seed_000_mp_spawn_is_refused_in_one_line_at_submit(tmp_path, gpus, says
     assert "spawn_mnist.py line 85" in line and says in line and "examples/spawn_mnist.py" in line, line
     assert not called.exists() or "sbatch " not in called.read_text().replace("--help", "")
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("example", ["jobs/hello_ddp.py", "examples/preemptible.py", "examples/spawn_mnist.py"])
+def test_our_own_examples_pass_every_check_of_their_text_on_gpus(example):
+    """Issue 42, item 8: our own example picked cuda:0 for every rank, and hpc-ddp warned about it."""
+    from hpc_ddp.checks.preflight import device_findings
+    from hpc_ddp.spec.jobspec import JobSpec, Target
+
+    repo = Path(__file__).resolve().parents[2]
+    spec = JobSpec(target=Target("script", example), job_name="x", python="python", nodes=2, gpus=4, tasks_per_node=4,
+                   workdir=str(repo))
+    assert [f.line() for f in device_findings(spec) if f.level != "ok"] == []
