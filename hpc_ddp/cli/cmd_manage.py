@@ -67,9 +67,23 @@ def preempt(job: str, sig: str | None, as_json: bool) -> None:
         running = sweep.in_state(run.run_dir, executor, commands, ("RUNNING",))
         message = sweep.signal_sweep(run.run_dir, executor, name, running)
     else:
+        _refuse_finished(run)
         executor.signal(run, name)
         message = f"Sent SIG{name} to every rank of job {run.job_id}"
+        if name == "TERM" and getattr(executor, "ranks_here", False):
+            message += ("; ranks still running 30 s later are killed and the job runs again, as after a Slurm "
+                        "preemption")
     _done(as_json, "preempt", message, run, executor.name, signal=name)
+
+
+def _refuse_finished(run) -> None:
+    """A run whose training has finished has nothing left to stop: a preempt sent now would say it was sent
+    and change nothing (its ranks are saving their last checkpoint, or gone)."""
+    from hpc_ddp.job.attempts import finished_in_last_attempt
+
+    if run.paths.events.is_file() and finished_in_last_attempt(run.run_dir):
+        raise UserError(f"job {run.job_id} has already finished training ({run.run_dir}): there is nothing to preempt",
+                        hint="preempt while it trains: `hpc-ddp status` says RUNNING and shows its progress")
 
 
 def _done(as_json: bool, action: str, message: str, run, executor: str, **extra: str) -> None:

@@ -4,14 +4,15 @@ shows (numbers, paths and ids made alike)."""
 
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
-
-from hpc_ddp.common.events import read_jsonl
 
 from .helpers import hpc_ddp, wait_until
 
@@ -31,32 +32,43 @@ def _alike(line: str, project: Path) -> str:
     return re.sub(r"\d[\d,.]*", "0", line).rstrip()
 
 
-def _steps(run_dir: Path) -> int:
-    return sum(1 for e in read_jsonl(run_dir / "metrics.jsonl") if "loss" in e)
+def _commands() -> list[list[str]]:
+    """The rehearsal's two command lines, as the README writes them (the comment cut off)."""
+    text = (REPO / "README.md").read_text().split("## Rehearse here", 1)[1]
+    block = text.split("```console\n", 1)[1].split("```", 1)[0]
+    return [shlex.split(line[2:], comments=True) for line in block.splitlines() if line.startswith("$ hpc-ddp ")]
 
 
 @pytest.mark.e2e
 def test_the_readmes_rehearsal_prints_what_it_shows(tmp_path):
+    """Run as written, with the preempt 5 s after the first training line (issue 42, item 1): a person in
+    another shell arrives while it still trains, and sees the stop, the checkpoint and the resume."""
     project = tmp_path / "proj"
     (project / "examples").mkdir(parents=True)
     shutil.copy(REPO / "examples" / "preemptible.py", project / "examples")
-    run_dir = project / "runs" / "rehearsal"
-    command = [sys.executable, "-m", "hpc_ddp", "submit", "--executor", "local", "--tasks-per-node", "2",
-               "--run-dir", "runs/rehearsal", "examples/preemptible.py"]
-    # 20 epochs rather than 3: long enough that the stop lands mid-run on a fast machine too
-    proc = subprocess.Popen(command, cwd=project, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "EPOCHS": "20"})
+    submit, preempt = _commands()
+    assert submit[:2] == ["hpc-ddp", "submit"] and preempt[:2] == ["hpc-ddp", "preempt"], (submit, preempt)
+    env = {k: v for k, v in os.environ.items() if k != "EPOCHS"}
+    proc = subprocess.Popen([sys.executable, "-m", "hpc_ddp", *submit[1:]], cwd=project, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
+    reader.start()
     try:
-        wait_until(lambda: (run_dir / "metrics.jsonl").exists() and _steps(run_dir) >= 3 or proc.poll() is not None,
-                   180, "a few training steps")
-        assert proc.poll() is None, proc.communicate()[0]
-        sent = hpc_ddp("preempt", "runs/rehearsal", cwd=project, timeout=60)
+        wait_until(lambda: any(line.startswith("[rank 0] step ") for line in lines) or proc.poll() is not None,
+                   180, "the first training line")
+        time.sleep(5)
+        assert proc.poll() is None, "".join(lines)[-3000:]
+        sent = hpc_ddp(*preempt[1:], cwd=project, timeout=60)
         assert sent.returncode == 0, sent.stdout + sent.stderr
-        output, _ = proc.communicate(timeout=300)
+        proc.wait(timeout=600)
+        reader.join(timeout=10)
     finally:
         if proc.poll() is None:
             proc.kill()
+    output = "".join(lines)
     assert proc.returncode == 0, output[-3000:]
     printed = {_alike(line, project) for line in output.splitlines()}
     missing = [line for line in _shown() if _alike(line, project) not in printed]
     assert missing == [], output[-3000:]
+    assert "frame #" not in output  # a clean stop prints no trace (item 13)
