@@ -15,6 +15,8 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
+from hpc_ddp.job.devicescan import code_only  # the one blanking of comments and strings, shared with the GPU scan
+
 __all__ = ["Note", "framework_notes", "code_only"]
 
 # A line's start is `^[ \t\f]*`, never `^\s*`: \s crosses newlines, so from the start of every line of a long
@@ -23,12 +25,6 @@ _LIGHTNING = re.compile(r"^[ \t\f]*(?:import|from)[ \t]+(?:pytorch_lightning|lig
 _HF_TRAINER = re.compile(r"^[ \t\f]*from[ \t]+transformers[ \t]+import[ \t]+(?:\([^)]*|[^\n]*)\bTrainer\b"
                          r"|\btransformers\.Trainer\b", re.M)
 _ACCELERATE = re.compile(r"^[ \t\f]*(?:from[ \t]+accelerate[ \t]+import|import[ \t]+accelerate)\b", re.M)
-# What is not code: a comment, or a string literal of any kind (its prefix letters stay, harmlessly).
-_NOT_CODE = re.compile(r"#[^\n]*"
-                       r"|'''(?:[^'\\]|\\.|'(?!''))*(?:'''|\Z)"
-                       r'|"""(?:[^"\\]|\\.|"(?!""))*(?:"""|\Z)'
-                       r"|'(?:[^'\\\n]|\\.)*(?:'|$)"
-                       r'|"(?:[^"\\\n]|\\.)*(?:"|$)', re.M | re.S)
 
 
 class Note(NamedTuple):
@@ -49,14 +45,6 @@ _FRAMEWORKS = (
     (_ACCELERATE, r"\.load_state\s*\(", "accelerate", "it loads the state it saved",
      "accelerator.save_state(DIR) every N steps, and accelerator.load_state(DIR) at start when DIR exists"),
 )
-
-
-def code_only(source: str) -> str:
-    """`source` with its comments and string literals blanked (each literal becomes '' or ""), its lines
-    joined by newlines (CR and CRLF ends too) and a byte-order mark dropped. Linear, and needs no valid
-    syntax: an unterminated string runs to the end of its line, or of the text for a triple quote."""
-    text = "\n".join(source.lstrip("\ufeff").splitlines())
-    return _NOT_CODE.sub(lambda m: "" if m.group().startswith("#") else m.group()[0] * 2, text)
 
 
 def framework_notes(source: str, name: str) -> list[Note]:

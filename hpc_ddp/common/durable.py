@@ -228,3 +228,24 @@ def read_bounded(path: str | os.PathLike, limit: int) -> bytes:
     if len(data) > limit:
         raise TooLarge(errno.EFBIG, f"is more than the {limit:,} bytes it can be (not read)", os.fspath(path))
     return data
+
+
+def read_tail(path: str | os.PathLike, limit: int, *, head: bool = False) -> bytes:
+    """The last `limit` bytes (`head`: the first) of the regular file at `path` (a rank's log, however big: never read whole,
+    so a log of many GB is no MemoryError); b"" for anything else (a FIFO is never waited on, a device never
+    read) or a file that cannot be read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError:
+        return b""
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return b""
+        if st.st_size > limit and not head:
+            os.lseek(fd, st.st_size - limit, os.SEEK_SET)
+        return _read_upto(fd, limit)
+    except OSError:
+        return b""
+    finally:
+        os.close(fd)

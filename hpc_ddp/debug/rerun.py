@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_ddp.common import rundir
-from hpc_ddp.common.durable import fsync_dir, read_regular, replace_durable, write_durable
+from hpc_ddp.common.durable import fsync_dir, read_regular, read_tail, replace_durable, write_durable
 from hpc_ddp.common.errors import UserError
 from hpc_ddp.common.events import JsonLines, read_jsonl
 from hpc_ddp.common.rundir import LATEST, RunDir, checkpoint_name, checkpoint_step
@@ -54,6 +54,7 @@ RERUN_RECORD = "rerun.json"
 MANIFEST = "manifest.json"             # the checkpointer's (trainer/checkpoint.py), read here without torch
 REPLAYABLE = ("failed",)               # causes replayed without --any-outcome
 _CHUNK = 8 << 20
+LOG_TAIL = 200_000                     # bytes of a rank's log read for its failure: a log of GBs is never read whole
 # The job ids hpc-ddp's executors record (the rerun's dir and the logs it reads are named by them): Slurm's
 # (8123, an array task's 8123_4), the local executor's (local-PID-TIME) and the srun executor's
 # (ALLOC-srun-PID-TIME, none-srun-... outside an allocation), each with a sweep task's -tN.
@@ -400,7 +401,7 @@ def _node_copy(source: Path, record: AttemptRecord, name: str, src: str) -> str 
     from hpc_ddp.data.staging import MARKER_SUFFIX
 
     for log in _rank_logs(source, record.job_id or "*", record.number):
-        for line in log.read_text(errors="replace").splitlines():
+        for line in read_tail(log, LOG_TAIL, head=True).decode(errors="replace").splitlines():  # said early on
             target = _staged_to(line, name)
             if target and _marker_source(Path(target).with_name(f"{name}{MARKER_SUFFIX}")) == src:
                 return target
@@ -449,7 +450,7 @@ def attempt_failure(run_dir: Path, job_id: str, attempt: int) -> str | None:
     `watch.classify` finds in its logs ('kind: line'), or None."""
     from hpc_ddp.watch.classify import classify_failure
 
-    texts = [p.read_text(errors="replace")[-200_000:] for p in _rank_logs(run_dir, job_id, attempt)]
+    texts = [read_tail(p, LOG_TAIL).decode(errors="replace") for p in _rank_logs(run_dir, job_id, attempt)]
     line = next((found for found in map(exception_line, texts) if found), None)
     if line:
         return line

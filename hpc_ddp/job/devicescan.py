@@ -18,6 +18,7 @@ binding; the runner judges the binding it really got (a site's job_submit may bi
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import re
 from collections.abc import Iterable, Sequence
@@ -25,6 +26,7 @@ from collections.abc import Iterable, Sequence
 from hpc_ddp.job.gpubind import effective_mode
 
 __all__ = ["Pick", "Exposure", "Problem", "scan", "judge", "exposure_of", "slurm_binds_per_task", "code_part",
+           "code_only", "python_lines",
            "source_of", "runtime_exposure", "MAX_SOURCE"]
 
 MAX_SOURCE = 4 * 1024 * 1024  # bytes: a larger script is not scanned
@@ -81,16 +83,59 @@ class Problem:
     hint: str
 
 
+# What is not code: a comment, or a string literal of any kind (its prefix letters stay, harmlessly).
+_NOT_CODE = re.compile(r"#[^\n]*"
+                       r"|'''(?:[^'\\]|\\.|'(?!''))*(?:'''|\Z)"
+                       r'|"""(?:[^"\\]|\\.|"(?!""))*(?:"""|\Z)'
+                       r"|'(?:[^'\\\n]|\\.)*(?:'|$)"
+                       r'|"(?:[^"\\\n]|\\.)*(?:"|$)', re.M | re.S)
+# The ends of a line as Python counts them: not a form feed, U+2028 or the other breaks str.splitlines takes
+_LINE_END = re.compile(r"\r\n|\r|\n")
+
+
+def python_lines(source: str) -> list[str]:
+    """`source`'s lines as Python numbers them (str.splitlines also breaks at a form feed, U+2028, ...)."""
+    return _LINE_END.split(source)
+
+
+def code_only(source: str) -> str:
+    """`source` with its comments and string literals blanked (each literal becomes '' or "", followed by
+    the newlines it held, so every line keeps its number), its lines joined by newlines (CR and CRLF ends
+    too, as Python counts them) and a byte-order mark dropped. Linear, and needs no valid syntax: an
+    unterminated string runs to the end of its line, or of the text for a triple quote."""
+    text = "\n".join(python_lines(source.lstrip("\ufeff")))
+    return _NOT_CODE.sub(lambda m: "" if m.group().startswith("#") else
+                         m.group()[0] * 2 + "\n" * m.group().count("\n"), text)
+
+
+def _not_code(text: str) -> tuple[list[int], list[int]]:
+    """The spans of `text` that are no code (sorted starts, their ends): a comment whole, a string literal
+    but its opening quote (a pick such as "cuda:0" begins with it)."""
+    starts, ends = [], []
+    for m in _NOT_CODE.finditer(text):
+        starts.append(m.start() + (0 if m.group().startswith("#") else 1))
+        ends.append(m.end())
+    return starts, ends
+
+
 def scan(source: str) -> tuple[Pick, ...]:
-    """The device picks in `source`, one per line (the first kind that matches, in the order above)."""
+    """The device picks in `source`, one per line (the first kind that matches, in the order above). A
+    match counts where it begins in code: set_device(local_rank) in a docstring, a string or a comment is
+    no pick. Lines are numbered as Python numbers them."""
     picks = []
-    spawns = bool(_SPAWNS.search(source))
-    for number, raw in enumerate(source.splitlines(), 1):
-        line = code_part(raw[:MAX_LINE])
+    lines = python_lines(source.lstrip("\ufeff"))
+    text = "\n".join(lines)
+    starts, ends = _not_code(text)
+    spawns = any(_in_code(m.start(), starts, ends) for m in _SPAWNS.finditer(text))
+    offset = 0
+    for number, raw in enumerate(lines, 1):
+        base, offset = offset, offset + len(raw) + 1
+        line = raw[:MAX_LINE]
         if not line.strip():
             continue
         for kind, pattern in _PATTERNS:
-            found = pattern.search(line)
+            found = next((m for m in pattern.finditer(line) if _in_code(base + m.start(), starts, ends,
+                                                                         m.group().startswith("cuda:"))), None)
             if found:
                 if kind in ("local_rank", "rank") and "cpu" in line and "cuda" not in line:
                     continue  # torch.device("cpu:{}".format(local_rank)): no GPU picked
@@ -100,6 +145,12 @@ def scan(source: str) -> tuple[Pick, ...]:
                 picks.append(Pick(kind, number, _short(raw.strip()), index))
                 break
     return tuple(picks)
+
+
+def _in_code(at: int, starts: list[int], ends: list[int], opens: bool = False) -> bool:
+    """`at` is in code; with `opens`, also where a string's text begins there (f"cuda:{local_rank}")."""
+    i = bisect.bisect_right(starts, at) - 1
+    return i < 0 or at >= ends[i] or (opens and at == starts[i])
 
 
 def code_part(line: str) -> str:

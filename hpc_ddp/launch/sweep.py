@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -249,7 +250,9 @@ def best_metric(metrics: Sequence[Mapping[str, Any]], wanted: str | None) -> dic
     """{'name', 'mode', 'value', 'step'} of the best record of the named metric (NAME:max|min)."""
     choices = [tuple(wanted.split(":"))] if wanted else _DEFAULT_METRICS
     for name, mode in choices:
-        found = [m for m in metrics if isinstance(m.get(name), (int, float)) and not isinstance(m.get(name), bool)]
+        # a number that compares: NaN (a diverged run's loss) or inf would make max/min depend on the order
+        found = [m for m in metrics if isinstance(m, dict) and (type(m.get(name)) is int or (
+                 type(m.get(name)) is float and math.isfinite(m[name])))]
         if found:
             best = (max if mode == "max" else min)(found, key=lambda m: m[name])
             return {"name": name, "mode": mode, "value": best[name], "step": best.get("step")}

@@ -13,6 +13,9 @@ _RULES = [
     ("node_failure", re.compile(r"DUE TO NODE FAILURE|NODE_FAIL|Node failure on")),
     ("time_limit", re.compile(r"DUE TO TIME LIMIT")),
     ("preempted", re.compile(r"DUE TO PREEMPTION")),
+    # the stall watch's own line (trainer/sessionstep.py): a rank that hangs mid-training, rank 0 included,
+    # whose line names the rendezvous store it holds
+    ("stalled", re.compile(r"no step completed for \d+ s \(the limit is")),
     ("rank_lost", re.compile(r"stopped responding \(no heartbeat|rendezvous store at \S+ stopped answering")),
     ("rendezvous_timeout", re.compile(r"DistNetworkError|TCPStore|Timed out waiting|timed out after .*rendezvous|"
                                       r"Connection refused.*MASTER|rendezvous", re.IGNORECASE)),

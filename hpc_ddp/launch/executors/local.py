@@ -91,6 +91,19 @@ def _own_scratch(path: Path) -> None:
             os.chmod(folder, 0o700)
 
 
+MAX_RANKS = 256  # processes the local executor starts on this one machine, at most
+
+
+def refuse_too_many_ranks(spec: JobSpec) -> None:
+    """Every rank of a local run is a process on this machine: a size past MAX_RANKS is refused in one line,
+    before anything is planned for each of them."""
+    ranks = spec.most_nodes * spec.tasks_per_node
+    if ranks > MAX_RANKS:
+        raise UserError(f"the local executor runs every rank as a process on this machine: {spec.nodes_text} "
+                        f"node(s) x {spec.tasks_per_node} = {ranks:,} processes, more than the {MAX_RANKS} it starts",
+                        hint="try it on fewer simulated nodes (--nodes 2), or submit to Slurm (--executor sbatch)")
+
+
 def rank_envs(spec: JobSpec, job_id: str, port: int, physical_gpus: int, attempt: int = 0,
               deadline: float | None = None, run_dir: str = ".") -> list[dict[str, str]]:
     envs = []
@@ -213,6 +226,7 @@ class LocalExecutor(ForegroundControl):
         self.ctrl_c = _Cancel()  # SIGINTs to this process, counted while it runs the ranks
 
     def plan(self, spec: JobSpec, run_dir: str) -> Plan:
+        refuse_too_many_ranks(spec)  # before a plan per rank is built: 100,000 of them took minutes and GBs
         # The port attempt 0 starts from (submit moves on to the next free one if it is taken).
         port = spec.master_port or port_for_job(f"{self.job_id}-0")
         envs = rank_envs(spec, self.job_id, port, physical_gpus(), run_dir=run_dir)

@@ -1,0 +1,90 @@
+"""Hardening round 4 (issue 43), what status, sweep status and rerun make of what a run left: a rank 0
+that hangs is 'stalled', not a rendezvous timeout; NaN and inf are no best metric; a rank log of any size
+is read from its end, never whole; and the local executor refuses a size it cannot start before planning a
+process per rank."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from hpc_ddp.debug import rerun as rr
+from hpc_ddp.launch.sweep import best_metric
+from hpc_ddp.watch.classify import classify_failure
+
+STALL_RANK0 = ("hpc-ddp: error: rank 1: no step completed for 62 s (the limit is 60 s: 10 x the 0.50 s step, at "
+               "least 60 s); rank 0 on node1 does not answer (it holds the rendezvous store): it died or hung; "
+               "ending the attempt")
+STALL_ANY = ("hpc-ddp: error: rank 0: no step completed for 61 s (the limit is 60 s: 10 x the 0.10 s step, at least "
+             "60 s); every rank still answers, so one may be deadlocked; ending the attempt")
+
+
+@pytest.mark.parametrize("line", [STALL_RANK0, STALL_ANY], ids=["rank 0 hangs", "a deadlock"])
+def test_a_rank_that_hangs_mid_training_is_stalled_not_a_rendezvous_timeout(line):
+    kind, detail = classify_failure([f"step 10\n{line}\n", "torch.distributed.DistNetworkError: TCPStore ... "
+                                                          "rendezvous\n"])
+    assert kind == "stalled" and "no step completed" in detail
+
+
+def test_a_real_rendezvous_timeout_is_still_one():
+    assert classify_failure(["torch.distributed.DistNetworkError: timed out after 600 s in the rendezvous\n"])[0] \
+        == "rendezvous_timeout"
+
+
+METRICS = [
+    ([{"loss": math.nan, "step": 1}, {"loss": 0.5, "step": 2}, {"loss": 0.7, "step": 3}], None, 0.5),
+    ([{"loss": 0.5, "step": 1}, {"loss": math.nan, "step": 2}], None, 0.5),
+    ([{"val_acc": math.inf, "step": 1}, {"val_acc": 0.9, "step": 2}], "val_acc:max", 0.9),
+    ([{"loss": -math.inf}, {"loss": 2}], None, 2),
+    ([{"loss": math.nan}], None, None),
+    ([[1], "x", None, {"loss": True}, {"loss": "0.1"}, {"loss": 10 ** 400}], None, 10 ** 400),
+]
+
+
+@pytest.mark.parametrize(("metrics", "wanted", "best"), METRICS)
+def test_nan_and_inf_are_never_the_best_metric(metrics, wanted, best):
+    found = best_metric(metrics, wanted)
+    assert (found["value"] if found else None) == best
+
+
+def test_a_huge_rank_log_is_read_from_its_end(tmp_path):
+    log = tmp_path / "logs" / "job-1" / "attempt-0" / "rank-0.log"
+    log.parent.mkdir(parents=True)
+    with open(log, "wb") as fh:  # 3 GB of nothing, then the traceback: a sparse file, no disk used
+        fh.seek(3 << 30)
+        fh.write(b"\nTraceback (most recent call last):\n  File \"t.py\", line 1\nValueError: boom\n")
+    started = time.monotonic()
+    assert rr.attempt_failure(tmp_path, "1", 0) == "ValueError: boom"
+    assert time.monotonic() - started < 5
+
+
+def test_a_fifo_rank_log_is_skipped_by_rerun(tmp_path):
+    log = tmp_path / "logs" / "job-1" / "attempt-0" / "rank-0.log"
+    log.parent.mkdir(parents=True)
+    os.mkfifo(log)
+    assert rr.attempt_failure(tmp_path, "1", 0) is None
+
+
+@pytest.mark.parametrize("nodes", ["1-100000", "5000", "257"])
+def test_the_local_executor_refuses_more_ranks_than_it_starts_before_planning_them(tmp_path, nodes):
+    (tmp_path / "t.py").write_text("print(1)\n")
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "hpc_ddp", "submit", "--dry-run", "--executor", "local", "--nodes",
+                           nodes, "t.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "more than the 256 it starts" in done.stderr and "HINT" in done.stderr
+    assert time.monotonic() - started < 30 and not done.stdout
+
+
+def test_the_local_executor_plans_256_ranks(tmp_path):
+    from hpc_ddp.launch.executors.local import MAX_RANKS, refuse_too_many_ranks
+    from hpc_ddp.spec.jobspec import Layer, Target, build_spec
+
+    spec = build_spec([Layer("t", {"nodes": 32, "tasks_per_node": 8})], target=Target("script", "t.py"),
+                      workdir=str(tmp_path), python=sys.executable)
+    assert spec.most_nodes * spec.tasks_per_node == MAX_RANKS
+    refuse_too_many_ranks(spec)
