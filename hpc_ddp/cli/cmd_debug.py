@@ -14,6 +14,7 @@ import sys
 import click
 
 from hpc_ddp.common import verbosity
+from hpc_ddp.common.terminal import printable
 
 __all__ = ["COMMANDS", "attach", "rerun"]
 
@@ -138,9 +139,22 @@ def attach(job: str | None, port: int | None) -> None:
         raise UserError(f"no rank of job {run.job_id or run.run_dir} waits for a debugger now",
                         hint="submit with --debug-rank R; `hpc-ddp status` shows the rank once it waits")
     try:
-        serve(event, port=port, current=waiting, say=lambda m: click.echo(m, err=True))
+        serve(event, port=port, current=waiting, say=lambda m: click.echo(printable(m), err=True),
+              python=_bridge_python(run, event))
     except KeyboardInterrupt:
         click.echo("", err=True)
+
+
+def _bridge_python(run, event: dict) -> str:
+    """The Python that runs attach's bridge: this hpc-ddp's for a local run (the bridge runs here), else
+    the run's own interpreter as its spec (written by submit) names it. Never the debugger record's: the
+    ranks write events.jsonl, and a record must not choose what runs here."""
+    from hpc_ddp.common.rundir import RunDir
+    from hpc_ddp.spec.jobspec import load_spec
+
+    if event.get("loopback"):
+        return sys.executable
+    return load_spec(RunDir(run.run_dir).spec).python  # one line where it cannot be read
 
 
 COMMANDS = [rerun, attach]

@@ -19,6 +19,7 @@ import os
 import select
 import socket
 import subprocess
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -27,10 +28,12 @@ from hpc_ddp.job.debugrelay import decode_line, listen_tcp, listen_unix, login_s
 __all__ = ["bridge_command", "intro_lines", "serve"]
 
 
-def bridge_command(event: Mapping[str, Any]) -> list[str]:
+def bridge_command(event: Mapping[str, Any], python: str) -> list[str]:
     """The command whose stdin/stdout reach the rank's relay: through srun into the job on its node, or
-    directly for a run of the local executor (this machine)."""
-    end = [str(event["python"]), "-m", "hpc_ddp.job.debugrelay", "bridge", str(event["socket"])]
+    directly for a run of the local executor (this machine). `python` is the caller's choice (the run's
+    own interpreter as its spec names it, or this hpc-ddp's): never the event's, which the ranks wrote and
+    anything that can write to events.jsonl could make name a program to run here."""
+    end = [python, "-m", "hpc_ddp.job.debugrelay", "bridge", "--", str(event["socket"])]
     if event.get("loopback"):
         return end
     return ["srun", "--jobid", str(event["slurm_job_id"]), "--overlap", "-w", str(event["node"]), "-N1", "-n1",
@@ -55,7 +58,7 @@ def intro_lines(event: Mapping[str, Any], path: str, port: int | None, login: st
 
 
 def serve(event: Mapping[str, Any], *, port: int | None, current: Callable[[], Mapping[str, Any] | None],
-          say: Callable[[str], None], poll_s: float | None = None) -> None:
+          say: Callable[[str], None], poll_s: float | None = None, python: str = sys.executable) -> None:
     """Serve the owner's debugger sessions, one at a time, until the rank no longer waits. `current()`: the
     debugger event of the run's current attempt (None: none waits), asked after each session and every
     `poll_s` seconds while none runs (2 s for a local run, 10 s where asking means asking Slurm); a requeued
@@ -73,7 +76,7 @@ def serve(event: Mapping[str, Any], *, port: int | None, current: Callable[[], M
             for listener in ready:
                 conn, _ = listener.accept()
                 if owner_only(conn, lambda m: say(f"hpc-ddp: attach: {m}")):
-                    _session(conn, bridge_command(event), say)
+                    _session(conn, bridge_command(event, python), say)
             now = current()
             if now is None or (now.get("job_id"), now.get("rank")) != (event.get("job_id"), event.get("rank")):
                 say(f"hpc-ddp: rank {event['rank']} of job {event['job_id']} no longer waits for a debugger; "

@@ -19,11 +19,11 @@ CLUSTER = {"job_id": "55", "rank": 3, "node": "hpcn1", "slurm_job_id": "55", "py
 
 
 def test_a_cluster_rank_is_reached_through_srun_into_its_job_and_a_local_one_directly():
-    assert attach.bridge_command(CLUSTER) == [
+    assert attach.bridge_command(CLUSTER, "/venv/bin/python") == [
         "srun", "--jobid", "55", "--overlap", "-w", "hpcn1", "-N1", "-n1", "--quiet",
-        "/venv/bin/python", "-m", "hpc_ddp.job.debugrelay", "bridge", "/tmp/hpc-ddp-1000/rank-55-3.sock"]
+        "/venv/bin/python", "-m", "hpc_ddp.job.debugrelay", "bridge", "--", "/tmp/hpc-ddp-1000/rank-55-3.sock"]
     local = {**CLUSTER, "loopback": True, "login_socket": None}
-    assert attach.bridge_command(local)[0] == "/venv/bin/python"
+    assert attach.bridge_command(local, "/venv/bin/python")[0] == "/venv/bin/python"
     assert attach.socket_path(local) == debugrelay.login_socket_path("55", 3)
 
 
