@@ -227,3 +227,69 @@ def test_the_script_shown_is_the_script_submit_renders(docs_project):
             continue
         assert line in printed[position:], (line, printed)
         position = printed.index(line, position) + 1
+
+
+# ---- every `hpc-ddp ...` in the docs names only options its command has ----
+
+_INLINE = re.compile(r"`(hpc-ddp(?: [^`]*)?)`")
+
+
+def _mentions(doc: Path) -> list[tuple[str, str]]:
+    """(the command line, text whose --options are that command's) of every `hpc-ddp ...` in `doc`: console
+    lines (their comment too: "# follow rank 0 (--rank N)"), lines of other blocks that start with hpc-ddp,
+    and inline code in the prose."""
+    found, text = [], doc.read_text()
+    for lang, body, _ in _blocks(text):
+        for line in body.splitlines():
+            line = line.strip()
+            if lang == "console" and line.startswith("$ hpc-ddp"):
+                found.append((line[2:], line[2:]))
+            elif lang in ("", "text", "console", "bash", "sh") and re.match(r"hpc-ddp( |$)", line):
+                found.append((line, line))
+    prose = re.sub(r"```.*?```", "", text, flags=re.S)
+    found += [(m.group(1), m.group(1)) for m in _INLINE.finditer(prose)]
+    return found
+
+
+def _unknown_options(line: str) -> list[str]:
+    """The --options of `line` (an hpc-ddp command line, maybe with a comment or placeholders) that its
+    command does not have; [] where the command itself is not one (checked by the parse test)."""
+    code, _, comment = line.partition(" #")
+    try:  # a quoted value is one word, whatever it holds
+        words = [w.strip("[]|(),") for w in shlex.split(code)][1:]
+    except ValueError:
+        words = re.findall(r"[^\s\[\]|(),]+", code)[1:]
+    command: click.Command = cli
+    allowed = {o for p in cli.params for o in [*p.opts, *p.secondary_opts]}
+    options, positional = [], False
+    for word in words:
+        if word == "--":
+            break
+        if word.startswith("-"):
+            if not positional or getattr(command, "allow_interspersed_args", True):
+                options.append(word.split("=", 1)[0])
+            continue
+        if isinstance(command, click.Group) and word in command.commands:
+            command = command.commands[word]
+            allowed |= {o for p in command.params for o in [*p.opts, *p.secondary_opts]}
+            continue
+        if not isinstance(command, click.Group) and not re.fullmatch(r"[A-Z_]+|N|\.\.\.", word):
+            positional = not getattr(command, "allow_interspersed_args", True) and bool(
+                [p for p in command.params if isinstance(p, click.Argument)])
+    options += re.findall(r"(?<![\w-])--?[a-z][\w-]*", comment)
+    if command is cli:
+        return []
+    return [o for o in options if o not in allowed and o.startswith("--")]
+
+
+@pytest.mark.parametrize("doc", USER_DOCS, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_hpc_ddp_line_names_only_options_its_command_has(doc):
+    """Issue 42: the README's `logs -f  # follow rank 0 (--rank N, --all)` named an --all that logs does not
+    have. Every console line (comment included), block line and inline `hpc-ddp ...` is checked against
+    click's own command objects."""
+    bad = []
+    for line, _ in _mentions(doc):
+        unknown = _unknown_options(line)
+        if unknown:
+            bad.append(f"{line}: {', '.join(unknown)}")
+    assert bad == []

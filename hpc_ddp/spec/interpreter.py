@@ -46,6 +46,6 @@ def explain(spec: Any, environ: Mapping[str, str] | None = None, executable: str
     """`python PATH (why)`: the line `submit` prints beside the executor it chose (`environ` and
     `executable` default to this process's, where `choose` looked)."""
     if getattr(spec, "container", None):
-        return f"python {spec.python} (the container's)"
+        return f"python {spec.python} (run inside the container, at that path there)"
     chosen = choose(os.environ if environ is None else environ, sys.executable if executable is None else executable)
     return f"python {spec.python} ({chosen.why if spec.python == chosen.path else NAMED})"

@@ -55,4 +55,4 @@ def test_explain_names_the_container_when_the_spec_has_one():
     class InContainer(_Spec):
         container: str = "img.sif"
 
-    assert explain(InContainer("python3"), {}, PIPX) == "python python3 (the container's)"
+    assert explain(InContainer("python3"), {}, PIPX) == "python python3 (run inside the container, at that path there)"
