@@ -51,3 +51,17 @@ def test_a_sigterm_rehearsal_kills_after_killwait_and_requeues(tmp_path):
     assert "attempt 1 done" in output
     ends = [e for e in read_jsonl(tmp_path / "run" / "events.jsonl") if e.get("event") == "attempt_end"]
     assert ends[0]["cause"] == "preempted", ends
+
+
+@pytest.mark.e2e
+def test_a_preempt_that_comes_after_training_finished_is_refused_not_reported_sent(tmp_path):
+    """Issue 42, item 1: a preempt arriving after the end said "Sent SIGUSR2 to every rank", exit 0."""
+    import shutil
+
+    shutil.copy(Path(__file__).resolve().parents[2] / "examples" / "preemptible.py", tmp_path / "train.py")
+    done = hpc_ddp("submit", "--executor", "local", "--epochs", "1", "--run-dir", "run", "train.py", cwd=tmp_path,
+                   timeout=180)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    late = hpc_ddp("preempt", "run", cwd=tmp_path, timeout=60)
+    assert late.returncode == 2, late.stdout + late.stderr
+    assert "has already finished training" in late.stderr and "Sent SIG" not in late.stdout
