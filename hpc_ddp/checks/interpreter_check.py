@@ -10,7 +10,9 @@ the image's Python, which this machine cannot see: only the rest is checked (`co
 from __future__ import annotations
 
 import dataclasses
+import glob
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -23,7 +25,7 @@ from hpc_ddp.checks.finding import Finding
 from hpc_ddp.common import verbosity
 from hpc_ddp.spec.interpreter import NAMED, choose
 
-__all__ = ["Probe", "probe", "python_findings", "container_python_ok", "PROBE_TIMEOUT_S"]
+__all__ = ["Probe", "probe", "python_findings", "installed_findings", "container_python_ok", "PROBE_TIMEOUT_S"]
 
 # Long enough for a cold start on a network filesystem, short enough not to hold a submission up.
 PROBE_TIMEOUT_S = 20.0
@@ -81,6 +83,59 @@ def python_findings(spec: Any, environ: Mapping[str, str] | None = None, executa
                         hint="give --python with an existing interpreter, or activate the environment the job "
                              "should use")]
     return [_judge(run_probe(spec.python, spec.workdir, environ), spec.python, who)]
+
+
+def installed_findings(spec: Any, environ: Mapping[str, str] | None = None,
+                       executable: str | None = None) -> Sequence[Any]:
+    """What `python_findings` says, for a dry run, which executes nothing (issue 30): the ranks' Python is not
+    run but read: a venv or conda env whose site-packages hold no hpc_ddp (nor the job's folder, nor
+    PYTHONPATH) cannot import it, said as the probe would; where that cannot be told from the files (a
+    Python outside an env, one that sees the system's packages), nothing is said."""
+    environ = os.environ if environ is None else environ
+    if container_python_ok(spec) or ("/" not in spec.python and spec.setup):
+        return []
+    who = _who(spec.python, environ, sys.executable if executable is None else executable)
+    problem = _unusable(spec.python, spec.workdir, environ)
+    if problem:
+        shown = spec.python if spec.python.isprintable() else repr(spec.python)
+        return [Finding("error", f"python {shown} ({who}) {problem}",
+                        hint="give --python with an existing interpreter, or activate the environment the job "
+                             "should use")]
+    path = os.path.join(spec.workdir, spec.python) if "/" in spec.python else \
+        shutil.which(spec.python, path=environ.get("PATH", os.defpath))
+    if path is None or _has_hpc_ddp(path, spec.workdir, environ) is not False:
+        return []
+    return [_judge(Probe(problem=_MISSING, missing=True), spec.python, who)]
+
+
+def _has_hpc_ddp(python: str, workdir: str, environ: Mapping[str, str]) -> bool | None:
+    """Whether `python` (its path as given, links not followed: a venv's python links to its base) can import
+    hpc_ddp, as its env's files say; None where they cannot say."""
+    if os.path.isfile(os.path.join(workdir, "hpc_ddp", "__init__.py")):
+        return True  # `python -m hpc_ddp.job.runner` from the job's folder finds it there
+    if environ.get("PYTHONPATH"):
+        return None
+    prefix = os.path.dirname(os.path.dirname(os.path.abspath(python)))
+    try:
+        with open(os.path.join(prefix, "pyvenv.cfg"), encoding="utf-8", errors="replace") as fh:
+            config = fh.read(65536)
+        if re.search(r"^\s*include-system-site-packages\s*=\s*true", config, re.M | re.I):
+            return None
+    except OSError:
+        if not os.path.isdir(os.path.join(prefix, "conda-meta")):
+            return None  # not an env: the system's Python, whose packages are anywhere
+    folders = [d for lib in ("lib", "lib64") for d in glob.glob(os.path.join(prefix, lib, "python3*", "site-packages"))]
+    if not folders:
+        return None
+    for folder in folders:
+        try:
+            names = os.listdir(folder)
+        except OSError:
+            return None
+        if any(n == "hpc_ddp" or n.startswith(("hpc_ddp-", "__editable__.hpc_ddp", "hpc_ddp.", "hpc-ddp."))
+               for n in names):
+            return True
+    return False
 
 
 def _unusable(python: str, workdir: str, environ: Mapping[str, str]) -> str | None:

@@ -495,9 +495,16 @@ def ranks_python(spec: JobSpec, host: Host) -> list[Finding]:
     return list(python_findings(spec, host.environ, run_probe=host.probe_python))
 
 
-def gate_ranks_python(spec: JobSpec, warn: Callable[[str], None]) -> None:
-    """Before a local submission (and its dry run): an error stops it, nothing started."""
-    gate(Report(None, tuple(f for f in ranks_python(spec, Host.current()) if f.level != "ok")), warn, skip_hint=None)
+def gate_ranks_python(spec: JobSpec, warn: Callable[[str], None], dry_run: bool = False) -> None:
+    """Before a local submission (and its dry run, which runs nothing: the env's files are read instead,
+    `installed_findings`): an error stops it, nothing started."""
+    if dry_run:
+        from hpc_ddp.checks.interpreter_check import installed_findings
+
+        found = installed_findings(spec)
+    else:
+        found = ranks_python(spec, Host.current())
+    gate(Report(None, tuple(f for f in found if f.level != "ok")), warn, skip_hint=None)
 
 
 # ---- what the script's text says (submit and doctor) ----

@@ -78,8 +78,8 @@ def submit(ctx: click.Context, **params) -> None:
         warn(which)
         warn(explain(spec))
     _devices(plan.spec)
-    _ranks_python(plan.spec, executor)
     if params["dry_run"]:
+        _ranks_python(plan.spec, executor, dry_run=True)
         _say_snapshot_plan(spec, snap)
         if params["as_json"]:
             click.echo(json.dumps({"executor": plan.executor, "job_id": None, "run_dir": plan.run_dir,
@@ -91,6 +91,7 @@ def submit(ctx: click.Context, **params) -> None:
     from hpc_ddp.job.debugger import refuse_missing_debugpy
 
     refuse_missing_debugpy([plan.spec])  # only now that it will run: a dry run executes nothing
+    _ranks_python(plan.spec, executor, dry_run=False)
     if executor.queues and not params["no_preflight"]:
         _preflight(plan)
     executor.check(plan)  # what the executor refuses, before the snapshot writes anything
@@ -152,7 +153,6 @@ def _submit_sweep(params: dict, spec, sweep) -> None:
     plan = planned(snap)
     check_resubmission(plan, executor)  # --dry-run says what the submission would
     _devices(plan.tasks[0].plan.spec)
-    _ranks_python(plan.tasks[0].plan.spec, executor)
     if plan.script is not None:
         from hpc_ddp.checks.preflight import read_slurm_config
         from hpc_ddp.launch.sweep import check_array_size
@@ -162,6 +162,7 @@ def _submit_sweep(params: dict, spec, sweep) -> None:
         warn(which)
         warn(explain(spec))
     if params["dry_run"]:
+        _ranks_python(plan.tasks[0].plan.spec, executor, dry_run=True)
         _say_snapshot_plan(spec, snap)
         click.echo(json.dumps({"executor": plan.executor, "sweep_dir": plan.sweep_dir, "dry_run": True,
                                "script": plan.script, "tasks": [{"task": t.index, "values": dict(t.values),
@@ -171,6 +172,7 @@ def _submit_sweep(params: dict, spec, sweep) -> None:
     from hpc_ddp.job.debugger import refuse_missing_debugpy
 
     refuse_missing_debugpy(t.plan.spec for t in plan.tasks)  # each distinct Python once, not once per task
+    _ranks_python(plan.tasks[0].plan.spec, executor, dry_run=False)
     if executor.queues and not params["no_preflight"]:
         _preflight(plan.tasks[0].plan)
     if snap is not None:
@@ -286,13 +288,14 @@ def _devices(spec) -> None:
     gate_devices(spec, warn)
 
 
-def _ranks_python(spec, executor) -> None:
+def _ranks_python(spec, executor, dry_run: bool) -> None:
     """The local executor starts the ranks here: their Python must import hpc_ddp (the sbatch path's
-    preflight asks the same), said before anything runs, in a dry run too."""
+    preflight asks the same), said before anything runs; in a dry run too, which executes nothing and reads
+    the env's files instead."""
     if getattr(executor, "ranks_here", False):
         from hpc_ddp.checks.preflight import gate_ranks_python
 
-        gate_ranks_python(spec, warn)
+        gate_ranks_python(spec, warn, dry_run=dry_run)
 
 
 # Executors that run the job in the foreground of the submitting process: over ssh that process is the cluster's
