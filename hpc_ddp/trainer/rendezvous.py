@@ -329,8 +329,9 @@ def _health_watchdog(store: dist.Store, env: DistEnv, timeout_s: float, done: th
 class Heartbeat:
     """A daemon thread that bumps `heartbeat/<rank>` every HEARTBEAT_S over its own store connection."""
 
-    def __init__(self, env: DistEnv, interval_s: float = HEARTBEAT_S):
-        self.env, self.interval_s = env, interval_s
+    def __init__(self, env: DistEnv, interval_s: float = HEARTBEAT_S,
+                 on_failed_peer: Callable[[int, str, dist.Store], None] | None = None):
+        self.env, self.interval_s, self.on_failed_peer = env, interval_s, on_failed_peer
         self._stop = threading.Event()
         self._store = _scoped(dist.TCPStore(env.master_addr, env.master_port, env.world_size, False,
                                             timedelta(seconds=30)), env)
@@ -345,8 +346,19 @@ class Heartbeat:
         while not self._stop.wait(self.interval_s):
             try:
                 self._store.add(f"heartbeat/{self.env.rank}", 1)
+                failed = self._failed_peer() if self.on_failed_peer is not None else None
             except Exception:  # noqa: BLE001 - rank 0 (the store) is gone; the collectives will say so
                 return
+            if failed is not None:
+                self.on_failed_peer(*failed, self._store)
+                return
+
+    def _failed_peer(self) -> tuple[int, str] | None:
+        """Another rank that left for a failure of its own (not finished, not after another's failure)."""
+        for rank, why in left_ranks(self._store).items():
+            if rank != self.env.rank and why not in ("finished", LEFT_AFTER_OTHERS):
+                return rank, why
+        return None
 
     def stop(self) -> None:
         self._stop.set()
@@ -447,10 +459,34 @@ def leave(timeout_s: float = 10.0) -> None:
     worker.join(timeout_s)
 
 
-def wait_for_all(store: dist.Store, env: DistEnv, name: str, timeout_s: float) -> list[int]:
+def outlive_peers(store: dist.Store | None, env: DistEnv, timeout_s: float) -> None:
+    """Rank 0 holds the store: keep it up until every other rank has said it left (or `timeout_s`), so a
+    peer that finds out about a failure reads its reason there, says one line and leaves, instead of
+    finding the store gone and printing c10d's C++ frame dumps (issue 43)."""
+    if store is None or env.rank != 0 or env.world_size < 2:
+        return
+    deadline = time.monotonic() + timeout_s
+    with contextlib.suppress(Exception):
+        while time.monotonic() < deadline:
+            if len(left_ranks(store)) >= env.world_size:
+                return
+            time.sleep(0.1)
+
+
+def wait_for_all(store: dist.Store, env: DistEnv, name: str, timeout_s: float,
+                 check: Callable[[], None] = lambda: None) -> list[int]:
     """Mark this rank as arrived at `name` and wait until every rank has; the ranks still missing after
     `timeout_s` (empty when all came). For calls that must be collective (a checkpoint save), so a rank
-    that never comes is named instead of hanging a collective until its timeout."""
+    that never comes is named instead of hanging a collective until its timeout. `check` runs at each
+    poll and may raise (a rank that went elsewhere, or left)."""
     store.set(f"{name}/{env.rank}", "1")
     store.add(f"{name}/count", 1)
-    return _wait_all(store, env, name, time.monotonic() + timeout_s)
+    return _wait_all(store, env, name, time.monotonic() + timeout_s, check)
+
+
+def left_ranks(store: dist.Store) -> dict[int, str]:
+    """The ranks that said they left (mark_left), with their reasons. Raises DistError if the store is gone."""
+    if not store.check(["left/ranks"]):
+        return {}
+    ranks = sorted({int(r) for r in store.get("left/ranks").decode().split(",") if r.strip().isdigit()})
+    return {r: store.get(f"left/{r}").decode(errors="replace") for r in ranks}

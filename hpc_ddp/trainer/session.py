@@ -49,6 +49,7 @@ import atexit
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Mapping
 from datetime import timedelta
@@ -77,7 +78,7 @@ from hpc_ddp.trainer.loggers import Loggers
 from hpc_ddp.trainer.sessionbase import Diverged, IncompatibleResume, Progress, UsageError
 from hpc_ddp.trainer.sessionsave import SaveAndResume
 from hpc_ddp.trainer.sessionstep import StepAndStop
-from hpc_ddp.trainer.stallwatch import StallWatch
+from hpc_ddp.trainer.stallwatch import STORE_ANSWER_S, StallWatch
 from hpc_ddp.trainer.stopping import StopFlag
 
 __all__ = ["Session", "start", "Progress", "UsageError", "IncompatibleResume", "Diverged"]
@@ -86,7 +87,16 @@ __all__ = ["Session", "start", "Progress", "UsageError", "IncompatibleResume", "
 def start(run_dir: str | os.PathLike | None = None, **settings: Any) -> "Session":
     """Make this process one rank of the run and return its Session (see the module docstring).
     `run_dir` defaults to the run dir hpc-ddp gave this rank ($HPC_DDP_RUN_DIR)."""
+    _one_line_errors()  # a misuse found from here on (no run dir, a file as one) is one line, not a traceback
+    if _ACTIVE and not _ACTIVE[0]._closed:
+        raise UsageError(f"hpc_ddp.start() was already called in this process (rank {_ACTIVE[0].rank} of "
+                         f"{_ACTIVE[0].world_size}): one process is one rank of one run",
+                         hint="use the run the first start() returned, or close it (leave its `with` block) "
+                              "before starting another")
     return Session(run_dir, **settings).setup()
+
+
+_ACTIVE: list["Session"] = []   # the session start() made in this process, while it is open
 
 
 class Session(StepAndStop, SaveAndResume):
@@ -124,6 +134,8 @@ class Session(StepAndStop, SaveAndResume):
         self._busy, self._attempt_steps = 0, 0  # the stall watch: paused while busy; armed after a few steps
         self._watch_stalls = getattr(spec, "debug_rank", None) is None  # a rank at a breakpoint is no hang
         self.stallwatch: StallWatch | None = None
+        self._asking: threading.Thread | None = None   # a stall check's question to the store, in flight
+        self._own_group = False   # a world of one: the process group setup() made for it, destroyed by close()
         self._batch_size: int | None = None
         self._split: Split | None = None      # how the ranks share each step's global batch (data.elastic)
         self._finished = False
@@ -204,6 +216,7 @@ class Session(StepAndStop, SaveAndResume):
     def setup(self) -> "Session":
         """Install the stop signals, pick the device, meet the other ranks (bounded, naming the missing
         ones), build the process group and check it with one all-reduce. Called by `start()`."""
+        _stall_floor()   # a bad HPC_DDP_STALL_MIN_S is one line now, not a ValueError on every rank later
         self.stop.install()
         shield_loader_workers()
         backend = self._pick_device()
@@ -214,14 +227,20 @@ class Session(StepAndStop, SaveAndResume):
                          world_size=self.world_size, timeout=timedelta(seconds=self.collective_timeout))
             rendezvous.health_check(self.store, self.env, self.device, timeout_s=self.rendezvous_timeout,
                                     connect=lambda: dist.init_process_group(**group))
-            self.heartbeat = rendezvous.Heartbeat(self.env).start()
+            self.heartbeat = rendezvous.Heartbeat(self.env, on_failed_peer=self._peer_failed).start()
             if self._watch_stalls and os.environ.get("HPC_DDP_STALL_MIN_S") != "off":
                 self.stallwatch = StallWatch(self, self._stalled, cap_s=self.collective_timeout).start()
+        elif not dist.is_initialized():
+            # One rank is a world of one: DDP (and any collective) wants a process group there too (issue 42),
+            # so a script written for N ranks runs unchanged on 1. Nothing to meet: a store of its own.
+            dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
+            self._own_group = True
         self.deadline = job_deadline(os.environ) if self.is_main else None
         if self.auto_interval and self.is_main:
             self._start_interval()
         atexit.register(self.close)  # a script that never leaves a `with` block still leaves cleanly
         _one_line_errors()
+        _ACTIVE[:] = [self]
         return self
 
     def _pick_device(self) -> str:
@@ -250,11 +269,15 @@ class Session(StepAndStop, SaveAndResume):
         self.loggers.close()
         if self.stallwatch is not None:
             self.stallwatch.stop()
+        if self._asking is not None:  # a stall check asking the store: let it end before the store goes
+            self._asking.join(STORE_ANSWER_S)
         rendezvous.mark_left(self.store, self.env, why)  # before the heartbeat stops: see mark_left
         if self.heartbeat is not None:
             self.heartbeat.stop()
-        if self.distributed and dist.is_initialized():
+        if (self.distributed or self._own_group) and dist.is_initialized():
             rendezvous.leave()
+        # Rank 0's store outlives the others' exits (bounded): they read why it left rather than dump C++ frames.
+        rendezvous.outlive_peers(self.store, self.env, 5.0 if why == "finished" else min(15.0, self.collective_timeout))
         self.stop.uninstall()
 
     def _drain_writer(self) -> None:
@@ -279,10 +302,27 @@ class Session(StepAndStop, SaveAndResume):
         except (HpcDdpError, RuntimeError) as exc:
             self.log(f"hpc-ddp: the last step's record was not written: {_summary(exc)}")
 
+    def _peer_failed(self, rank: int, why: str, store: Any) -> None:
+        """The heartbeat thread saw another rank leave for a failure of its own (an error on that rank):
+        say it in one line and acknowledge in the store, while it is still there (rank 0 waits for that,
+        outlive_peers), so this rank's own failure, when the collective it waits in breaks, ends it quietly
+        instead of with c10d's C++ frame dumps about a store that is gone (issue 43)."""
+        global _PEER_FAILED
+        if self._closed or self._finished:
+            return
+        _PEER_FAILED = True
+        if self.is_main:  # the store's host leaves last, quietly too: see _quiet_exit
+            _STORE_HOST[:] = [self.store, self.env]
+        print(f"hpc-ddp: error: rank {self.rank}: {rendezvous.describe_ranks(self.env, [rank])} left the run "
+              f"({why[:200]}); stopping", file=sys.stderr, flush=True)
+        rendezvous.mark_left(store, self.env, rendezvous.LEFT_AFTER_OTHERS)
+
     def __enter__(self) -> "Session":
         return self
 
     def __exit__(self, kind, exc, _tb) -> None:
+        if _PEER_FAILED and exc is not None and not isinstance(exc, SystemExit):
+            _quiet_exit()  # said already: another rank's error, which ended this rank's collective
         if exc is None or isinstance(exc, SystemExit):
             self.close("finished" if exc is None or exc.code in (0, REQUEUE_EXIT_CODE) else f"exit {exc.code}")
             return
@@ -332,12 +372,42 @@ def _setting(spec: Any, key: str, variable: str, default: float) -> float:
         return default
 
 
+def _stall_floor() -> None:
+    """HPC_DDP_STALL_MIN_S: seconds (the stall watch's floor) or "off"; anything else is refused here."""
+    raw = os.environ.get("HPC_DDP_STALL_MIN_S")
+    if raw is None or raw == "" or raw == "off":
+        return
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value >= 0 or value == float("inf"):
+        raise UsageError(f"HPC_DDP_STALL_MIN_S={raw!r} is not a number of seconds or \"off\"",
+                         hint="set HPC_DDP_STALL_MIN_S=300 (seconds, no unit), or off to turn the stall watch off")
+
+
 def _fault_before_join(env: DistEnv) -> None:
     """HPC_DDP_FAULT_NO_JOIN=R: rank R hangs before the rendezvous (a rank that never starts: no stop
     flag of ours yet, so a SIGTERM ends it as it would a process still starting up)."""
     if os.environ.get("HPC_DDP_FAULT_NO_JOIN") == str(env.rank):
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         time.sleep(10**6)
+
+
+_PEER_FAILED = False   # another rank left for an error of its own: this rank's own error that follows is its echo
+
+
+_STORE_HOST: list[Any] = []   # rank 0's (store, env) once it knows of another rank's failure
+
+
+def _quiet_exit() -> None:
+    """Leave at once with 1, without the destructors and threads that would talk to a store that is gone;
+    rank 0, which holds the store, first waits (bounded) until every rank has said it left."""
+    if _STORE_HOST:
+        rendezvous.outlive_peers(*_STORE_HOST, 5.0)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
 
 
 def _one_line_errors() -> None:
@@ -348,6 +418,8 @@ def _one_line_errors() -> None:
         return
 
     def hook(kind, exc, tb):
+        if _PEER_FAILED and not isinstance(exc, SystemExit):
+            _quiet_exit()
         if isinstance(exc, HpcDdpError):
             exit_after_handlers(report(exc))  # the error's code (2 for misuse), which only _exit sets here
         previous(kind, exc, tb)

@@ -22,6 +22,7 @@ from hpc_ddp.trainer.rngstate import capture_rng, restore_rng
 from hpc_ddp.trainer.sessionbase import IncompatibleResume, Progress, UsageError, at_least_one
 
 SESSION_FILE = "session.pt"   # progress + every rank's RNG streams, next to the tracked states
+_CALLS = {"final": "finish", "stop": "requeue"}   # a save's reason -> the call every rank must make with it
 
 
 class SaveAndResume:
@@ -58,7 +59,7 @@ class SaveAndResume:
         started = time.monotonic()
         self._check_writer()
         self._drain()  # GPU: the last step's flags first: a NaN in them is never checkpointed
-        self._all_arrive("save")
+        self._all_arrive(_CALLS.get(reason, "save"))
         rng = [capture_rng()]
         if self.distributed:
             rng = [None] * self.world_size
@@ -146,11 +147,35 @@ class SaveAndResume:
 
     def _all_arrive(self, what: str) -> None:
         """Every rank must reach this call: name those that do not, instead of hanging in a collective
-        until its timeout (the usual mistake: `if rank == 0: run.save()`)."""
+        until its timeout (the usual mistake: `if rank == 0: run.save()`). A rank whose call of the same
+        number is another one (rank 0's save() where rank 1 calls finish()), or that left the run, is
+        named at once: waiting for it could only end at the timeout (issue 43: still hung after 150 s)."""
         if not self.distributed or self.store is None:
             return
         self._saves += 1
-        missing = rendezvous.wait_for_all(self.store, self.env, f"{what}/{self._saves}", self.collective_timeout)
+        number, store, env = self._saves, self.store, self.env
+        last = [time.monotonic()]
+
+        def check() -> None:
+            if time.monotonic() - last[0] < 1.0:
+                return
+            last[0] = time.monotonic()
+            for other in sorted({"save", *_CALLS.values()} - {what}):
+                if int(store.add(f"{other}/{number}/count", 0)) > 0:
+                    there = [r for r in range(env.world_size) if r != env.rank and store.check([f"{other}/{number}/{r}"])]
+                    raise UsageError(
+                        f"{what}() is collective, but {rendezvous.describe_ranks(env, there)} called {other}() "
+                        f"where rank {env.rank} called {what}()",
+                        hint=f"call run.{what}() on every rank at the same point; rank 0 alone writes the checkpoint")
+            gone = {r: why for r, why in rendezvous.left_ranks(store).items()
+                    if not store.check([f"{what}/{number}/{r}"])}
+            if gone:
+                r, why = next(iter(gone.items()))
+                raise UsageError(f"{what}() is collective, but {rendezvous.describe_ranks(env, list(gone))} left the "
+                                 f"run ({why}) without calling it (rank {env.rank} did)",
+                                 hint=f"call run.{what}() on every rank; rank 0 alone writes the checkpoint")
+
+        missing = rendezvous.wait_for_all(store, env, f"{what}/{number}", self.collective_timeout, check)
         if missing:
             raise UsageError(
                 f"{what}() is collective, but {rendezvous.describe_ranks(self.env, missing)} did not call it "

@@ -256,16 +256,26 @@ class StepAndStop:
         return self._attempt_steps
 
     def paused(self) -> bool:
-        return self._busy > 0 or self._closed
+        """No step is expected: busy, closed, or finished (a script's exit after finish() may take a while:
+        other threads joined, the process group destroyed; the watch must not call that a stall)."""
+        return self._busy > 0 or self._closed or self._finished
 
     def _stalled(self, quiet: float, limit: float) -> None:
         """No step for `quiet` s, more than `limit`: name who hangs, record it, leave (the executor ends the
-        other ranks). Runs on the watch's thread while the main thread waits, so it ends the process itself."""
+        other ranks). Runs on the watch's thread while the main thread waits, so it ends the process itself.
+        Returns (the watch goes on) when a step completed, or the run finished, while the store was asked:
+        the quiet was one long step, not a hang, and ending the attempt then would fail a run that went on."""
+        seen = self.last_step_at()
         answer: list[str | None] = []
         asking = threading.Thread(target=lambda: answer.append(rendezvous.explain_failure(self.store, self.env)),
                                   daemon=True)
+        self._asking = asking  # close() waits for it: a store call cut by the process's exit aborts it (-6)
         asking.start()
         asking.join(STORE_ANSWER_S)
+        if self.last_step_at() != seen or self.paused():
+            print(f"hpc-ddp: warning: rank {self.rank}: no step completed for {quiet:.0f} s (the limit is "
+                  f"{limit:.0f} s), then the run went on: not a stall", file=sys.stderr, flush=True)
+            return
         # The store lives in rank 0's process: a rank 0 that hangs cannot answer for the others.
         who = answer[0] if answer else None if self.rank == 0 else (
             f"{rendezvous.describe_ranks(self.env, [0])} does not answer (it holds the rendezvous store): it died "
@@ -397,6 +407,8 @@ class StepAndStop:
         self._drain()
         path = self.save("final")
         self._finished = True
+        if self.stallwatch is not None:
+            self.stallwatch.stop()   # the run is complete: no step will come
         self.events.write({"event": "finish", "step": self.progress.step, "epoch": self.progress.epoch})
         self.log(f"hpc-ddp: training finished at step {self.progress.step}; checkpoints in {self.checkpoints.root}")
         return path

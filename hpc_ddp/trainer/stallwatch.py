@@ -54,7 +54,8 @@ def stalled_for(now: float, last_step: float, steps_this_attempt: int, step_seco
 
 class StallWatch:
     """The thread. `session` gives `step_seconds`, `last_step_at()` (time.monotonic of the last completed
-    step), `steps_this_attempt()` and `paused()`; `on_stall(seconds, limit)` acts (it does not return)."""
+    step), `steps_this_attempt()` and `paused()`; `on_stall(seconds, limit)` acts: it ends the process, or
+    returns when the run went on meanwhile, and the watch goes on."""
 
     def __init__(self, session: Any, on_stall: Callable[[float, float], None], *, cap_s: float | None = None,
                  interval_s: float = 1.0):
@@ -81,5 +82,5 @@ class StallWatch:
             quiet = stalled_for(now, s.last_step_at(), s.steps_this_attempt(), s.step_seconds,
                                 s.paused(), self.min_s, self.cap_s)
             if quiet is not None and not self._stop.is_set():
+                # It ends the process, or returns when the run went on meanwhile (one long step): watch on.
                 self.on_stall(quiet, limit_for(s.step_seconds, self.min_s, self.cap_s) or quiet)
-                return
