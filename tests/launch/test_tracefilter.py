@@ -4,7 +4,7 @@ import os
 import subprocess
 import sys
 
-from hpc_ddp.launch.tracefilter import TerminalFilter
+from hpc_ddp.launch.tracefilter import Stop, TerminalFilter
 
 TRACE = ["[W1127 16:00:00.123456 4242 torch/csrc/distributed/c10d/TCPStore.cpp:122] [c10d] recvValue failed on "
          "SocketImpl(fd=5): Connection reset by peer\n",
@@ -28,15 +28,32 @@ def test_a_trace_after_our_stop_line_is_one_note():
     assert out[3:] == ["bye\n"]
 
 
+def test_torchs_other_log_line_forms_are_the_trace_too():
+    lines = ["[rank1]:[W1127 16:00:00.123456789 TCPStore.cpp:122] [c10d] recvValue failed: Connection reset by peer\n",
+             "[W1127 16:00:00.123456789 ProcessGroupNCCL.cpp:1500] Failed to check the \"should dump\" flag\n"]
+    out = _shown(["hpc-ddp: stop requested\n", *lines])
+    assert len(out) == 2 and "2 lines of a library's trace" in out[1]
+
+
 def test_a_trace_at_the_end_of_the_output_is_one_note():
     out = _shown(["hpc-ddp: checkpointed\n", *TRACE])
     assert len(out) == 2 and "left out here" in out[1]
 
 
-def test_a_trace_before_any_line_of_ours_is_the_failure_and_shown_whole():
+def test_a_trace_before_any_stop_line_is_the_failure_and_shown_whole():
     assert _shown(TRACE) == TRACE
+    resumed = ["hpc-ddp: resumed from /r/checkpoints/step-000000031 (step 31)\n", *TRACE]
+    assert _shown(resumed) == resumed  # a crash after the resume line is no stop
     py = ["hpc-ddp: stop requested\n", "Traceback (most recent call last):\n", '  File "t.py", line 1\n', "E: x\n"]
     assert _shown(py) == py  # a Python traceback is the program's
+
+
+def test_rank_0s_stop_line_counts_for_the_trace_of_rank_1():
+    stop = Stop()
+    rank0, rank1 = TerminalFilter("/r/rank-0.log", stop), TerminalFilter("/r/rank-1.log", stop)
+    assert list(rank0.feed("hpc-ddp: stop requested (SIGUSR2, preempted); checkpointing at step 31\n"))
+    out = [x for line in TRACE for x in rank1.feed(line)] + list(rank1.close())
+    assert len(out) == 1 and "rank-1.log" in out[0]
 
 
 def test_the_local_executor_keeps_the_trace_in_the_log_only(tmp_path):

@@ -52,7 +52,7 @@ from hpc_ddp.launch.executors.foreground import CANCELLED_EXIT_CODE, ForegroundC
 from hpc_ddp.launch.executors.foreground import say as _say
 from hpc_ddp.launch.render import env_exports, node_setup_command, runner_command
 from hpc_ddp.launch.shellwords import bash_word, comment_text  # noqa: F401 - srun.py and tests import them here
-from hpc_ddp.launch.tracefilter import TerminalFilter
+from hpc_ddp.launch.tracefilter import Stop, TerminalFilter
 from hpc_ddp.spec.jobspec import JobSpec
 
 _GRACE_S = 10
@@ -471,8 +471,9 @@ def _run_ranks(argv: list[str], envs: list[dict[str, str]], log_dir: Path, *, ec
     if terminal_rank is not None:
         append(log_dir / RANK_LOG.format(rank=terminal_rank),
                f"hpc-ddp: rank {terminal_rank} ran under pdb; its output went to the terminal, not here\n")
+    stop = Stop()  # a stop line on any rank: the library traces after it stay in the rank logs
     pumps = [threading.Thread(target=_pump, daemon=True,
-                              args=(proc, log_dir / RANK_LOG.format(rank=rank), f"[rank {rank}] ", echo, scrubber))
+                              args=(proc, log_dir / RANK_LOG.format(rank=rank), f"[rank {rank}] ", echo, scrubber, stop))
              for rank, proc in enumerate(procs) if rank != terminal_rank]
     for pump in pumps:
         pump.start()
@@ -504,7 +505,8 @@ def _forwarding(live: list[Supervised], received: list[str]):
             signal.signal(signum, handler)
 
 
-def _pump(proc: subprocess.Popen, log_path: Path, prefix: str, echo: bool, scrubber: secrets.Scrubber) -> None:
+def _pump(proc: subprocess.Popen, log_path: Path, prefix: str, echo: bool, scrubber: secrets.Scrubber,
+          stop: Stop | None = None) -> None:
     """Copy a rank's output to its log file and the terminal, secrets masked. surrogateescape keeps bytes
     that are not UTF-8 as they were in the log file."""
     raw = (line.decode("utf-8", "surrogateescape") for line in iter(proc.stdout.readline, b""))
@@ -513,7 +515,7 @@ def _pump(proc: subprocess.Popen, log_path: Path, prefix: str, echo: bool, scrub
             fd: int | None = stack.enter_context(appending(log_path))
         except OSError:
             fd = None
-        shown = TerminalFilter(str(log_path))  # a library's trace after hpc-ddp's own line: the log only
+        shown = TerminalFilter(str(log_path), stop)  # a library's trace after a stop line: the log only
         for text in scrubber.lines(raw):
             line = text.encode("utf-8", "surrogateescape")
             if fd is not None:
