@@ -47,6 +47,12 @@ _FRAMEWORKS = (
 )
 
 
+def framework_of(source: str) -> str | None:
+    """The framework the script runs under (Lightning, the Hugging Face Trainer, accelerate), if any."""
+    code = code_only(source)
+    return next((framework for uses, _, framework, _, _ in _FRAMEWORKS if uses.search(code)), None)
+
+
 def framework_notes(source: str, name: str) -> list[Note]:
     code = code_only(source)
     name = name if name.isprintable() else repr(name)  # a script named with a newline: still one line

@@ -12,11 +12,14 @@ exit 2 (or 1), as for every command.
 from __future__ import annotations
 
 import json
+import os
+import shlex
 
 import click
 
+from hpc_ddp.cli.options import warn
 from hpc_ddp.cli.remote import over_ssh
-from hpc_ddp.common.errors import UserError
+from hpc_ddp.common.errors import HpcDdpError, UserError
 from hpc_ddp.common.procs import SubprocessCommands
 from hpc_ddp.common.rundir import is_sweep_dir
 from hpc_ddp.common.terminal import printable
@@ -73,6 +76,8 @@ def preempt(job: str, sig: str | None, as_json: bool) -> None:
         if name == "TERM" and getattr(executor, "ranks_here", False):
             message += ("; ranks still running 30 s later are killed and the job runs again, as after a Slurm "
                         "preemption")
+        elif name != "USR1":
+            _ignored_by_framework(run, name)
     _done(as_json, "preempt", message, run, executor.name, signal=name)
 
 
@@ -84,6 +89,25 @@ def _refuse_finished(run) -> None:
     if run.paths.events.is_file() and finished_in_last_attempt(run.run_dir):
         raise UserError(f"job {run.job_id} has already finished training ({run.run_dir}): there is nothing to preempt",
                         hint="preempt while it trains: `hpc-ddp status` says RUNNING and shows its progress")
+
+
+def _ignored_by_framework(run, name: str) -> None:
+    """Lightning, the Hugging Face Trainer and accelerate leave the warning signal alone: said, with the
+    signal a preemption sends them, instead of a rehearsal in which nothing happens."""
+    from hpc_ddp.checks.frameworks import framework_of
+    from hpc_ddp.job.devicescan import source_of
+    from hpc_ddp.spec.jobspec import load_spec
+
+    try:
+        spec = load_spec(run.paths.spec)
+        found = source_of(spec.target.kind, spec.target.value, spec.workdir)
+    except (HpcDdpError, OSError, ValueError):
+        return
+    framework = framework_of(found[1]) if found else None
+    if framework is not None and "hpc_ddp" not in found[1]:
+        warn(f"warning: {os.path.basename(found[0])} uses {framework}, which leaves SIG{name} alone: nothing stops "
+             "HINT: rehearse a preemption with the signal a preemption sends: hpc-ddp preempt --signal TERM "
+             f"{shlex.quote(str(run.run_dir))} (docs/frameworks.md)")
 
 
 def _done(as_json: bool, action: str, message: str, run, executor: str, **extra: str) -> None:

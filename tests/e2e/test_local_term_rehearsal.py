@@ -65,3 +65,24 @@ def test_a_preempt_that_comes_after_training_finished_is_refused_not_reported_se
     late = hpc_ddp("preempt", "run", cwd=tmp_path, timeout=60)
     assert late.returncode == 2, late.stdout + late.stderr
     assert "has already finished training" in late.stderr and "Sent SIG" not in late.stdout
+
+
+@pytest.mark.e2e
+def test_preempting_a_framework_with_the_warning_signal_says_it_ignores_it(tmp_path):
+    """docs/frameworks.md: Lightning leaves SIGUSR2 alone; the preempt says so, with the signal to send."""
+    (tmp_path / "fit.py").write_text("import time\nif False:\n    import lightning\nprint('training', flush=True)\n"
+                                     "time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-m", "hpc_ddp", "submit", "--executor", "local", "--run-dir", "run",
+                             "fit.py"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_until(lambda: any("training" in p.read_text() for p in (tmp_path / "run" / "logs").rglob("*.log"))
+                   if (tmp_path / "run" / "logs").exists() else proc.poll() is not None, 120, "the rank to start")
+        sent = hpc_ddp("preempt", "run", cwd=tmp_path, timeout=60)
+        assert sent.returncode == 0, sent.stderr
+        assert "fit.py uses Lightning, which leaves SIGUSR2 alone" in sent.stderr
+        assert "hpc-ddp preempt --signal TERM" in sent.stderr
+        assert hpc_ddp("cancel", "run", cwd=tmp_path, timeout=120).returncode == 0
+        proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
