@@ -161,32 +161,39 @@ class Sizes:
 
 
 def plan_sizes(spec: JobSpec, saved_world: int | None, checkpoint: str | None, *, nodes: int | None,
-               tasks_per_node: int | None, cpus: int, gpus_here: int) -> Sizes:
-    """The rerun's nodes x tasks, and what that changes. A checkpoint pins the world size; without one the
-    job's layout is kept where this machine's cores hold it, else it is scaled down to one node of them."""
-    world = spec.world_size
+               tasks_per_node: int | None, cpus: int, gpus_here: int, ran_nodes: int | None = None) -> Sizes:
+    """The rerun's nodes x tasks, and what that changes. `ran_nodes`: the nodes the attempt ran on (a node
+    range's attempt may have run on any number of them), the job's by default. A checkpoint pins the world
+    size, but for a node range's job, whose resume keeps its numbers on another size; without one the
+    attempt's layout is kept where this machine's cores hold it, else it is scaled down to one node of them."""
+    ran = ran_nodes or spec.nodes
+    world = ran * spec.tasks_per_node
     if nodes is not None or tasks_per_node is not None:
-        n, t = nodes or spec.nodes, tasks_per_node or spec.tasks_per_node
+        n, t = nodes or ran, tasks_per_node or spec.tasks_per_node
     elif saved_world is not None or world <= cpus:
-        n, t = spec.nodes, spec.tasks_per_node
+        n, t = ran, spec.tasks_per_node
     else:
         n, t = 1, max(cpus, 1)
-    if saved_world is not None and n * t != saved_world:
+    if saved_world is not None and n * t != saved_world and not spec.nodes_max:
+        keep = (f"--nodes {saved_world // t} --tasks-per-node {t}" if saved_world % t == 0 else
+                f"--nodes 1 --tasks-per-node {saved_world}")
         raise UserError(f"{n} x {t} = {n * t} rank(s), but the attempt started from {checkpoint}, saved by "
                         f"{saved_world} ranks; a resume needs as many (each rank's data order and random streams "
-                        "are in the checkpoint)", hint=f"keep {saved_world} ranks (the default: --nodes {spec.nodes} "
-                                                       f"--tasks-per-node {spec.tasks_per_node})")
-    notes = _world_notes(spec, n, t, saved_world, checkpoint, cpus)
+                        "are in the checkpoint)", hint=f"keep {saved_world} ranks ({keep})")
+    notes = _world_notes(spec, n, t, saved_world, checkpoint, cpus, ran)
     gpus, gpu_notes = _gpus(spec, n, t, gpus_here)
     return Sizes(n, t, gpus, (*notes, *gpu_notes))
 
 
-def _world_notes(spec: JobSpec, n: int, t: int, saved: int | None, checkpoint: str | None, cpus: int) -> list[str]:
-    world, new = spec.world_size, n * t
+def _world_notes(spec: JobSpec, n: int, t: int, saved: int | None, checkpoint: str | None, cpus: int,
+                 ran: int | None = None) -> list[str]:
+    world, new = (ran or spec.nodes) * spec.tasks_per_node, n * t
     if new == world:
-        why = (f"{checkpoint} was saved by {saved} ranks, and a resume needs as many" if saved is not None
-               else "it fits this machine")
-        notes = [f"world size: {world} rank(s), as the job ({n} simulated node(s) x {t}): {why}"]
+        why = (f"{checkpoint} was saved by {saved} ranks, and a resume needs as many" if saved == new else
+               f"{checkpoint} was saved by {saved} ranks, and the job's node range resumes on another size"
+               if saved is not None else "it fits this machine")
+        which = "the job" if (ran or spec.nodes) == spec.nodes else "the attempt"
+        notes = [f"world size: {world} rank(s), as {which} ({n} simulated node(s) x {t}): {why}"]
         if new > cpus:
             notes.append(f"{new} ranks on {cpus} CPU core(s): slower than the cluster, the same numbers")
         return notes
@@ -210,7 +217,7 @@ def _gpus(spec: JobSpec, n: int, t: int, gpus_here: int) -> tuple[int, list[str]
 def rerun_spec(spec: JobSpec, sizes: Sizes, run_dir: str) -> JobSpec:
     """The original spec on the local executor: its sizes, no time limit, no requeue, a free port, and none
     of the cluster's setup: its setup and node_setup lines are not run here (`fixed_notes` says so)."""
-    return dataclasses.replace(spec, executor="local", run_dir=run_dir, nodes=sizes.nodes,
+    return dataclasses.replace(spec, executor="local", run_dir=run_dir, nodes=sizes.nodes, nodes_max=None,
                                tasks_per_node=sizes.tasks_per_node, gpus=sizes.gpus, time=None, master_port=None,
                                max_requeues=0, max_preemptions=0, chain=1, after=None, node_setup=())
 
@@ -268,7 +275,8 @@ def plan_rerun(source: Path, *, attempt: int | None, job: str | None, any_outcom
     checkpoint = _starting_checkpoint(source, record)
     saved = _saved_world(checkpoint) if checkpoint else None
     sizes = plan_sizes(spec, saved, checkpoint.name if checkpoint else None, nodes=nodes,
-                       tasks_per_node=tasks_per_node, cpus=cpus, gpus_here=gpus_here)
+                       tasks_per_node=tasks_per_node, cpus=cpus, gpus_here=gpus_here,
+                       ran_nodes=attempt_nodes(spec, record))
     target = _new_run_dir(source, record, run_dir, now)
     datasets, data_notes = _datasets(spec, source, record)
     code, code_notes = attempt_code(spec, record)
@@ -276,6 +284,21 @@ def plan_rerun(source: Path, *, attempt: int | None, job: str | None, any_outcom
     check_program(new_spec)
     return RerunPlan(source, record, checkpoint, target, new_spec,
                      (*sizes.notes, *data_notes, *code_notes, *fixed_notes(spec, record)))
+
+
+def attempt_nodes(spec: JobSpec, record: AttemptRecord) -> int | None:
+    """How many nodes the attempt ran on: its node list's (Slurm's, in its start record), or a local run's
+    most nodes; None where neither says (the job's count is then taken)."""
+    if record.nodes:
+        from hpc_ddp.slurm.nodelist import expand_hostlist
+
+        try:
+            count = len(expand_hostlist(str(record.nodes)))
+        except (ValueError, UserError):
+            count = 0
+        if 0 < count <= spec.most_nodes:
+            return count
+    return spec.most_nodes if spec.nodes_max and spec.executor == "local" else None
 
 
 def check_rank_env(spec: JobSpec, path: Path) -> None:
