@@ -31,7 +31,7 @@ from typing import Any
 
 from hpc_ddp.checks.finding import Finding
 from hpc_ddp.checks.frameworks import framework_notes
-from hpc_ddp.checks.scriptcheck import script_findings
+from hpc_ddp.checks.scriptcheck import is_spawn_finding, script_findings
 from hpc_ddp.common.errors import HpcDdpError, UserError
 from hpc_ddp.common.procs import CommandRunner, slurm_unreachable
 from hpc_ddp.common.rundir import SCRIPT
@@ -524,9 +524,13 @@ def device_findings(spec: JobSpec) -> list[Finding]:
     return script_findings(spec, path, text) + devices + [Finding(*note) for note in framework_notes(text, name)]
 
 
-def gate_devices(spec: JobSpec, warn: Callable[[str], None]) -> None:
-    """Before a submission (and its dry run): warnings go to `warn`; an error stops it, nothing queued."""
-    gate(Report(None, tuple(f for f in device_findings(spec) if f.level != "ok")), warn, skip_hint=None)
+def gate_devices(spec: JobSpec, warn: Callable[[str], None], no_preflight: bool = False) -> None:
+    """Before a submission (and its dry run): warnings go to `warn`; an error stops it, nothing queued.
+    `no_preflight`: a refused mp.spawn is only a warning (its processes may not be ranks at all)."""
+    found = [f for f in device_findings(spec) if f.level != "ok"]
+    if no_preflight:
+        found = [Finding("warning", f.message, f.hint) if is_spawn_finding(f) else f for f in found]
+    gate(Report(None, tuple(found)), warn, skip_hint=None)
 
 
 # ---- requeue and dependencies (doctor) ----

@@ -76,6 +76,7 @@ def _spans(numbers: list[int]) -> str:
 
 # ---- mp.spawn ----
 
+_SKIP = "; --no-preflight submits it as it is"  # its processes may not be ranks (a pool of workers)
 _SPAWN_CALL = re.compile(r"\b(?:mp|multiprocessing)\.spawn\s*\(|\bstart_processes\s*\(")
 _NPROCS = re.compile(r"\bnprocs\s*=\s*([A-Za-z_][\w.]*|\d+)")
 
@@ -118,7 +119,7 @@ def spawn_findings(spec, name: str, text: str) -> list[Finding]:
     per_task = gpus // tasks if gpus and tasks else 0
     instead = ("submit it with --tasks-per-node 1 on one node (mp.spawn then starts the node's processes), or "
                "drop mp.spawn and let hpc-ddp start one task per GPU, as examples/spawn_mnist.py does "
-               "(hpc_ddp.start() instead of its own MASTER_ADDR/PORT)")
+               "(hpc_ddp.start() instead of its own MASTER_ADDR/PORT)" + _SKIP)
     if tasks > 1:
         each = f"{n} processes" if n is not None else "its own processes"
         return [Finding("error", f"{name} line {line} starts its own ranks with mp.spawn ({written}), and hpc-ddp "
@@ -131,6 +132,11 @@ def spawn_findings(spec, name: str, text: str) -> list[Finding]:
                                  "device ordinal)",
                         hint=f"submit with --gpus {n} --tasks-per-node 1, or " + instead.split(", or ", 1)[1])]
     return []
+
+
+def is_spawn_finding(finding: Finding) -> bool:
+    """One of spawn_findings' (submit --no-preflight makes them warnings)."""
+    return finding.hint is not None and finding.hint.endswith(_SKIP)
 
 
 def script_findings(spec, path: str, text: str) -> list[Finding]:

@@ -137,3 +137,12 @@ def test_our_own_examples_pass_every_check_of_their_text_on_gpus(example):
     spec = JobSpec(target=Target("script", example), job_name="x", python="python", nodes=2, gpus=4, tasks_per_node=4,
                    workdir=str(repo))
     assert [f.line() for f in device_findings(spec) if f.level != "ok"] == []
+
+
+@pytest.mark.skipif(not SEEDS.is_dir(), reason="needs ../shared/seeds")
+def test_no_preflight_submits_an_mp_spawn_script_with_a_warning(tmp_path):
+    """Its processes may be a worker pool, not ranks: --no-preflight is the way out, said in the hint."""
+    done, _ = _submit(tmp_path, "submit", "--dry-run", "--no-preflight", "--executor", "sbatch", "--gpus", "4",
+                      "spawn_mnist.py")
+    assert done.returncode == 0, done.stderr
+    assert "warning: spawn_mnist.py line 85 starts its own ranks with mp.spawn" in done.stderr
