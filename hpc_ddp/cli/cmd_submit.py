@@ -91,10 +91,10 @@ def submit(ctx: click.Context, **params) -> None:
     from hpc_ddp.job.debugger import refuse_missing_debugpy
 
     refuse_missing_debugpy([plan.spec])  # only now that it will run: a dry run executes nothing
-    _ranks_python(plan.spec, executor, dry_run=False)
     if executor.queues and not params["no_preflight"]:
         _preflight(plan)
     executor.check(plan)  # what the executor refuses, before the snapshot writes anything
+    _ranks_python(plan.spec, executor, dry_run=False)  # one it can start: does it import hpc_ddp?
     if snap is not None:
         snap = _take_snapshot(snap, run_dir, [run_dir])
         if snap.id != plan.spec.code.id:  # known once the files are read (or one changed since the dry plan)
