@@ -62,6 +62,8 @@ _SPEC_OPTIONS = [
     click.option("--signal-lead", help="Seconds before the time limit to send it [default: 120]."),
     click.option("--max-requeues", help="Requeues after time limits [default: 10]."),
     click.option("--max-preemptions", help="Requeues after preemptions [default: 20]."),
+    click.option("--max-restarts", help="Restarts inside the allocation per attempt, after a rank crash or a lost "
+                                        "node, before the job is requeued as usual; 0: none [default: 2]."),
     click.option("--epochs"), click.option("--lr"), click.option("--batch-size"),
     click.option("--master-port",
                  help="Port rank 0 listens on for the rendezvous [default: derived from the job id]."),

@@ -39,7 +39,7 @@ import re
 from pathlib import Path
 
 __all__ = ["RunDir", "CODE", "ENVIRONMENTS", "SPEC", "SCRIPT", "EVENTS", "METRICS", "SUBMISSIONS", "LOCAL_PID", "SRUN_PID", "CHECKPOINTS", "LATEST",
-           "CHECKPOINT_PREFIX", "CHECKPOINT_NAME", "checkpoint_name", "attempt_logs", "RANK_LOG", "RANK_LOGS_GLOB", "SLURM_OUTPUT",
+           "CHECKPOINT_PREFIX", "CHECKPOINT_NAME", "checkpoint_name", "attempt_logs", "RANK_LOG", "RANK_LOGS_GLOB", "SLURM_OUTPUT", "GUARD_LOG",
            "SWEEP", "TASK_DIR", "ARRAY_OUTPUT", "task_dir", "is_sweep_dir"]
 
 SPEC = "spec.json"
@@ -59,6 +59,7 @@ CHECKPOINT_PREFIX = "step-"
 # step-N, or step-N-rK when step N was saved again (nothing complete is ever replaced in place).
 CHECKPOINT_NAME = re.compile(r"step-(\d+)(?:-r(\d+))?")
 RANK_LOG = "rank-{rank}.log"           # {rank}: a number, or srun's %t
+GUARD_LOG = "hostguard.log"            # beside the rank logs: what srun said of the batch host's guard step
 SLURM_OUTPUT = f"{LOGS}/slurm-%j.out"  # relative: sbatch runs in the run dir
 RANK_LOGS_GLOB = f"{LOGS}/job-*/attempt-*/{RANK_LOG.format(rank='*')}"  # every rank's log, for hints and globs
 SWEEP = "sweep.json"

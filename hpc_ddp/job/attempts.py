@@ -5,7 +5,8 @@ The batch script (and the local executor) call this at the start and the end of 
     python -m hpc_ddp.job.attempts begin RUN_DIR ATTEMPT   -> exit 0: go on; exit 3: do not run (reason logged);
                                                               exit 4: the run completed before: nothing to do
     python -m hpc_ddp.job.attempts end RUN_DIR ATTEMPT RC  -> prints "requeue", "requeued" (by Slurm), "next"
-                                                              (the next job of the chain goes on) or "stop"
+                                                              (the next job of the chain goes on), "stop", or
+                                                              "restart COUNT NODES" (see below)
     python -m hpc_ddp.job.attempts resubmit RUN_DIR ATTEMPT WHY
         -> `scontrol requeue` failed (WHY): queue the next attempt as a new job that waits for this one
 
@@ -14,6 +15,19 @@ Chains (see `chain`): a run may go on in other Slurm jobs, queued up front by `s
 counts attempts per chain, so the caps hold across job ids. A later job of a chain ends at once (exit 4)
 when the run completed in an earlier one, and does not run when the run stopped there (exit 3). A time
 limit that hands over to the next job queued by --chain is what the chain is for: it counts against no cap.
+
+Restarts inside the allocation (`decide_restart`): where the batch script says it can restart (it sets
+HPC_DDP_RESTART_STEP, the number of the srun step that just ended), a rank that crashed on a healthy node
+("failed", after it trained) or a node Slurm holds lost while enough nodes remain ("node_failure": a
+range's MIN, or, for a fixed size, every node) is not requeued: `end` prints "restart COUNT NODES" and the
+script starts a new srun step on those nodes (comma-separated), which resumes from the last checkpoint.
+At most `max_restarts` per attempt; after that the usual rules decide (a crash stops the run, a lost node
+is requeued). A restart is recorded as a "restarted" event, not an attempt_end: the attempt goes on.
+With `--no-kill` Slurm keeps the allocation when a node fails, and removes the node from it (measured on
+Slurm 22.05: the job's NodeList shrinks, srun ends with 137 and "Node failure on NODE"; a requeue after
+that asks for the job's original node count again). Where the lost node is the batch host, Slurm 22.05
+kills the batch script and leaves the job RUNNING on the other nodes with nothing in it: `hostguard`,
+a small step on another node, requeues it then.
 
 Everything is recorded in RUN_DIR/events.jsonl (append-only), next to the trainer's own records, so
 `hpc-ddp status` can tell the whole story. The policy itself (`decide_begin`, `decide_end`) is pure.
@@ -62,7 +76,7 @@ from hpc_ddp.common.rundir import LATEST, SCRIPT, RunDir, checkpoint_step
 from hpc_ddp.job.chain import chain_of, members, successor
 
 __all__ = ["Admission", "Attempt", "Limits", "admit", "attempts_from_events", "current_job", "decide_begin",
-           "decide_end", "decide_successor", "latest_checkpoint_step", "outside_cause", "stopped_cause",
+           "decide_end", "decide_restart", "decide_successor", "latest_checkpoint_step", "outside_cause", "stopped_cause",
            "parse_show_job", "resubmit"]
 
 NOT_ADMITTED_EXIT_CODE = 3
@@ -77,6 +91,7 @@ STARTUP_S = 60.0
 class Limits:
     max_requeues: int = 10        # requeues after time limits
     max_preemptions: int = 20     # requeues after preemptions (and outside kills)
+    max_restarts: int = 0         # restarts inside the allocation per attempt (rank crash, lost node)
 
 
 @dataclasses.dataclass
@@ -96,6 +111,20 @@ class Attempt:
     gave_up: str | None = None     # the policy's reason for stopping the run after this attempt
     code: str | None = None        # the id of the code snapshot it ran (snapshot.snapshot)
     nodes: str | None = None       # the nodes it ran on (SLURM_JOB_NODELIST)
+    restarts: int = 0              # restarts inside the allocation so far ("restarted" records)
+    step_nodes: str | None = None  # the nodes of its current srun step, after a restart (comma-separated)
+    step_started_at: float | None = None   # when its current srun step began, after a restart
+    step_start_step: int | None = None     # the checkpoint step its current srun step resumed from
+
+    @property
+    def step_trained(self) -> bool:
+        """The current srun step got past start-up: the trainer began its loop, or it ran for a while."""
+        if self.trainer:
+            return True
+        began = self.step_started_at if self.step_started_at is not None else self.started_at
+        if began is None or self.ended_at is None:
+            return False
+        return self.ended_at - began >= STARTUP_S
 
     @property
     def trained(self) -> bool:
@@ -157,6 +186,14 @@ def attempts_from_events(events: Sequence[dict[str, Any]], chain: str | None = N
             attempts[-1].handed_over = True
         elif kind == "gave_up":
             attempts[-1].gave_up = str(event.get("reason") or "gave up")
+        elif kind == "restarted":  # a new srun step of the same attempt: what is known of the step starts over
+            a = attempts[-1]
+            a.restarts += 1
+            a.trainer = a.checkpointed = a.finished = a.warned = False
+            a.cause = None
+            a.step_started_at = event.get("time")
+            a.step_nodes = event.get("nodes") if isinstance(event.get("nodes"), str) else a.step_nodes
+            a.step_start_step = event.get("checkpoint_step")
     return attempts
 
 
@@ -267,6 +304,30 @@ def decide_end(attempts: Sequence[Attempt], exit_code: int, limits: Limits,
     if used > cap:
         return False, f"{cause}: {used} requeues would exceed {name}={cap}"
     return True, f"{cause}: requeue {used} of at most {cap}" + (f", in job {successor}" if successor else "")
+
+
+def decide_restart(last: Attempt, limits: Limits, *, healthy: Sequence[str], min_nodes: int,
+                   checkpoint_step: int | None) -> tuple[bool, str]:
+    """Restart the attempt `last` (its step just ended, `last.cause` says why) inside its allocation, on the
+    nodes in `healthy` (the allocation's, less those Slurm holds lost)? (restart, reason). `min_nodes`: the
+    fewest nodes the job runs on (a range's MIN; a fixed size's count, so it restarts only on all of them).
+    Only a crash ("failed") or a lost node is restarted so: a preemption, a time limit or a cancel ends the
+    allocation anyway."""
+    cause = last.cause or "failed"
+    if limits.max_restarts <= 0:
+        return False, "restarts inside the allocation are off (max_restarts=0)"
+    if cause not in ("failed", "node_failure"):
+        return False, f"{cause}: the allocation ends, nothing to restart in"
+    if last.restarts >= limits.max_restarts:
+        return False, f"{cause}: restarted in place {last.restarts} time(s) already, max_restarts={limits.max_restarts}"
+    if cause == "failed" and not last.step_trained:
+        return False, "it failed before training started: a restart would fail the same way (crash loop guard)"
+    if cause == "failed" and last.restarts and last.trainer and checkpoint_step == last.step_start_step:
+        return False, f"it failed again before checkpointing past step {checkpoint_step} (no progress since the restart)"
+    if len(healthy) < min_nodes:
+        return False, f"{cause}: {len(healthy)} healthy node(s) left in the allocation, the job needs {min_nodes}"
+    return True, (f"{cause}: restart {last.restarts + 1} of at most {limits.max_restarts} in the allocation, "
+                  f"on {len(healthy)} node(s)")
 
 
 # Lines of `scontrol show job` whose value is free text (a job name or path may hold " Restarts=9").
@@ -389,7 +450,7 @@ def _code_of(run_dir: Path) -> dict[str, str]:
 
 
 def _limits(spec) -> Limits:
-    return Limits(spec.max_requeues, spec.max_preemptions)
+    return Limits(spec.max_requeues, spec.max_preemptions, getattr(spec, "max_restarts", 0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -420,8 +481,8 @@ def admit(run_dir: Path, attempt: int, env: Mapping[str, str] | None = None) -> 
     if verdict and verdict[0] == "done":
         events.write({"event": "skipped", "job_id": job_id, "chain": chain, "reason": verdict[1]})
         return Admission(False, verdict[1], done=True)
-    lost = down_nodes(previous[-1].nodes) if previous and previous[-1].exit_code is None and env.get("SLURM_JOB_ID") \
-        else []
+    lost = down_nodes(previous[-1].step_nodes or previous[-1].nodes) \
+        if previous and previous[-1].exit_code is None and env.get("SLURM_JOB_ID") else []
     if lost:  # the attempt before left no end record: its node went down, taking the batch shell with it
         previous[-1].cause = "node_failure"
     ok, reason = (False, verdict[1]) if verdict else decide_begin(previous, step, _limits(_spec(run_dir)))
@@ -450,11 +511,15 @@ class Outcome:
     reason: str
     by_slurm: bool = False  # Slurm has requeued it already (preemption with GraceTime=0, admin requeue)
     next_job: str | None = None  # the next job of the chain, already queued, goes on instead
+    restart_on: tuple[str, ...] = ()  # restart inside the allocation, a new srun step on these nodes
 
     @property
     def word(self) -> str:
         """What the batch script reads: requeue (it must run `scontrol requeue`), requeued, next (the
-        chain's next job goes on: nothing to do), or stop."""
+        chain's next job goes on: nothing to do), stop, or `restart COUNT NODES` (a new srun step on NODES,
+        comma-separated)."""
+        if self.restart_on:
+            return f"restart {len(self.restart_on)} {','.join(self.restart_on)}"
         if not self.requeue:
             return "stop"
         return "requeued" if self.by_slurm else "next" if self.next_job else "requeue"
@@ -503,11 +568,16 @@ def finish(run_dir: Path, attempt: int, exit_code: int, env: Mapping[str, str] |
     if slurm is None and shell_signal and last.cause == "preempted":
         # No Slurm to ask (the local and srun executors, no scontrol): a stop at the deadline is its limit.
         last.cause = _cause_from_deadline(env)
-    lost = down_nodes(env.get("SLURM_JOB_NODELIST")) if exit_code != 0 and last.cause in ("failed", "preempted") \
+    step_nodes = last.step_nodes or env.get("SLURM_JOB_NODELIST")
+    lost = down_nodes(step_nodes) if exit_code != 0 and last.cause in ("failed", "preempted") \
         and env.get("SLURM_JOB_ID") else []
     if lost:  # a node of the job went down: its ranks vanished, whatever the others' exit codes say
         last.cause = "node_failure"
     last.exit_code, last.ended_at = exit_code, time.time()
+    if env.get("HPC_DDP_RESTART_STEP") and exit_code not in (0, REQUEUE_EXIT_CODE) and not by_slurm:
+        restart = _restart_in_place(run_dir, attempt, exit_code, last, lost, slurm, env)
+        if restart is not None:
+            return restart
     goes_on = exit_code == REQUEUE_EXIT_CODE or last.cause in ("preempted", "time_limit", "node_failure")
     next_job = _waiting_successor(run_dir, env.get("SLURM_JOB_ID"), ask_slurm) if goes_on and not by_slurm else None
     requeue, reason = decide_end(attempts, exit_code, _limits(_spec(run_dir)), next_job)
@@ -529,6 +599,49 @@ def finish(run_dir: Path, attempt: int, exit_code: int, env: Mapping[str, str] |
     elif last.cause == "cancelled":  # as the local executor records a cancel: status says CANCELLED
         events.write({"event": "gave_up", "attempt": attempt, "reason": "cancelled (scancel)", "cause": "cancelled"})
     return Outcome(requeue, reason, by_slurm, next_job if requeue else None)
+
+
+def _restart_in_place(run_dir: Path, attempt: int, exit_code: int, last: Attempt, lost: list[str],
+                      slurm: Mapping[str, str] | None, env: Mapping[str, str]) -> Outcome | None:
+    """The attempt's step ended with a crash or a lost node: an Outcome restarting it in the allocation
+    (recorded as a "restarted" event), or None where `decide_restart` says no (the usual rules go on)."""
+    spec = _spec(run_dir)
+    from hpc_ddp.slurm.nodelist import expand_hostlist
+
+    try:  # the allocation as Slurm holds it now (with --no-kill a lost node has left it), less what is lost
+        allocation = expand_hostlist((slurm or {}).get("NodeList") or last.step_nodes or env.get("SLURM_JOB_NODELIST")
+                                     or "")
+    except (ValueError, HpcDdpError):
+        allocation = ()
+    healthy = [n for n in allocation if n not in lost and n not in down_nodes(",".join(allocation))] \
+        if allocation else []
+    step = latest_checkpoint_step(run_dir)
+    ok, reason = decide_restart(last, _limits(spec), healthy=healthy, min_nodes=spec.nodes, checkpoint_step=step)
+    if not ok:
+        if last.restarts or last.cause == "node_failure" or _limits(spec).max_restarts:
+            print(f"hpc-ddp: not restarted in the allocation: {reason}", file=sys.stderr, flush=True)
+        return None
+    events = JsonLines(RunDir(run_dir).events)
+    now = time.time()
+    since = _last_progress(read_jsonl(RunDir(run_dir).events), last)
+    events.write({"event": "restarted", "attempt": attempt, "restart": last.restarts + 1,
+                  "cause": last.cause, "exit_code": exit_code,
+                  "nodes": ",".join(healthy), "node_count": len(healthy),
+                  **({"lost_nodes": ",".join(lost)} if lost else {}),
+                  "checkpoint_step": step, "seconds_lost": round(max(now - since, 0.0), 3) if since else None,
+                  "reason": reason})
+    return Outcome(False, reason, restart_on=tuple(healthy))
+
+
+def _last_progress(events: Sequence[dict[str, Any]], last: Attempt) -> float | None:
+    """When the step that just ended last saved (its newest checkpoint record), else when it began: the
+    work after that is lost, and the restart redoes it."""
+    began = last.step_started_at if last.step_started_at is not None else last.started_at
+    if began is None:
+        return None
+    saved = [e.get("time") for e in events if e.get("event") == "checkpoint"
+             and isinstance(e.get("time"), (int, float)) and e["time"] >= began]
+    return max(saved) if saved else began
 
 
 def finished_in_last_attempt(run_dir: Path) -> bool:

@@ -70,6 +70,10 @@ def directives(spec: JobSpec) -> list[str]:
             out.append(f"--{key}={value}")
     out += [f"--output={rundir.SLURM_OUTPUT}", "--open-mode=append", "--requeue",
             f"--signal={spec.signal}@{spec.signal_lead}"]
+    if spec.max_restarts and not spec.template:
+        # A lost node must not end the allocation: the ranks restart on the nodes left (the shipped template's
+        # loop; a site's own template has none, and its job ends on a lost node as Slurm ends it).
+        out.append("--no-kill")
     if spec.after:
         out.append(f"--dependency={_dependency(spec.after)}")
     return out + container.directives(spec) + list(spec.sbatch_args)
@@ -133,7 +137,7 @@ def render_sbatch(spec: JobSpec, run_dir: str, *, generated_at: str, command_lin
                 requeue_exit_code=REQUEUE_EXIT_CODE,
                 version=__version__, generated_at=generated_at, command_line=scrub(command_line),
                 script_name=rundir.SCRIPT, attempt_logs=rundir.attempt_logs("$SLURM_JOB_ID", "$ATTEMPT"),
-                rank_log=rundir.RANK_LOG.format(rank="%t"), program=scrub(spec.program()),
+                rank_log=rundir.RANK_LOG.format(rank="%t"), program=scrub(spec.program()), guard_log=rundir.GUARD_LOG,
                 time_limit=format_time(spec.time) if spec.time else "none",
                 run_complete_exit_code=RUN_COMPLETE_EXIT_CODE,
             )

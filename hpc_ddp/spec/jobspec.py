@@ -82,6 +82,7 @@ class JobSpec:
     signal_lead: int = 120
     max_requeues: int = 10        # requeues after time limits
     max_preemptions: int = 20     # requeues after preemptions
+    max_restarts: int = 2         # restarts inside the allocation per attempt (a rank crash, a node lost); 0: none
     pass_local_rank: bool = False
     epochs: int | None = None
     lr: float | None = None
@@ -391,6 +392,7 @@ def _srun_args(raw: Any, known: frozenset[str] | None = None) -> tuple[str, ...]
 MAX_NODES = 100_000
 MAX_PER_NODE = 4096           # GPUs, tasks or CPUs of one node
 MAX_REQUEUES = 10_000
+MAX_RESTARTS = 100            # restarts inside one allocation: each costs a resume, and a crash loop burns the job's time
 WEEK = 7 * 86400              # the longest wait for staging, the rendezvous, or one collective
 
 def _nodes(raw: Any) -> int | tuple[int, int]:
@@ -416,6 +418,7 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "setup": _setup, "node_setup": _lines, "scratch": _string, "template": _template, "signal": _signal,
     "signal_lead": count(10, 65535),  # Slurm's --signal=SIG@TIME takes at most 65535 s
     "max_requeues": count(0, MAX_REQUEUES), "max_preemptions": count(0, MAX_REQUEUES), "pass_local_rank": flag,
+    "max_restarts": count(0, MAX_RESTARTS),
     "epochs": count(1, MAX_EPOCHS), "lr": number(0.0, strict=True), "batch_size": count(1, MAX_BATCH),
     "python": _string, "profile": _token, "script": _string, "module": _string, "args": _args,
     "train": _train, "datasets": _datasets, "stage_fallback": choice(("shared", "fail")),

@@ -156,7 +156,7 @@ def run_status(run_dir: Path, job_id: str | None, executor: str | None, commands
     current = current_job(events)
     gave_up = next((e["reason"] for e in reversed(current) if e.get("event") == "gave_up"), None)
     state = _overall_state(sched, current, gave_up)
-    line, eta = _time_accounting(run_dir, events, every_metric, job_id, step, total)
+    line, eta, goodput = _time_accounting(run_dir, events, every_metric, job_id, step, total)
     status = {
         "run_dir": str(run_dir), "job_id": job_id, "executor": executor, "state": state,
         "scheduler": sched or None, "restarts": max(len(attempts) - 1, 0),
@@ -174,7 +174,7 @@ def run_status(run_dir: Path, job_id: str | None, executor: str | None, commands
         "resumes": [{"step": e.get("step"), "epoch": e.get("epoch"), "from": Path(str(e.get("path") or "?")).name}
                     for e in events if e.get("event") == "resume"],
         "failure": _failure(run_dir, events) if state in ("FAILED", "STOPPED") else None,
-        "time_used": line, "eta": dataclasses.asdict(eta) if eta and state in LIVE else None,
+        "time_used": line, "eta": dataclasses.asdict(eta) if eta and state in LIVE else None, **goodput,
         "debugger": _debugger(current) if state in LIVE else None,
     }
     # events.jsonl is masked as written; this also covers records written before masking existed.
@@ -271,9 +271,12 @@ def records(path: Path) -> list[dict[str, Any]]:
 
 
 def _time_accounting(run_dir: Path, events: list[dict[str, Any]], metrics: list[dict[str, Any]],
-                     job_id: str | None, step: int | None, total: int | None) -> tuple[str | None, "Eta | None"]:
-    """The timeline's one-line summary and the ETA of the job's current attempt."""
-    from hpc_ddp.watch.timeline import build_timeline, summarize, summary_line
+                     job_id: str | None, step: int | None, total: int | None
+                     ) -> tuple[str | None, "Eta | None", dict[str, Any]]:
+    """The timeline's one-line summary, the ETA of the job's current attempt, and the run's goodput and
+    restarts in place (`watch.goodput`)."""
+    from hpc_ddp.watch.goodput import goodput, goodput_line
+    from hpc_ddp.watch.timeline import build_timeline, in_place_line, summarize, summary_line
 
     timeline = build_timeline(events, metrics, submitted_at(run_dir))
     summary = summarize(timeline)
@@ -296,7 +299,12 @@ def _time_accounting(run_dir: Path, events: list[dict[str, Any]], metrics: list[
         # Restarting (no start/resume record yet): as long as this run's resumes took, less what has passed.
         startup_left_s=max(restart - (time.time() - current.start), 0.0)
         if current and current.train_start is None and restarts else 0.0)
-    return summary_line(summary), eta
+    g = goodput(timeline)
+    extra = {"goodput": round(g.ratio, 4) if g.ratio is not None else None,
+             "goodput_text": goodput_line(g, getattr(spec, "gpus", 0) or 0),
+             "restarted_in_place": summary.restarted_in_place,
+             "restarted_in_place_text": in_place_line(summary) if summary.restarted_in_place else None}
+    return summary_line(summary), eta, extra
 
 
 def _after(record: dict[str, Any], t: float) -> bool:
@@ -445,6 +453,10 @@ def format_status(s: dict[str, Any]) -> Iterator[str]:
         yield f"eta              {eta}"
     if s.get("time_used"):
         yield f"time used        {s['time_used']}"
+    if s.get("goodput_text"):
+        yield f"goodput          {s['goodput_text']}"
+    if s.get("restarted_in_place_text"):
+        yield f"in allocation    {s['restarted_in_place_text']} (no requeue)"
     yield f"last checkpoint  step {s['last_checkpoint_step']}" if s["last_checkpoint_step"] is not None \
         else "last checkpoint  none"
     yield f"restarts         {s['restarts']}"

@@ -11,6 +11,9 @@ Definitions (the summary says them in one line, the tests pin them down):
   outside, or still running) to its last record.
 - trained: from the attempt's start/resume record to its last step record or checkpoint before it ended.
 - steps redone: at a resume, the highest step any earlier attempt reached minus the step resumed from.
+- a restart in place (a "restarted" record: the ranks started again as a new srun step of the same
+  attempt) costs the time from the step's last step record or checkpoint to the new step's resume record,
+  plus the steps it redid x step time; that time is allocated, not trained.
 - step time: the median seconds per step between consecutive metric records of one attempt.
 - what the interruptions (preempted, time limit, killed) cost: the allocated time they left untrained
   (an interrupted attempt's time after its last step or checkpoint, and the start-up of the attempt that
@@ -37,6 +40,31 @@ INTERRUPTIONS = ("preempted", "time_limit", "killed", "node_failure")
 
 
 @dataclasses.dataclass
+class Restart:
+    """A restart in place: the attempt's ranks started again as a new srun step of its allocation."""
+    time: float                           # its "restarted" record
+    cause: str | None
+    node_count: int | None                # the nodes of the new step
+    trained_until: float | None           # the step before it: its last step record or checkpoint
+    reached_step: int | None              # ... and the highest step it recorded
+    resumed_at: float | None = None       # the new step's start/resume record
+    resume_step: int | None = None
+
+    @property
+    def gap_s(self) -> float:
+        """Allocated time nobody trained in: from the last step before it to the resume after it."""
+        if self.trained_until is None or self.resumed_at is None:
+            return 0.0
+        return max(self.resumed_at - self.trained_until, 0.0)
+
+    @property
+    def redone_steps(self) -> int:
+        if self.reached_step is None or self.resume_step is None:
+            return 0
+        return max(self.reached_step - self.resume_step, 0)
+
+
+@dataclasses.dataclass
 class Span:
     """One attempt: when it held its nodes and what it did there."""
     attempt: int
@@ -55,6 +83,7 @@ class Span:
     requeued_at: float | None = None
     checkpoints: list[tuple[float, int, float]] = dataclasses.field(default_factory=list)  # (time, step, seconds)
     signals: list[tuple[float, str, int | None]] = dataclasses.field(default_factory=list)  # (time, cause, step)
+    restarts: list[Restart] = dataclasses.field(default_factory=list)  # in place, in this attempt's allocation
 
     @property
     def allocated_s(self) -> float:
@@ -64,7 +93,7 @@ class Span:
     def trained_s(self) -> float:
         if self.train_start is None or self.trained_until is None:
             return 0.0
-        return max(self.trained_until - self.train_start, 0.0)
+        return max(self.trained_until - self.train_start - sum(r.gap_s for r in self.restarts), 0.0)
 
     @property
     def interrupted(self) -> bool:
@@ -96,6 +125,8 @@ class Summary:
     redone_steps: int
     redo_s: float                   # redone_steps x step time
     step_seconds: float | None
+    restarted_in_place: int = 0     # restarts inside the allocation (new srun steps of an attempt)
+    in_place_s: float = 0.0         # what they cost: untrained time to each resume, plus steps redone x step time
 
     @property
     def trained_fraction(self) -> float | None:
@@ -182,6 +213,12 @@ def _fill(spans: list[Span], events: Sequence[Mapping[str, Any]], metrics: Seque
             span.end = max(span.end, e["time"])  # no end record (yet): it held the nodes at least this long
         if kind in ("start", "resume") and span.train_start is None:
             span.train_start, span.resume_step = e["time"], step or 0
+        elif kind in ("start", "resume") and span.restarts and span.restarts[-1].resumed_at is None:
+            span.restarts[-1].resumed_at, span.restarts[-1].resume_step = e["time"], step or 0
+        elif kind == "restarted":
+            count = e.get("node_count")
+            span.restarts.append(Restart(e["time"], _str(e.get("cause")), count if isinstance(count, int) else None,
+                                         None, None))
         elif kind == "checkpoint":
             span.checkpoints.append((e["time"], step or 0, _num(e.get("seconds")) or 0.0))
             span.trained_until = max(span.trained_until or 0.0, e["time"])
@@ -205,6 +242,11 @@ def _fill(spans: list[Span], events: Sequence[Mapping[str, Any]], metrics: Seque
             span.trained_until = max(span.trained_until or 0.0, m["time"])
         span.reached_step = max(span.reached_step or 0, _step(m))
     for span in spans:
+        for r in span.restarts:  # how far the step before each restart got: its last step record or checkpoint
+            points = [(m["time"], _step(m)) for m in metrics if span.start <= m["time"] < r.time] + \
+                [(t, step) for t, step, _ in span.checkpoints if t < r.time]
+            if points:
+                r.trained_until, r.reached_step = max(t for t, _ in points), max(s for _, s in points)
         if span.cause is None and not span.end_recorded and span is not spans[-1]:
             span.cause = "killed"
         if span.trained_until is not None:
@@ -258,10 +300,12 @@ def summarize(timeline: Timeline) -> Summary:
             restart += (after.train_start or after.end) - after.start
     redone = sum(s.redone_steps for s in spans)
     step_s = timeline.step_seconds
+    in_place = [r for s in spans for r in s.restarts]
+    in_place_s = sum(r.gap_s + r.redone_steps * (step_s or 0.0) for r in in_place)
     return Summary(allocated_s=sum(s.allocated_s for s in spans), trained_s=sum(s.trained_s for s in spans),
                    queued_s=sum(b - a for a, b in timeline.waits), interruptions=interruptions,
                    restart_s=max(restart, 0.0), redone_steps=redone, redo_s=redone * (step_s or 0.0),
-                   step_seconds=step_s)
+                   step_seconds=step_s, restarted_in_place=len(in_place), in_place_s=in_place_s)
 
 
 def duration(seconds: float) -> str:
@@ -272,6 +316,12 @@ def duration(seconds: float) -> str:
         return f"{seconds / 60:.0f} min"
     hours, rest = divmod(round(seconds / 60), 60)
     return f"{hours} h {rest:02d} min"
+
+
+def in_place_line(s: Summary) -> str:
+    """'restarted in place 1 time, cost 14 s' (restarts inside the allocation, no trip through the queue)."""
+    n = s.restarted_in_place
+    return f"restarted in place {n} time{'s' if n != 1 else ''}, cost {duration(s.in_place_s)}"
 
 
 _CAUSE_WORDS = {"preempted": ("preemption", "preempted"), "time_limit": ("time limit", "time limit"),
@@ -286,9 +336,11 @@ def summary_line(s: Summary) -> str | None:
     head = f"{s.trained_fraction:.0%} of {duration(s.allocated_s)} allocated time trained"
     if s.queued_s >= 1:
         head += f", {duration(s.queued_s)} queued"
+    if s.restarted_in_place:
+        head += f"; {in_place_line(s)}"
     count = sum(s.interruptions.values())
     if not count:
-        return head + "; no interruptions"
+        return head + ("" if s.restarted_in_place else "; no interruptions")
     if len(s.interruptions) == 1:
         word = _CAUSE_WORDS[next(iter(s.interruptions))][0]
         what = f"{count} {word}{'s' if count > 1 else ''}"
@@ -352,6 +404,7 @@ def draw(timeline: Timeline, title: str):
         _marks(ax, [when(t) for t, _, _ in span.checkpoints], "|", "black", "checkpoint", size=14)
         _marks(ax, [when(t) for t, _, _ in span.signals], "X", "red", "stop signal", size=8)
         _marks(ax, [when(span.requeued_at)] if span.requeued_at else [], ">", "tab:brown", "requeue", size=8)
+        _marks(ax, [when(r.time) for r in span.restarts], "D", "tab:olive", "restart in place", size=7)
         if span.resume_step:
             _marks(ax, [when(span.train_start)], "^", "tab:purple", "resume", size=8)
     if timeline.finished_at:

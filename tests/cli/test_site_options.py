@@ -97,8 +97,8 @@ def test_srun_options_go_onto_the_ranks_srun_line(site):
     result = invoke("submit", "--dry-run", "--srun-arg=--container-image=nvcr.io#nvidia/pytorch:24.01-py3",
                     "--srun-arg=--mpi=pmix", "train.py")
     assert result.exit_code == 0, result.output
-    line = next(ln for ln in result.output.splitlines() if ln.startswith("srun --kill-on-bad-exit"))
-    assert "'--container-image=nvcr.io#nvidia/pytorch:24.01-py3' --mpi=pmix \\" in line
+    line = next(ln.lstrip() for ln in result.output.splitlines() if ln.lstrip().startswith("srun --kill-on-bad-exit"))
+    assert "'--container-image=nvcr.io#nvidia/pytorch:24.01-py3' --mpi=pmix " in line
 
 
 @pytest.mark.parametrize("value,message", [

@@ -80,7 +80,7 @@ def test_awkward_paths_are_quoted(weird_dir):
     assert _bash(f'{assignment}; printf %s "$RUN_DIR"') == run_dir
     cd_line = next(ln for ln in lines if ln.startswith("cd "))
     assert _bash(f"{cd_line.replace('cd ', 'printf %s ', 1)}") == str(weird_dir)
-    runner_line = lines[next(i for i, ln in enumerate(lines) if ln.startswith("srun ")) + 1]
+    runner_line = lines[next(i for i, ln in enumerate(lines) if ln.lstrip().startswith("srun --kill-on-bad-exit")) + 1]
     words = _bash(f"printf '%s\\n' {runner_line.rstrip(' &')}").splitlines()
     assert words[-1] == f"{run_dir}/spec.json"
 

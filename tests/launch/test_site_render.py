@@ -35,8 +35,9 @@ def render(spec: JobSpec, run_dir: str = RUN_DIR) -> str:
 def srun_line(text: str) -> list[str]:
     """The ranks' srun command, as bash splits it."""
     lines = text.splitlines()
-    i = next(i for i, ln in enumerate(lines) if ln.startswith("srun --kill-on-bad-exit"))
-    return shlex.split(lines[i].rstrip("\\") + " " + lines[i + 1].rstrip(" &"))
+    i = next(i for i, ln in enumerate(lines) if ln.lstrip().startswith("srun --kill-on-bad-exit"))
+    words = shlex.split(lines[i].rstrip("\\") + " " + lines[i + 1].rstrip(" &"))
+    return [w for w in words if w != '${on_nodes[@]+${on_nodes[@]}}']  # a restart's nodes (none at first)
 
 
 # ---- srun options ----
@@ -162,7 +163,7 @@ def test_the_node_setup_step_runs_the_lines_as_written_once_per_node():
     lines = text.splitlines()
     setup_at = lines.index(line)
     ranks_at = next(i for i, ln in enumerate(lines) if "srun --kill-on-bad-exit=1 --output" in ln)
-    assert setup_at < ranks_at and lines[setup_at + 1] == 'if [ "$rc" != 0 ]; then'
+    assert setup_at < ranks_at and '    if [ "$setup_rc" != 0 ]; then' in lines[setup_at:ranks_at]
 
 
 def test_a_failed_node_setup_skips_the_ranks_and_reaches_the_policy(tmp_path):

@@ -1,0 +1,55 @@
+"""elastic_keys.py for restarts inside the allocation (issue 44): every (epoch, index) a rank trains, one line
+per optimizer step, tagged with the step and the life that trained it (attempt, srun step), so a test can
+drop the steps a crash lost and a restart redid (`trained_once`). A checkpoint every KEYS_CHECKPOINT_EVERY
+steps; KEYS_CRASH_AT=N:R makes rank R die (exit 3, no checkpoint) at step N, once per run dir."""
+import json
+import os
+import sys
+import time
+
+import torch
+
+import hpc_ddp
+
+
+class Indices(torch.utils.data.Dataset):
+    def __len__(self):
+        return 200
+
+    def __getitem__(self, i):
+        return torch.tensor(i)
+
+
+run = hpc_ddp.start(checkpoint_every_steps=int(os.environ.get("KEYS_CHECKPOINT_EVERY", "0")),
+                    async_checkpoint=False)
+model = torch.nn.Linear(1, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+if run.distributed:
+    model = torch.nn.parallel.DistributedDataParallel(model)
+run.track(model=model, optimizer=opt)
+loader = run.loader(Indices(), batch_size=4)
+accum = run.accumulation(1, batch_size=4)
+run.resume()
+life = [int(os.environ.get("SLURM_RESTART_COUNT", "0")), int(os.environ.get("SLURM_STEP_ID", "0"))]
+out = open(os.path.join(sys.argv[1], f"keys-{os.environ['HPC_DDP_JOB_ID']}-{life[0]}-{life[1]}-{run.rank}.jsonl"), "a")
+crash_at, _, crash_rank = os.environ.get("KEYS_CRASH_AT", "").partition(":")
+marker = os.path.join(sys.argv[1], "crashed")
+for epoch in run.epochs(2):
+    batches = iter(loader)
+    for _ in range(len(loader) // accum):  # the loader's length is what is left of the epoch
+        seen = []
+        for _ in range(accum):
+            x = next(batches)
+            seen += x.tolist()
+            (model(x.float().view(-1, 1)).sum() * run.loss_weight()).backward()  # uneven splits weight it
+        opt.step()
+        opt.zero_grad()
+        time.sleep(float(os.environ.get("KEYS_STEP_S", "0")))
+        out.write(json.dumps({"epoch": epoch, "step": run.progress.step, "life": life, "keys": seen}) + "\n")
+        out.flush()
+        if crash_at == str(run.progress.step) and str(run.rank) == crash_rank and not os.path.exists(marker):
+            open(marker, "w").close()
+            os._exit(3)
+        if run.step(batches=accum):
+            break
+run.finish()

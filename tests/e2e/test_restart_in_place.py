@@ -1,0 +1,164 @@
+"""Restarts inside the allocation (issue 44), on the test Slurm: a rank that crashes once on a healthy node
+costs one in-place restart (same job id, no requeue, a new srun step); a `--nodes 2-4` job that loses a
+node goes on on the 3 left, in the same allocation (`--no-kill`); one that loses its batch host is requeued
+by the guard step (Slurm 22.05 would leave it RUNNING with nothing in it). Each trains exactly the
+(epoch, index) multiset of an uninterrupted run, once the steps a crash lost are dropped (`trained_once`)."""
+
+from __future__ import annotations
+
+import collections
+import json
+import random
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from hpc_ddp.common.events import read_jsonl
+
+from .helpers import hpc_ddp, job_field, run_through_requeues, submit_json, wait_until
+from .test_node_failure import _bring_back
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slurm]
+SCRIPT = Path(__file__).with_name("restart_keys.py")
+
+
+def trained_once(folder: Path) -> collections.Counter:
+    """The (epoch, index) pairs trained, each step counted once: from the last life (attempt, srun step)
+    that trained it; a life that crashed trained some steps after its last checkpoint that the next redid."""
+    records = [json.loads(line) for path in folder.glob("keys-*.jsonl") for line in path.read_text().splitlines()]
+    last: dict[int, tuple[int, int]] = {}
+    for r in records:
+        last[r["step"]] = max(last.get(r["step"], tuple(r["life"])), tuple(r["life"]))
+    found = collections.Counter()
+    for r in records:
+        if tuple(r["life"]) == last[r["step"]]:
+            found.update((r["epoch"], k) for k in r["keys"])
+    return found
+
+
+def uninterrupted(global_batch: int) -> collections.Counter:
+    from hpc_ddp.data.loaders import ResumableSampler
+
+    sampler = ResumableSampler(200, rank=0, world_size=1, seed=0)
+    expected = collections.Counter()
+    for epoch in range(2):
+        sampler.set_position(epoch, 0)
+        expected.update((epoch, i) for i in sampler.order()[:200 // global_batch * global_batch])
+    return expected
+
+
+def _submit(tmp_path: Path, *options: str, env: dict[str, str]) -> str:
+    shutil.copy(SCRIPT, tmp_path)
+    (tmp_path / "keys").mkdir()
+    return submit_json(*options, "--run-dir", "run", "restart_keys.py", "--", str(tmp_path / "keys"), cwd=tmp_path,
+                       env={"KEYS_CHECKPOINT_EVERY": "3", **env})["job_id"]
+
+
+def _events(tmp_path: Path) -> list[dict]:
+    return read_jsonl(tmp_path / "run" / "events.jsonl")
+
+
+def _kill_node(node: str, job_id: str) -> None:
+    """What test_node_failure does to a node, for one node of a multi-node job on this one machine: its
+    slurmd, and the job's processes on it (its slurmstepds, the ranks; the batch shell on the batch host)."""
+    import os
+    import signal
+
+    pids = {int(p) for p in subprocess.run(["pgrep", "-f", f"^slurmd -N {node}( |$)"], capture_output=True,
+                                           text=True).stdout.split()}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if f"SLURMD_NODENAME={node}\0".encode() in environ and f"SLURM_JOB_ID={job_id}\0".encode() in environ:
+            pids.add(int(entry.name))
+            try:
+                if (Path("/proc") / str(parent) / "cmdline").read_bytes().startswith(b"slurmstepd"):
+                    pids.add(parent)
+            except OSError:
+                pass
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    subprocess.run(["scontrol", "update", f"NodeName={node}", "State=DOWN", "Reason=hpc-ddp test: node killed"],
+                   check=True, capture_output=True)
+
+
+def _finish(job: str, *more: str) -> None:
+    for pending in (job, *more):
+        if pending and job_field(pending, "JobState") not in (None, "COMPLETED", "FAILED", "CANCELLED"):
+            subprocess.run(["scancel", pending])
+
+
+def _steps(job: str) -> list[str]:
+    out = subprocess.run(["sacct", "-n", "-P", "-j", job, "-o", "JobID"], capture_output=True, text=True).stdout
+    return [line for line in out.split() if line.startswith(f"{job}.") and line.split(".")[1].isdigit()]
+
+
+def test_a_rank_that_crashes_once_costs_one_restart_in_place(slurm_conf, tmp_path):
+    job = _submit(tmp_path, "--partition", "debug", "--nodes", "2", env={"KEYS_CRASH_AT": "7:1", "KEYS_STEP_S": "0.1"})
+    try:
+        assert run_through_requeues(job, timeout=300) == "COMPLETED"
+    finally:
+        _finish(job)
+    events = _events(tmp_path)
+    restarted = [e for e in events if e.get("event") == "restarted"]
+    assert [(e["cause"], e["nodes"], e["checkpoint_step"]) for e in restarted] == [("failed", "hpcn1,hpcn2", 6)]
+    assert [e.get("job_id") for e in events if e.get("event") == "attempt_start"] == [job]   # no requeue
+    assert job_field(job, "Restarts") == "0"
+    assert [e["step"] for e in events if e.get("event") == "resume"] == [6]
+    assert len(_steps(job)) >= 2   # the ranks' first step, the guard's, the restarted ranks'
+    assert trained_once(tmp_path / "keys") == uninterrupted(8)
+    status = hpc_ddp("status", "run", cwd=tmp_path).stdout
+    assert "restarted in place 1 time" in status and "goodput" in status, status
+
+
+def _on_4(job: str, keys: Path) -> bool:
+    return job_field(job, "JobState") == "RUNNING" and job_field(job, "NumNodes") == "4" and bool(list(keys.glob("*")))
+
+
+@pytest.mark.parametrize("which", ["other", "batch_host"])
+def test_a_2_4_job_that_loses_one_of_its_4_nodes_completes_exactly(slurm_conf, tmp_path, which):
+    """`other`: a node that is not the batch host, at a random step: the ranks restart on the 3 left in the
+    same allocation (uneven batches keep the global batch of 16). `batch_host`: the batch script dies with
+    its node; the guard step requeues the job, which resumes on the nodes that are up."""
+    nodes = subprocess.run(["sinfo", "-h", "-p", "wide", "-o", "%D"], capture_output=True, text=True).stdout.strip()
+    if nodes != "4":
+        pytest.skip("needs the test Slurm's 4 nodes (HPC_DDP_SLURM_NODES=4, slurm-up's default)")
+    job = _submit(tmp_path, "--partition", "wide", "--nodes", "2-4", env={"KEYS_STEP_S": "0.4"})
+    rng = random.Random()
+    node = None
+    try:
+        wait_until(lambda: _on_4(job, tmp_path / "keys"), 120, "the job to train on 4 nodes")
+        time.sleep(rng.uniform(1.0, 6.0))
+        batch_host = job_field(job, "BatchHost")
+        node = batch_host if which == "batch_host" else rng.choice([f"hpcn{i}" for i in range(1, 5)
+                                                                   if f"hpcn{i}" != batch_host])
+        _kill_node(node, job)
+        assert run_through_requeues(job, timeout=420) == "COMPLETED"
+    finally:
+        _finish(job)
+        if node:
+            _bring_back(node, slurm_conf)
+    events = _events(tmp_path)
+    restarted = [e for e in events if e.get("event") == "restarted"]
+    lost = [e for e in events if e.get("event") == "attempt_end" and e.get("cause") == "node_failure"]
+    if which == "other":
+        assert [(e["cause"], e["lost_nodes"], e["node_count"]) for e in restarted] == [("node_failure", node, 3)]
+        assert not lost and job_field(job, "Restarts") == "0"
+        assert [(e["from_world_size"], e["world_size"]) for e in events if e.get("event") == "resized"] == [(4, 3)]
+    else:
+        assert not restarted and [e["nodes"] for e in lost] == [node]
+        assert [e["node"] for e in events if e.get("event") == "batch_host_lost"] == [node]
+        assert len([e for e in events if e.get("event") == "attempt_start"]) == 2
+    assert trained_once(tmp_path / "keys") == uninterrupted(16)
+    assert [e for e in events if e.get("event") == "finish"]
