@@ -97,7 +97,7 @@ _SPEC_OPTIONS = [
                       "or '*.h5' (repeatable)."),
     click.option("--snapshot-max-mb", help="Refuse to snapshot a project bigger than this [default: 256]."),
     click.option("-m", "module", help="Run a module (like python -m) instead of a script."),
-    click.argument("argv", nargs=-1, type=click.UNPROCESSED),
+    click.argument("argv", nargs=-1, type=click.UNPROCESSED, metavar="TARGET [-- ARGS...]"),
 ]
 
 
