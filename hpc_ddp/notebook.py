@@ -216,6 +216,9 @@ def submit(fn: Callable, *args: Any, nodes: int = 1, tasks_per_node: int = 1, gp
     from hpc_ddp.watch.registry import record_run
 
     _check_callable(fn)
+    if shutil.which("sbatch") is None or shutil.which("srun") is None:  # before anything is written
+        raise UserError("submit() queues a Slurm job, and there is no sbatch or srun on this machine",
+                        hint="call it on a login node of the cluster, or use launch() to run on this machine")
     spec = slurm_spec({"nodes": nodes, "tasks_per_node": tasks_per_node, "gpus": gpus, "partition": partition,
                        "time": time, "run_dir": None if run_dir is None else str(run_dir), **slurm}, _job_name(fn))
     chosen = new_run_dir(spec, _dt.datetime.now())
@@ -232,10 +235,25 @@ def submit(fn: Callable, *args: Any, nodes: int = 1, tasks_per_node: int = 1, gp
         # One rank that raises ends the step, as under hpc-ddp's own srun: its peers may be blocked in a collective.
         params["srun_args"] = [*params.get("srun_args", []), "--kill-on-bad-exit=1"]
         executor.update_parameters(**params)
-        job = executor.submit(calls.SlurmRank(str(RunDir(run).spec)))
+        job = _submitted(executor, calls.SlurmRank(str(RunDir(run).spec)))
     record_submission(Submission("submitit", str(job.job_id), str(run), None))
     record_run(spec, str(run), str(job.job_id), "submitit", warn=lambda m: print(f"hpc-ddp: warning: {m}", file=sys.stderr))
     return SlurmCall(str(job.job_id), str(run), spec.world_size)
+
+
+def _submitted(executor: Any, rank: Any) -> Any:
+    """submitit's submit, its failure one line: no sbatch here, or what sbatch said last (Slurm unreachable,
+    a refused request) rather than submitit's whole multi-line text."""
+    from hpc_ddp.common.errors import SubmitError
+
+    try:
+        return executor.submit(rank)
+    except Exception as exc:  # noqa: BLE001 - submitit's FailedJobError and what it lets through
+        lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+        said = next((ln for ln in reversed(lines) if "error" in ln.lower() or "fatal" in ln.lower()), None) or (
+            lines[-1] if lines else type(exc).__name__)
+        raise SubmitError(f"sbatch did not queue the job: {said[:300]}",
+                          hint="check that Slurm answers here (sinfo), and the job's options") from None
 
 
 def slurm_spec(values: Mapping[str, Any], name: str) -> JobSpec:
@@ -365,6 +383,11 @@ def _job_name(fn: Callable) -> str:
 
 
 def _pickle_call(call_dir: Path, fn: Callable, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
+    if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
+        shown = (f"of type {type(kwargs).__name__}" if not isinstance(kwargs, Mapping) else
+                 "a mapping with keys that are not names")
+        raise UserError(f"kwargs= is {shown}: it is the function's keyword arguments, a dict of names to values",
+                        hint="e.g. kwargs={'lr': 0.1}, or pass them after the function's positional arguments")
     try:
         calls.write_call(call_dir, fn, args, kwargs)
     except Exception as exc:  # noqa: BLE001 - whatever cloudpickle could not send: the user's to change

@@ -62,8 +62,9 @@ def preempt(job: str, sig: str | None, as_json: bool) -> None:
     is_sweep = is_sweep_dir(run.run_dir)
     spec_path = sweep.first_task_spec(run.run_dir) if is_sweep else run.paths.spec
     name = (sig or load_spec(spec_path).signal).upper().removeprefix("SIG")
-    if name not in SIGNALS:
-        raise UserError(f"--signal {sig!r} is not one of {', '.join(SIGNALS)}")
+    if name not in SIGNALS:  # named as where it came from: the flag, or the run's spec (edited by hand)
+        said = f"--signal {sig!r}" if sig else f"the job's signal {name!r} (its {spec_path})"
+        raise UserError(f"{said} is not one of {', '.join(SIGNALS)}", hint="give --signal USR1, USR2 or TERM")
     commands = SubprocessCommands()
     executor = executor_for_run(run.executor, commands)
     if is_sweep:

@@ -68,6 +68,6 @@ def report(exc: BaseException, who: str = "hpc-ddp", *, traceback_for_bugs: bool
         code = 1
     from hpc_ddp.common.terminal import printable
 
-    # a message quotes what came from files, records and the other side of ssh: shown, never obeyed
-    print(f"{who}: error: {printable(secrets.current()(line))}", file=sys.stderr, flush=True)
+    # a message quotes what came from files, records and the other side of ssh: shown, never obeyed, on one line
+    print(f"{who}: error: {printable(secrets.current()(line)).replace(chr(10), ' ')}", file=sys.stderr, flush=True)
     return code

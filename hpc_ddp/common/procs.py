@@ -31,7 +31,11 @@ __all__ = ["Completed", "CommandRunner", "SubprocessCommands", "FakeCommands", "
            "Supervised", "can_supervise", "supervise"]
 
 # What Slurm's commands print when the controller is down: not the user's mistake, try again later.
-_UNREACHABLE = ("Unable to contact slurm controller", "Socket timed out", "Connection refused")
+# (slurmctld stopped, hung, restarting, or no configuration to find it by)
+_UNREACHABLE = ("Unable to contact slurm controller", "Socket timed out", "Connection refused",
+                "Zero Bytes were transmitted or received", "Communication connection failure",
+                "Slurm temporarily unable to accept job", "Could not establish a configuration source",
+                "Unable to establish a connection", "Connection timed out", "slurm_persist_conn_open")
 
 
 def slurm_unreachable(message: str) -> bool:

@@ -143,7 +143,18 @@ class JobSpec:
         fields["env"] = tuple(tuple(pair) for pair in fields.get("env", ()))
         fields["container"] = Container.from_dict(fields.get("container"))
         fields["code"] = Code.from_dict(fields.get("code"))
+        for f in dataclasses.fields(cls):  # a spec.json edited by hand: "nodes": "2" made 2 x 2 = 22 ranks
+            kinds = _PLAIN.get(str(f.type))
+            value = fields.get(f.name)
+            if kinds is not None and f.name in fields and not (
+                    type(value) in kinds or (float in kinds and type(value) is int)):
+                raise TypeError(f"{f.name} is {value!r}, not of the type hpc-ddp writes ({f.type})")
         return cls(**fields)
+
+
+# A plain field's annotation -> the types its value may have in spec.json (bool is no int here).
+_PLAIN = {"int": (int,), "int | None": (int, type(None)), "str": (str,), "str | None": (str, type(None)),
+          "bool": (bool,), "float | None": (float, type(None))}
 
 
 # Keys whose flag is not simply --key-with-dashes (repeatable flags are named in the singular).
@@ -281,9 +292,21 @@ def _sbatch_arg(raw: Any, known: frozenset[str] | None = None) -> str:
 
 
 def split_stage(item: str) -> tuple[str, str]:
-    """--stage SRC[:NAME] -> (SRC, NAME or ""): the last colon names the copy."""
+    """--stage SRC[:NAME] -> (SRC, NAME or ""): the last colon names the copy. A colon that cannot be that
+    (what follows is no name, or the whole is a path here) is refused, saying how it was read."""
     src, sep, name = item.rpartition(":")
-    return (src, name) if sep else (item, "")
+    if not sep:
+        return item, ""
+    if not name:  # SRC: names nothing: the copy is named after SRC
+        return src, ""
+    if os.path.lexists(item):
+        raise SpecError(f"--stage {item!r}: a path with a colon, and --stage reads SRC:NAME at its last colon",
+                        hint=f"name the copy after it: --stage '{item}:NAME' (NAME: letters, digits and _)")
+    if "/" in name or name.startswith("."):  # a path's tail, not a name: say how the colon was read
+        raise SpecError(f"--stage {item!r} reads as SRC {src!r} and NAME {name!r} (the last colon names the copy), "
+                        f"and {name!r} is no dataset name",
+                        hint=f"give SRC:NAME with NAME letters, digits and _ (e.g. --stage '{item}:data')")
+    return src, name
 
 
 def _datasets(raw: Any) -> tuple[tuple[str, str], ...]:
@@ -299,7 +322,7 @@ def _datasets(raw: Any) -> tuple[tuple[str, str], ...]:
     for name, path in pairs:
         if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_]*", name):
             raise ValueError(f"dataset name {name!r} must be a letter then letters, digits or _ (it names "
-                             f"HPC_DDP_DATA_{name.upper()})")
+                             "HPC_DDP_DATA_NAME)")
         out.append((name, _stageable(_string(path))))
     if len({n for n, _ in out}) != len(out):
         raise ValueError("two datasets share a name")
@@ -535,6 +558,11 @@ def _check_whole(values: dict[str, Any], merged: dict[str, tuple[Any, str]], tar
     if values.get("executor") == "submitit" and values.get("signal", "USR2") != "USR2":
         raise SpecError("the submitit executor always uses SIGUSR2 as its warning signal",
                         hint="drop --signal, or use --executor sbatch")
+    if "elastic" in merged and not values.get("nodes_max") and not merged["elastic"][1].startswith("profile"):
+        # what a resume on another number of nodes keeps: a fixed --nodes never resumes on another
+        raise SpecError(f"{merged['elastic'][1]} applies to a node range, and this job runs on a fixed "
+                        f"{values.get('nodes', 1)} node(s): it would be ignored",
+                        hint="give --nodes MIN-MAX (a resume may then run on another number of nodes), or drop it")
     _check_container(values)
     if values.get("template") and values.get("executor") == "submitit":
         raise SpecError("a custom sbatch template cannot be used with the submitit executor",
@@ -556,7 +584,8 @@ def _check_debug(values: dict[str, Any]) -> None:
         if given:
             raise SpecError(f"{' and '.join(given)} without --debug-rank", hint="add --debug-rank R (the rank to debug)")
         return
-    world = values.get("nodes", 1) * values["tasks_per_node"]
+    # a node range's ranks: as many as its most nodes hold (the local executor runs them all; Slurm may)
+    world = (values.get("nodes_max") or values.get("nodes", 1)) * values["tasks_per_node"]
     if rank >= world:
         raise SpecError(f"--debug-rank {rank} is outside the job's {world} rank(s)",
                         hint=f"give a rank from 0 to {world - 1}")

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_ddp.common import rundir, secrets
+from hpc_ddp.common.durable import read_tail
 from hpc_ddp.common.events import read_jsonl
 from hpc_ddp.common.procs import CommandRunner
 from hpc_ddp.common.rundir import RunDir
@@ -133,8 +134,8 @@ def _failure(run_dir: Path, events: list[dict[str, Any]]) -> dict[str, str] | No
     else:  # a run dir from before attempt records named their job
         every = log_files(run_dir)
         files = [p for a, _, p in every if a == every[-1][0]] if every else []
-    texts = [p.read_text(errors="replace")[-200_000:] for p in files]
-    texts += [p.read_text(errors="replace")[-50_000:] for p in paths.slurm_outputs()]
+    texts = [read_tail(p, 200_000).decode(errors="replace") for p in files]  # a log of GBs: its end only
+    texts += [read_tail(p, 50_000).decode(errors="replace") for p in paths.slurm_outputs()]
     found = classify_failure(texts)
     return {"kind": found[0], "detail": secrets.current()(found[1])} if found else None
 
@@ -219,7 +220,8 @@ def code_line(code: str | None, snapshots: dict[str, dict[str, Any]]) -> str:
     s = snapshots.get(code) or {}
     if not s.get("git"):
         return f"code {code}" + (" (not in git)" if s else "")
-    where = f"git {str(s.get('commit') or 'no commits yet')[:12]}" + (f" on {s['branch']}" if s.get("branch") else "")
+    where = f"git {str(s['commit'])[:12] if s.get('commit') else 'no commits yet'}" + (
+        f" on {s['branch']}" if s.get("branch") else "")
     dirty = f" + uncommitted changes ({'code/' + s['patch'] if s.get('patch') else 'untracked files'})" \
         if s.get("dirty") else ", clean"
     return f"code {code} ({where}{dirty})"

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_ddp.common.durable import write_file
+from hpc_ddp.common.terminal import printable
 
 __all__ = ["Span", "Timeline", "Summary", "build_timeline", "summarize", "summary_line", "draw", "save_png",
            "INTERRUPTIONS"]
@@ -160,7 +161,7 @@ def build_timeline(events: Sequence[Mapping[str, Any]], metrics: Sequence[Mappin
     waits = _waits(spans, submitted or {})
     throughput = [(m["time"], _step(m), float(m["samples_per_s"])) for m in metrics
                   if _num(m.get("samples_per_s")) is not None]
-    gave_up = [(e["time"], str(e.get("reason", ""))) for e in events if e.get("event") == "gave_up"]
+    gave_up = [(e["time"], _str(e.get("reason") or "") or "") for e in events if e.get("event") == "gave_up"]
     finished = next((e["time"] for e in reversed(events) if e.get("event") == "finish"), None)
     return Timeline(spans, waits, throughput, gave_up, finished, _step_seconds(spans, metrics))
 
@@ -191,7 +192,8 @@ def _spans_from_sessions(events: Sequence[Mapping[str, Any]]) -> list[Span]:
 
 
 def _str(value: Any) -> str | None:
-    return None if value is None else str(value)
+    """A record's text as it is shown (printed, or drawn: matplotlib passes an ESC on in its warnings)."""
+    return None if value is None else printable(str(value))
 
 
 def _owner(spans: Sequence[Span], t: float) -> Span | None:
@@ -223,9 +225,9 @@ def _fill(spans: list[Span], events: Sequence[Mapping[str, Any]], metrics: Seque
             span.checkpoints.append((e["time"], step or 0, _num(e.get("seconds")) or 0.0))
             span.trained_until = max(span.trained_until or 0.0, e["time"])
         elif kind == "signal":
-            span.signals.append((e["time"], str(e.get("cause") or "stop"), step))
+            span.signals.append((e["time"], _str(e.get("cause") or "stop"), step))
             if span.cause is None and e.get("cause"):
-                span.cause = str(e["cause"])
+                span.cause = _str(e["cause"])
         elif kind == "requeue":
             span.requeued_at = e["time"]
         if step is not None and kind in ("checkpoint", "signal", "requeue_requested", "finish"):

@@ -88,3 +88,12 @@ def test_the_local_executor_plans_256_ranks(tmp_path):
                       workdir=str(tmp_path), python=sys.executable)
     assert spec.most_nodes * spec.tasks_per_node == MAX_RANKS
     refuse_too_many_ranks(spec)
+
+
+def test_provenance_of_a_repo_with_no_commits_is_said_whole():
+    from hpc_ddp.watch.status import code_line
+
+    line = code_line("abc", {"abc": {"git": True, "commit": None, "branch": "master", "dirty": False}})
+    assert "git no commits yet on master, clean" in line
+    assert "git 0123456789ab on main" in code_line("x", {"x": {"git": True, "commit": "0123456789abcdef",
+                                                               "branch": "main", "dirty": False}})
