@@ -145,7 +145,9 @@ def render_sbatch(spec: JobSpec, run_dir: str, *, generated_at: str, command_lin
         if exc.name != name:
             raise SpecError(f"template {name!r} includes {exc.name!r}: a custom template is one file",
                             hint="copy what it needs into the template itself") from None
-        raise SpecError(f"template {spec.template!r} not found") from None
+        raise SpecError(f"template {spec.template!r} not found",
+                        hint="give the path of your changed copy of hpc-ddp's templates/sbatch.sh.j2, or leave the "
+                             "template key out to use hpc-ddp's own") from None
     except SecurityError as exc:
         raise SpecError(f"template {name!r} was stopped by the sandbox: {exc}",
                         hint="use only the variables it is given, as templates/sbatch.sh.j2 does") from None
