@@ -267,8 +267,9 @@ class SaveAndResume:
         """The DataLoaders `loader()` made take this rank's batch of the split (they read it per epoch)."""
         if self._split is None:
             return
-        for loader in self._loaders:
-            loader.batch_sampler.batch_size = self._split.rank_batch(self.rank)
+        for loader, planned in self._loaders:  # those of the split's batch (an evaluation's keeps its own)
+            if planned == self._split.batch_size:
+                loader.batch_sampler.batch_size = self._split.rank_batch(self.rank)
 
     def loss_weight(self) -> float:
         """What each micro-batch's mean loss is multiplied by before backward(), so that DDP's average over

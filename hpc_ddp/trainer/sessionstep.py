@@ -71,7 +71,7 @@ class StepAndStop:
         self.follow(sampler, batch_size=batch_size, generator=(generator, seed))
         loader = DataLoader(SeededSamples(dataset, seed), batch_size=batch_size, sampler=sampler, drop_last=True,
                             generator=generator, **options)
-        self._loaders.append(loader)
+        self._loaders.append((loader, batch_size))
         self._batch_asked = True   # its batch follows the split (_size_loaders)
         self._size_loaders()
         return loader
@@ -93,7 +93,7 @@ class StepAndStop:
             if batches_per_epoch is None or self.progress.batch_in_epoch < batches_per_epoch:
                 split = self._split if self._split is not None and not self._split.even else None
                 for sampler, batch_size, generator in self._samplers:
-                    if split is not None:  # uneven: each rank's batches count its own share of each step
+                    if split is not None and batch_size == split.batch_size:  # uneven: whole steps of the split
                         sampler.place(self.progress.epoch, self.progress.batch_in_epoch // max(1, self._accum or 1)
                                       * split.global_batch, split)
                     else:

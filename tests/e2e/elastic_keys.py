@@ -24,8 +24,9 @@ opt = torch.optim.SGD(model.parameters(), lr=0.01)
 if run.distributed:
     model = torch.nn.parallel.DistributedDataParallel(model)
 run.track(model=model, optimizer=opt)
-loader = run.loader(Indices(), batch_size=4)
-accum = run.accumulation(1, batch_size=4)
+BATCH = int(os.environ.get("KEYS_BATCH", "4"))
+loader = run.loader(Indices(), batch_size=BATCH)
+accum = run.accumulation(1, batch_size=BATCH)
 run.resume()
 out = open(os.path.join(sys.argv[1], f"keys-{os.environ['HPC_DDP_JOB_ID']}-{run.rank}.jsonl"), "a")
 for epoch in run.epochs(2):

@@ -75,6 +75,20 @@ def test_a_run_stopped_on_4_ranks_mid_epoch_resumes_on_3_with_uneven_batches_and
         == [(4, 3, 2, [3, 3, 2])]
 
 
+def test_a_resume_with_another_batch_size_is_refused_in_one_line(tmp_path):
+    """Issue 43: resumed with batch_size 8 where it was saved with 4, 16 of 128 samples were never trained
+    and the run ended COMPLETED."""
+    shutil.copy(SCRIPT, tmp_path)
+    stopped = _submit(tmp_path, "run", tmp_path / "keys", "--nodes", "4", "--max-preemptions", "0",
+                      env={"HPC_DDP_FAULT_STOP_AT": "5"})
+    assert "checkpointed" in stopped.stderr, stopped.stderr
+    again = _submit(tmp_path, "run", tmp_path / "keys", "--nodes", "2-4", env={"KEYS_BATCH": "8"})
+    out = again.stdout + again.stderr
+    assert again.returncode != 0 and "failed (exit code 2)" in out, out
+    assert "cannot resume with batch_size 8: the checkpoint was saved with batch_size 4" in out
+    assert "HINT: resume with batch_size=4" in out and "Traceback" not in out
+
+
 def test_a_fixed_size_run_refuses_another_size_and_names_the_range(tmp_path):
     shutil.copy(SCRIPT, tmp_path)
     stopped = _submit(tmp_path, "run", tmp_path / "keys", "--nodes", "4", "--max-preemptions", "0",
