@@ -171,3 +171,27 @@ def test_keeping_the_per_rank_batch_says_what_changes():
 def test_an_unchanged_size_changes_nothing():
     same = resize(saved_world=4, world=4, batch_size=8, grad_accum=2, batch_in_epoch=10, policy="keep_global_batch")
     assert (same.batch_in_epoch, same.grad_accum, same.note) == (10, 2, "")
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5, 7])
+def test_the_weighted_rank_gradients_averaged_are_the_global_batchs_gradient(world):
+    """With autograd: each rank's micro-batches (Split.positions), each mean loss x loss_weight(rank), summed
+    per rank, then DDP's mean over ranks, is the gradient of the global batch's mean loss."""
+    import torch
+
+    torch.manual_seed(0)
+    x, y = torch.randn(64, 3, dtype=torch.float64), torch.randn(64, 1, dtype=torch.float64)
+    w = torch.randn(3, 1, dtype=torch.float64, requires_grad=True)
+    ((x[32:64] @ w - y[32:64]) ** 2).mean().backward()
+    expected, w.grad = w.grad.clone(), None
+    split = Split(32, 8, world)
+    per_rank = []
+    for rank in range(world):
+        positions = split.positions(32, rank)
+        size = split.rank_batch(rank)
+        for m in range(split.accum):
+            idx = positions[m * size:(m + 1) * size]
+            (((x[idx] @ w - y[idx]) ** 2).mean() * split.loss_weight(rank)).backward()
+        per_rank.append(w.grad.clone())
+        w.grad = None
+    assert torch.allclose(sum(per_rank) / world, expected, rtol=1e-12, atol=1e-12)
