@@ -106,14 +106,13 @@ def inspect(checkpoint: str, as_json: bool) -> None:
 
 def _code_of(info: dict) -> str:
     """The snapshot that saved the checkpoint, described from its run dir's records where they are there."""
-    from hpc_ddp.common.events import read_jsonl
     from hpc_ddp.common.rundir import RunDir
-    from hpc_ddp.watch.status import code_line, snapshots_of
+    from hpc_ddp.watch.status import code_line, records, snapshots_of
 
     if not info.get("code"):
         return "not recorded (saved without a code snapshot)"
     run_dir = Path(info["path"]).parent.parent  # RUN_DIR/checkpoints/step-N
-    return code_line(info["code"], snapshots_of(read_jsonl(RunDir(run_dir).events))).removeprefix("code ")
+    return code_line(info["code"], snapshots_of(records(RunDir(run_dir).events))).removeprefix("code ")
 
 
 def _holds_checkpoints(path: Path) -> bool:

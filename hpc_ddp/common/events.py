@@ -74,7 +74,9 @@ def read_jsonl(path: str | os.PathLike, limit: int = MAX_RECORDS_BYTES) -> list[
 # has one in another shape (a string for a step, NaN or 1e308 for a time: edited, or written by another
 # tool) was not written by hpc-ddp as it is, and is left out rather than crash or mislead the arithmetic.
 _LATEST_TIME = 1e11          # the year 5138: later is no time of ours, and past what datetime can show
-_COUNTS = ("attempt", "step", "total_steps", "batch_in_epoch")
+_COUNTS = ("attempt", "step", "total_steps", "batch_in_epoch", "checkpoint_step")
+# Records that say which attempt they are about: their number is no optional field there.
+_NUMBERED = ("attempt_start", "attempt_end")
 _TEXTS = ("event", "reason", "cause", "executor", "state")
 
 
@@ -97,5 +99,7 @@ def well_formed(record: Any) -> bool:
     if epoch is not None and not (type(epoch) in (int, float) and 0 <= epoch < 1 << 53):
         return False
     job = record.get("job_id")
+    if record.get("event") in _NUMBERED and "attempt" in record and type(record["attempt"]) is not int:
+        return False
     return (all(_count(record.get(k)) for k in _COUNTS) and all(isinstance(record.get(k), (str, type(None)))
             for k in _TEXTS) and (job is None or type(job) in (str, int)))

@@ -41,7 +41,7 @@ from typing import Any
 from hpc_ddp.common import rundir
 from hpc_ddp.common.durable import fsync_dir, read_regular, read_tail, replace_durable, write_durable
 from hpc_ddp.common.errors import UserError
-from hpc_ddp.common.events import JsonLines, read_jsonl
+from hpc_ddp.common.events import JsonLines, read_jsonl, well_formed
 from hpc_ddp.common.rundir import LATEST, RunDir, checkpoint_name, checkpoint_step
 from hpc_ddp.job.attempts import Attempt, attempts_from_events
 from hpc_ddp.spec.jobspec import JobSpec, load_spec
@@ -270,7 +270,8 @@ def plan_rerun(source: Path, *, attempt: int | None, job: str | None, any_outcom
                now: _dt.datetime) -> RerunPlan:
     spec = load_spec(RunDir(source).spec)
     check_rank_env(spec, RunDir(source).spec)
-    record = choose_attempt(attempt_records(read_jsonl(RunDir(source).events)), attempt, job, any_outcome)
+    events = [e for e in read_jsonl(RunDir(source).events) if well_formed(e)]  # as status reads them
+    record = choose_attempt(attempt_records(events), attempt, job, any_outcome)
     check_job_id(record)
     checkpoint = _starting_checkpoint(source, record)
     saved = _saved_world(checkpoint) if checkpoint else None

@@ -34,7 +34,7 @@ def find_run(ref: str, env: Mapping[str, str] = os.environ) -> tuple[Path, str |
         sweep = read_sweep(path)
         return path.resolve(), sweep.get("array_job_id"), sweep.get("executor")
     if path.is_dir():
-        subs = read_jsonl(RunDir(path).submissions)
+        subs = [s for s in read_jsonl(RunDir(path).submissions) if isinstance(s, dict)]
         last = subs[-1] if subs else {}
         return path.resolve(), last.get("job_id"), last.get("executor")
     for record in reversed(runs(env)):

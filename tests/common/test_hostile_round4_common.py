@@ -65,3 +65,32 @@ def test_warnings_and_information_go_through_printable(capsys):
     verbosity.say("warning: branch \u202eevil\x1b[31m")
     err = capsys.readouterr().err
     assert "\u202e" not in err and "\x1b" not in err and "\\u202eevil\\x1b[31m" in err
+
+
+def test_a_bidi_branch_and_an_escape_in_a_script_line_reach_the_terminal_shown(tmp_path):
+    root = tmp_path / "proj"
+    root.mkdir()
+    (root / "t.py").write_text("import torch\ntorch.cuda.set_device(0)  # \u202e\x1b[2J\n")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q", "-b", "ma\u202ein"], cwd=root, check=True)
+    subprocess.run([*git, "add", "-A"], cwd=root, check=True)
+    subprocess.run([*git, "commit", "-qm", "x"], cwd=root, check=True)
+    done = subprocess.run([sys.executable, "-m", "hpc_ddp", "submit", "--dry-run", "--executor", "local", "--gpus", "2",
+                           "t.py"], cwd=root, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    for control in ("\u202e", "\x1b"):
+        assert control not in done.stderr and control not in done.stdout
+    assert "ma\\u202ein" in done.stderr and "\\u202e\\x1b[2J" in done.stderr
+
+
+def test_a_timelines_texts_from_records_are_shown_not_obeyed():
+    from hpc_ddp.watch.timeline import build_timeline
+
+    events = [{"event": "attempt_start", "attempt": 0, "job_id": "1", "nodes": "n\x1b[2J", "time": 10.0},
+              {"event": "signal", "cause": "pre\x1bempted\u202e", "step": 3, "time": 11.0},
+              {"event": "gave_up", "reason": "r\x1b", "time": 12.0}]
+    timeline = build_timeline(events, [])
+    texts = [timeline.spans[0].nodes, timeline.spans[0].cause, timeline.gave_up[0][1],
+             *(cause for _, cause, _ in timeline.spans[0].signals)]
+    assert all("\x1b" not in t and "\u202e" not in t for t in texts), texts
+    assert timeline.spans[0].cause == "pre\\x1bempted\\u202e"

@@ -97,3 +97,46 @@ def test_provenance_of_a_repo_with_no_commits_is_said_whole():
     assert "git no commits yet on master, clean" in line
     assert "git 0123456789ab on main" in code_line("x", {"x": {"git": True, "commit": "0123456789abcdef",
                                                                "branch": "main", "dirty": False}})
+
+
+# ---- events that are not records of ours: left out by the one reader (events.well_formed), never a crash ----
+
+BASE_EVENTS = [{"event": "attempt_start", "attempt": 0, "job_id": "local-1-1", "checkpoint_step": None, "time": 1000.0},
+               {"event": "start", "step": 0, "time": 1001.0},
+               {"event": "attempt_end", "attempt": 0, "exit_code": 1, "cause": "failed", "time": 1010.0}]
+HOSTILE_EVENTS = {
+    "attempt None": (0, "attempt", None), "attempt a string": (0, "attempt", "x"),
+    "checkpoint_step a list": (0, "checkpoint_step", []), "checkpoint_step a string": (0, "checkpoint_step", "x"),
+    "end's attempt None": (2, "attempt", None),
+}
+SHAPES = {"a list": [1], "a string": "s", "null": None, "a nested list": [[]]}
+
+
+def _hostile_run(tmp_path, events):
+    import json
+
+    spec = {"target": {"kind": "script", "value": "t.py", "args": []}, "job_name": "t", "workdir": str(tmp_path),
+            "python": sys.executable, "executor": "local"}
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "spec.json").write_text(json.dumps(spec))
+    (run / "submissions.jsonl").write_text(json.dumps({"job_id": "local-1-1", "executor": "local"}) + "\n")
+    (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    return run
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE_EVENTS) + sorted(SHAPES))
+def test_events_of_the_wrong_types_or_shapes_are_no_internal_error(tmp_path, case):
+    events = [dict(e) for e in BASE_EVENTS]
+    if case in HOSTILE_EVENTS:
+        index, key, value = HOSTILE_EVENTS[case]
+        events[index][key] = value
+    else:
+        events.append(SHAPES[case])
+    run = _hostile_run(tmp_path, events)
+    env = {**os.environ, "HPC_DDP_REGISTRY": str(tmp_path / "runs.jsonl")}
+    for command in (["status"], ["rerun", "--dry-run"]):
+        done = subprocess.run([sys.executable, "-m", "hpc_ddp", *command, str(run)], capture_output=True, text=True,
+                              timeout=120, env=env)
+        assert done.returncode in (0, 1, 2) and "internal error" not in done.stderr, (command, done.stderr)
+        assert "Traceback" not in done.stderr
