@@ -11,8 +11,9 @@ import re
 __all__ = ["printable"]
 
 # C0 controls but tab and newline; DEL and C1 (a lone 0x9b is CSI on some terminals); the bidi embeddings,
-# overrides and isolates (text shown in another order than it is stored).
-_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+# overrides and isolates (text shown in another order than it is stored), and the marks that steer them
+# (LRM, RLM, ALM); the line and paragraph separators (a terminal may break the line there).
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
 
 
 def _escape(match: re.Match) -> str:

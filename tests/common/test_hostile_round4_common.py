@@ -49,7 +49,8 @@ def test_cancel_of_a_run_whose_pid_file_is_a_fifo_or_dev_zero_is_one_line(tmp_pa
     assert "not a regular file" in done.stderr and len(done.stderr.strip().splitlines()) == 1
 
 
-CONTROLS = ["\x1b[2J", "\x1b]0;pwned\x07", "\u202e", "\u202a", "\u2066", "\u2069", "\x9b", "\x7f", "\x00"]
+CONTROLS = ["\x1b[2J", "\x1b]0;pwned\x07", "\u202e", "\u202a", "\u2066", "\u2069", "\x9b", "\x7f", "\x00", "\u200f",
+            "\u061c", "\u2028", "\u2029"]
 
 
 @pytest.mark.parametrize("control", CONTROLS, ids=[ascii(c) for c in CONTROLS])
