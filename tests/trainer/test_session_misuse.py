@@ -140,3 +140,25 @@ def test_a_loop_without_a_sampler_resumed_on_another_size_says_what_it_lacks(tmp
                                                  "run.accumulation.. its batch size") as info:
         run._resume_resized(2, None, None)
     assert "resume on 2 ranks" in info.value.hint and "global batch of 2" not in str(info.value)
+
+
+def _world(n: int, rank: int = 0):
+    return from_environ({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(n),
+                         "LOCAL_WORLD_SIZE": str(n), "MASTER_ADDR": "localhost", "MASTER_PORT": "29500"}, pid=1)
+
+
+def test_an_uneven_resume_of_a_sampler_loop_that_never_asks_its_batch_is_refused_naming_what_to_add(tmp_path):
+    """A run.sampler() loop builds its own DataLoader: on 3 ranks of a global batch of 32 it must take
+    run.batch_size() (6 or 5), or it would train the wrong samples."""
+    run = Session(tmp_path, env=_world(3, rank=1))
+    run.elastic = "keep_global_batch"
+    run.sampler(Data(), batch_size=8)
+    run._accum, run._batch_size = 2, 8
+    run.progress.batch_in_epoch = 3
+    with pytest.raises(IncompatibleResume, match=r"splits unevenly there \(per-rank batches 6 to 5, 2 a step\).*"
+                                                 r"never asked for run.batch_size\(\)") as info:
+        run._resume_resized(4, 1, None)
+    assert "run.loss_weight()" in info.value.hint
+    run.batch_size()   # asked: it goes on, at this rank's batch and weight
+    run._resume_resized(4, 1, None)
+    assert (run.batch_size(), run.loss_weight(), run.progress.batch_in_epoch) == (5, 5 * 3 / 32, 6)
