@@ -128,6 +128,12 @@ def _failure(run_dir: Path, events: list[dict[str, Any]]) -> dict[str, str] | No
     paths = RunDir(run_dir)
     start = next((e for e in reversed(events) if e.get("event") == "attempt_start" and e.get("job_id") is not None
                   and isinstance(e.get("attempt"), int)), None)
+    # the stall watch's own record (trainer/sessionstep.py) says what hung: a rank 0 that hangs is named there,
+    # while the logs around it speak of the rendezvous store it holds
+    since = events[len(events) - 1 - events[::-1].index(start):] if start is not None else events
+    stalled = next((e for e in reversed(since) if e.get("event") == "stalled"), None)
+    if stalled is not None:
+        return {"kind": "stalled", "detail": secrets.current()(str(stalled.get("reason") or "no step completed"))[:300]}
     if start is not None:
         folder = paths.attempt_logs(str(start["job_id"]), start["attempt"])
         files = sorted(folder.glob(rundir.RANK_LOG.format(rank="*"))) if folder.is_dir() else []

@@ -140,3 +140,17 @@ def test_events_of_the_wrong_types_or_shapes_are_no_internal_error(tmp_path, cas
                               timeout=120, env=env)
         assert done.returncode in (0, 1, 2) and "internal error" not in done.stderr, (command, done.stderr)
         assert "Traceback" not in done.stderr
+
+
+def test_status_names_the_stall_watchs_record_as_the_failure(tmp_path):
+    from hpc_ddp.watch.status import _failure
+
+    reason = "rank 0 on node1 does not answer (it holds the rendezvous store): it died or hung"
+    events = [{"event": "attempt_start", "attempt": 0, "job_id": "1", "time": 1.0},
+              {"event": "stalled", "seconds": 62.0, "limit": 60.0, "reason": reason, "step": 9, "time": 2.0}]
+    log = tmp_path / "logs" / "job-1" / "attempt-0" / "rank-0.log"
+    log.parent.mkdir(parents=True)
+    log.write_text("torch.distributed.DistNetworkError: TCPStore timed out in the rendezvous\n")
+    assert _failure(tmp_path, events) == {"kind": "stalled", "detail": reason}
+    earlier = [events[1], {"event": "attempt_start", "attempt": 1, "job_id": "1", "time": 3.0}]
+    assert _failure(tmp_path, earlier) is None or _failure(tmp_path, earlier)["kind"] != "stalled"
