@@ -31,12 +31,18 @@ What it promises, on every rank of every attempt:
 - on GPUs the loop never waits for the step it just queued: each step's flags are read one step late
   (`lagged`); a checkpoint due, `settle()` (before an evaluation), `finish()` and a stop read them at once;
 - a resumed run continues from the same sample with the same random streams on every rank
-  (`rngstate`, `data.ResumableSampler`), so it ends as an uninterrupted one would;
+  (`rngstate`, `data.ResumableSampler`), so it ends as an uninterrupted one would; on another number of
+  ranks (a node range) with the same global batch and sample stream, unevenly split where the size does not
+  divide it (`run.batch_size()`, `run.loss_weight()`, data.elastic);
+- `checkpoint_every_minutes="auto"`: Young's interval from the measured save cost and the interruption
+  rate (`interval`), recorded as a `checkpoint_interval` event;
 - records in the run dir (`events.jsonl`, `metrics.jsonl`), so `hpc-ddp status`, `plot` and `inspect`
   work as for the built-in trainer, which is itself built on this class (`train.Trainer`).
 
 Misuse ends with one `UsageError` line that names the fix, before anything on disk changes: `save()`
-called on some ranks only, a checkpoint from another world size, state that holds code.
+called on some ranks only (or `finish()` on others), a checkpoint from another world size, batch size or
+model, state that holds code, counts below 1, `track()` after `resume()`, `step()` after `finish()`, a
+second `start()`. An error on one rank is its one line; the other ranks each say in one line that it left.
 
 Session is one class in three files: here joining and leaving (setup, device, close); `sessionsave.py` what
 a checkpoint holds, saving and resuming; `sessionstep.py` the loop (samplers, epochs, step, records, the
