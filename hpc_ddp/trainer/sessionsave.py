@@ -170,7 +170,7 @@ class SaveAndResume:
             gone = {r: why for r, why in rendezvous.left_ranks(store).items()
                     if not store.check([f"{what}/{number}/{r}"])}
             if gone:
-                r, why = next(iter(gone.items()))
+                why = next(iter(gone.values()))
                 raise UsageError(f"{what}() is collective, but {rendezvous.describe_ranks(env, list(gone))} left the "
                                  f"run ({why}) without calling it (rank {env.rank} did)",
                                  hint=f"call run.{what}() on every rank; rank 0 alone writes the checkpoint")
@@ -230,12 +230,13 @@ class SaveAndResume:
         return True
 
     def accumulation(self, grad_accum: int = 1, *, batch_size: int) -> int:
-        """This rank's micro-batches per optimizer step from now on: `grad_accum`, unless this run resumes on
-        another world size than the checkpoint's and keeps the global batch (`elastic = "keep_global_batch"`,
-        a node range's default): then as many more or fewer as keep batch x ranks x accumulation the same.
-        Where the new size does not divide it (32 = 4 x 8 on 3 ranks), the ranks take different counts
-        (2, 1, 1) and each micro-batch's loss must be multiplied by `loss_weight()` (data.elastic). Ask it
-        before the loop's schedule is built (the steps per epoch follow from it) and before `resume()`."""
+        """The micro-batches per optimizer step from now on (the same on every rank): `grad_accum`, unless
+        this run resumes on another world size than the checkpoint's and keeps the global batch (`elastic =
+        "keep_global_batch"`, a node range's default): then as many more or fewer as keep the global batch.
+        Where the new size does not divide it (32 = 4 x 8 on 3 ranks: 2 micro-steps of 16), the ranks' batches
+        differ (6, 5, 5): take `batch_size()` per batch and multiply each batch's loss by `loss_weight()`
+        (data.elastic). Ask it before the loop's schedule is built (the steps per epoch follow from it) and
+        before `resume()`."""
         at_least_one("accumulation", grad_accum=grad_accum, batch_size=batch_size)
         manifest = self.checkpoints.latest_manifest()
         saved, used = _saved_world(manifest), _saved_accum(manifest)
