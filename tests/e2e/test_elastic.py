@@ -172,6 +172,44 @@ def test_on_slurm_a_2_4_job_started_on_4_resumes_on_the_2_left_free(slurm_conf, 
     assert _trained(tmp_path / "keys") == expected
 
 
+@pytest.mark.slurm
+def test_on_slurm_a_2_4_job_started_on_4_resumes_on_the_3_left_free_with_uneven_batches(slurm_conf, tmp_path):
+    """Issue 44 on the test Slurm: --nodes 2-4 starts on all 4 (partition `wide`); a job in `urgent` takes one
+    node; the preempted job resumes on the 3 left free, the global batch of 16 kept as 2 micro-steps of 8
+    (3, 3, 2 a rank), and trains exactly the samples an uninterrupted run would."""
+    from hpc_ddp.data.loaders import ResumableSampler
+
+    nodes = subprocess.run(["sinfo", "-h", "-p", "wide", "-o", "%D"], capture_output=True, text=True).stdout.strip()
+    if nodes != "4":
+        pytest.skip("needs the test Slurm's 4 nodes (HPC_DDP_SLURM_NODES=4, slurm-up's default)")
+    shutil.copy(SCRIPT, tmp_path)
+    (tmp_path / "keys").mkdir()
+    job = submit_json("--partition", "wide", "--nodes", "2-4", "--run-dir", "run", "elastic_keys.py", "--",
+                      str(tmp_path / "keys"), cwd=tmp_path, env={"KEYS_STEP_S": "0.3"})["job_id"]
+    urgent = None
+    try:
+        wait_until(lambda: job_field(job, "JobState") == "RUNNING" and job_field(job, "NumNodes") == "4"
+                   and list((tmp_path / "keys").glob("keys-*")), 120, "the job to train on 4 nodes")
+        time.sleep(2)
+        urgent = subprocess.run(["sbatch", "--parsable", "-p", "urgent", "-N1", "--exclusive", "-o", "/dev/null",
+                                 "--wrap", "sleep 120"], capture_output=True, text=True, check=True).stdout.strip()
+        wait_until(lambda: int(job_field(job, "Restarts") or 0) > 0, 90, "the job to be preempted")
+        assert run_through_requeues(job, timeout=300) == "COMPLETED"
+    finally:
+        for pending in (job, urgent):
+            if pending and job_field(pending, "JobState") not in (None, "COMPLETED", "FAILED", "CANCELLED"):
+                subprocess.run(["scancel", pending])
+    events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
+    assert [(e["from_world_size"], e["world_size"], e["grad_accum"], e["batch_per_rank"]) for e in events
+            if e["event"] == "resized"] == [(4, 3, 2, [3, 3, 2])]
+    sampler = ResumableSampler(200, rank=0, world_size=1, seed=0)
+    expected = collections.Counter()
+    for epoch in range(2):
+        sampler.set_position(epoch, 0)
+        expected.update((epoch, i) for i in sampler.order()[:200 // 16 * 16])  # global batch 4 x 4
+    assert _trained(tmp_path / "keys") == expected
+
+
 TRAINER_JOB = """script = ""
 [train]
 dataset = "fake"
