@@ -162,3 +162,18 @@ def test_an_uneven_resume_of_a_sampler_loop_that_never_asks_its_batch_is_refused
     run.batch_size()   # asked: it goes on, at this rank's batch and weight
     run._resume_resized(4, 1, None)
     assert (run.batch_size(), run.loss_weight(), run.progress.batch_in_epoch) == (5, 5 * 3 / 32, 6)
+
+
+def test_one_rank_is_a_world_of_one_that_ddp_can_wrap(tmp_path):
+    """Issue 42 item 0: DDP on one rank died with 'Default process group has not been initialized'."""
+    import torch.distributed as dist
+
+    run = session(tmp_path)
+    try:
+        assert dist.is_initialized() and dist.get_world_size() == 1
+        model = torch.nn.parallel.DistributedDataParallel(nn.Linear(4, 1))
+        model(torch.randn(2, 4)).sum().backward()
+        run.step(1.0)
+    finally:
+        run.close()
+    assert not dist.is_initialized()
