@@ -59,3 +59,7 @@ def test_a_stopped_rank_0_which_holds_the_store_is_named_too(tmp_path):
     out = done.stdout + done.stderr
     assert done.returncode == 1 and "rank 0 (localhost) does not answer" in out, out[-3000:]
     assert time.monotonic() - started < 150
+    # round 4 (issue 43): status classifies it as the stall it is, not as a rendezvous timeout (the others'
+    # lines speak of the rendezvous store rank 0 holds)
+    status = json.loads(hpc_ddp("status", "--json", "run", cwd=tmp_path).stdout)
+    assert status["failure"]["kind"] == "stalled" and "rank 0 (localhost) does not answer" in status["failure"]["detail"]
