@@ -447,7 +447,7 @@ def test_hostile_debugger_answers_open_no_tunnel_and_are_one_line(monkeypatch, c
     fake = FakeSsh(answer if isinstance(answer, str) else json.dumps(answer))
     fake.options = lambda: []
     opened = []
-    monkeypatch.setattr(forward.subprocess, "run", lambda argv, **kw: opened.append(argv) or
+    monkeypatch.setattr(ssh.subprocess, "run", lambda argv, **kw: opened.append(argv) or
                         subprocess.CompletedProcess(argv, 0, b"", b""))
     try:
         forward._tunnel(fake, "hpc-ddp", {"run_dir": "/r/x", "job_id": "1"})
