@@ -38,6 +38,9 @@ SSH_FAILED = 255           # ssh's own exit code: it could not connect (or the r
 PERSIST_S = 600            # the shared connection stays this long after its last command
 CONNECT_S = 30             # ssh's ConnectTimeout: a connection not made by then fails
 CALL_S = 900.0             # the wall-clock bound of one call over ssh (HPC_DDP_SSH_TIMEOUT_S overrides)
+# `bounded(..., timeout=SELF_BOUNDED)`: no wall clock, for a command that bounds its own waits: rsync with
+# --timeout (no data moved for that long) copies a big project over a slow link for as long as data moves.
+SELF_BOUNDED = -1.0
 # [user@]host, where host is a name (an alias of ~/.ssh/config, a DNS name, an IPv4 address) or an IPv6
 # address in brackets. No ':' outside brackets: rsync reads HOST:PATH at the first colon (and HOST::MODULE as
 # its daemon), so "login:/tmp" or "::1" would send the project somewhere else than ssh connects to.
@@ -137,7 +140,8 @@ class Ssh:
         ended after `timeout` (default: this host's bound) with a UserError that says the connection was lost."""
         limit = timeout if timeout is not None else self.timeout_s
         try:
-            done = subprocess.run(argv, input=input, stdin=stdin, capture_output=True, timeout=limit, check=False)
+            done = subprocess.run(argv, input=input, stdin=stdin, capture_output=True,
+                                  timeout=None if limit == SELF_BOUNDED else limit, check=False)
         except FileNotFoundError:
             raise UserError(f"there is no {os.path.basename(argv[0])} on this machine",
                             hint="install OpenSSH's client" if argv[0] == "ssh" else f"install {argv[0]}") from None

@@ -40,7 +40,7 @@ from hpc_ddp.common.registryfile import register
 from hpc_ddp.common.terminal import printable
 from hpc_ddp.common.units import MB, human_bytes
 from hpc_ddp.remote.site import Site, command_words, profile_toml, remote_dir_for, shell_words
-from hpc_ddp.remote.ssh import SSH_FAILED, Ssh, classify
+from hpc_ddp.remote.ssh import SELF_BOUNDED, SSH_FAILED, Ssh, classify
 from hpc_ddp.snapshot import shipped, snapshot
 from hpc_ddp.snapshot.gitinfo import Git
 from hpc_ddp.snapshot.listing import Listing, check_limits, list_project, parents, project_root
@@ -382,9 +382,11 @@ def _ship(ssh: Ssh, hello: dict[str, str], project: Path, listing: Listing, orig
             f"[ -f {mirror}/{MARK}/origin ] || printf '%s\\n' {shlex.quote(json.dumps(origin))} > {mirror}/{MARK}/origin\n")
     names = b"".join(i.rel.encode(errors="surrogateescape") + b"\0" for i in listing.items if i.kind != "live")
     if _rsync_3(hello.get("rsync")) and _rsync_3(_local_rsync()):
+        # Bounded by what moves, not by the clock: a big first copy over a slow link may take longer than
+        # any one call should, while an rsync that moves nothing for the bound is a lost connection (30).
         argv = ["rsync", "-a", "-s", *(["--checksum"] if checksum else []), "--from0", "--files-from=-",
-                "-e", ssh.rsh(), f"{project}/", f"{ssh.host}:{hello['dir']}/"]
-        done = ssh.bounded(argv, input=names)
+                f"--timeout={max(1, int(ssh.timeout_s))}", "-e", ssh.rsh(), f"{project}/", f"{ssh.host}:{hello['dir']}/"]
+        done = ssh.bounded(argv, input=names, timeout=SELF_BOUNDED)
     else:
         tar = subprocess.Popen(["tar", "-C", str(project), "--null", "--no-recursion", "-T", "-", "-cf", "-"],
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)

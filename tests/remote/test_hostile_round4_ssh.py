@@ -234,7 +234,7 @@ def test_an_rsync_stopped_by_a_login_banner_names_the_shell_start_up_files(tmp_p
     from hpc_ddp.remote import submit as remote_submit
 
     class Box:
-        host = "c"
+        host, timeout_s = "c", 5.0
 
         def run(self, script, **kw):
             return ssh.Done(0, b"", b"")
@@ -254,6 +254,37 @@ def test_an_rsync_stopped_by_a_login_banner_names_the_shell_start_up_files(tmp_p
     with pytest.raises(UserError) as err:
         remote_submit._ship(Box(), {"dir": "/m", "rsync": "rsync  version 3.2.7"}, tmp_path / "proj", listing, "o")
     assert "shell start-up files" in str(err.value) and ".bashrc" in err.value.hint and "\n" not in str(err.value)
+
+
+def test_rsync_is_bounded_by_what_moves_not_by_the_clock(tmp_path, monkeypatch):
+    """A first copy of a big project over a slow link may outlast any one call's bound: rsync runs with no
+    wall clock and its own --timeout (no data moved for the bound: exit 30, a lost connection)."""
+    from hpc_ddp.remote import submit as remote_submit
+
+    calls = []
+
+    class Box:
+        host, timeout_s = "c", 7.0
+
+        def run(self, script, **kw):
+            return ssh.Done(0, b"", b"")
+
+        def bounded(self, argv, **kw):
+            calls.append((argv, kw.get("timeout")))
+            return ssh.Done(0, b"", b"")
+
+        def rsh(self):
+            return "ssh"
+
+    monkeypatch.setattr(remote_submit, "_local_rsync", lambda: "rsync  version 3.2.7  protocol version 31")
+    _project(tmp_path)
+    from hpc_ddp.snapshot.gitinfo import Git
+    from hpc_ddp.snapshot.listing import list_project
+    listing = list_project(tmp_path / "proj", git=Git(executable=""))
+    remote_submit._ship(Box(), {"dir": "/m", "rsync": "rsync  version 3.2.7"}, tmp_path / "proj", listing, "o")
+    ((argv, timeout),) = calls
+    assert argv[0] == "rsync" and "--timeout=7" in argv and timeout == ssh.SELF_BOUNDED
+    assert 30 in remote_submit._DROPPED
 
 
 # ------------------------------------------------------------------------------------ the registry, hostile
