@@ -33,6 +33,7 @@ from bench import (
     ckpt_bench,
     gpu_bench,
     gpu_data_bench,
+    goodput_bench,
     report,
     resume_bench,
     snapshot_bench,
@@ -44,7 +45,8 @@ from bench.common import REPO, Row, Settings, Workspace, say, settings
 
 SECTIONS = {"training": train_bench.run, "startup": startup_bench.run, "resume": resume_bench.run,
             "checkpoint": ckpt_bench.run, "async_checkpoint": async_ckpt_bench.run, "staging": stage_bench.run,
-            "snapshot": snapshot_bench.run, "gpu": gpu_bench.run, "gpu_data": gpu_data_bench.run}
+            "snapshot": snapshot_bench.run, "gpu": gpu_bench.run, "gpu_data": gpu_data_bench.run,
+            "goodput": goodput_bench.run}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

@@ -1,0 +1,28 @@
+"""The goodput bench's parts that need no Slurm (issue 44, item 4): its trace is seeded and has one
+interruption of each kind at about one a minute, Meta's model, and the skipped row without the test Slurm."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import goodput_bench
+
+
+def test_the_trace_is_seeded_with_one_interruption_of_each_kind_about_a_minute_apart():
+    events = goodput_bench.trace()
+    assert events == goodput_bench.trace(goodput_bench.SEED)
+    assert sorted(e["kind"] for e in events) == ["crash", "node", "preempt"]
+    gaps = [b["at_s"] - a["at_s"] for a, b in zip([{"at_s": 0.0}] + events, events)]
+    assert all(0.7 * goodput_bench.RATE_S <= g <= 1.3 * goodput_bench.RATE_S for g in gaps)
+
+
+def test_metas_model():
+    assert goodput_bench.model(u0=0.0, dt=10.0, w=0.0, rate_per_s=0.0) == 1.0
+    assert goodput_bench.model(u0=15.0, dt=5.0, w=0.0, rate_per_s=1 / 60) == pytest.approx(1 - 17.5 / 60)
+    assert goodput_bench.model(u0=0.0, dt=10.0, w=1.0, rate_per_s=0.0) == pytest.approx(1 / 1.1)
+
+
+def test_without_the_test_slurm_the_section_is_one_skipped_row(monkeypatch, tmp_path):
+    monkeypatch.delenv("SLURM_CONF", raising=False)
+    [row] = goodput_bench.run(None)
+    assert row.section == "goodput" and row.ours_value is None and "SLURM_CONF unset" in row.skipped
