@@ -376,11 +376,25 @@ class StepAndStop:
             self.stop.request("deadline")
 
     def _stop_cause(self) -> str:
-        """A stop near the job's end time is the time limit; any other is a preemption (or a rehearsal)."""
+        """A stop near the job's end time is the time limit; a stop `hpc-ddp cancel` recorded for this job
+        is a cancel; any other is a preemption (or a rehearsal)."""
+        if self._cancelled():
+            return "cancelled"
         if self.deadline is None:
             return "preempted"
         near = max(self.signal_lead, self._lead()) + 90  # Slurm may signal up to 60 s early
         return "time_limit" if self.deadline - time.time() <= near else "preempted"
+
+    def _cancelled(self) -> bool:
+        """`hpc-ddp cancel` of a local or srun run records its "cancelled" event before it signals the ranks
+        (issue 42: the stop line called a cancel "SIGTERM, preempted"). Read once, at the stop."""
+        try:
+            records = read_jsonl(RunDir(self.run_dir).events)
+        except (OSError, ValueError, HpcDdpError):  # unreadable records: not a cancel we can tell of
+            return False
+        job = self.env.job_id
+        return job is not None and any(isinstance(r, dict) and r.get("event") == "cancelled" and
+                                       str(r.get("job_id")) == str(job) for r in records)
 
     def _stop_here(self) -> bool:
         self._drain()  # records the last step before the stop's own lines

@@ -163,6 +163,9 @@ def test_a_cancelled_training_checkpoints_and_is_not_restarted(ws, how):
     assert [a["ended"] for a in status["attempts"]] == ["cancelled"], status["attempts"]
     assert status["last_checkpoint_step"] is not None and status["last_checkpoint_step"] >= 3  # it saved first
     assert not (ws / "run" / "local.pid").exists()
+    if how == "cancel":  # the rank's own line calls it a cancel, not a preemption (issue 42, item 14)
+        stops = [line for line in out.splitlines() if "stop requested" in line]
+        assert stops and all("cancelled" in line and "preempted" not in line for line in stops), stops
 
 
 def test_a_second_ctrl_c_stops_ranks_that_do_not_stop(ws):
