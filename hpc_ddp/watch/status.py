@@ -183,9 +183,22 @@ def run_status(run_dir: Path, job_id: str | None, executor: str | None, commands
         "failure": _failure(run_dir, events) if state in ("FAILED", "STOPPED") else None,
         "time_used": line, "eta": dataclasses.asdict(eta) if eta and state in LIVE else None, **goodput,
         "debugger": _debugger(current) if state in LIVE else None,
+        "checkpoint_interval": _checkpoint_interval(current),
     }
     # events.jsonl is masked as written; this also covers records written before masking existed.
     return secrets.current().deep(status)
+
+
+def _checkpoint_interval(events: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The checkpoint interval in effect (checkpoint_every_minutes = "auto", trainer/interval.py): the
+    current job's last "checkpoint_interval" record, its value and the one line that says why."""
+    chosen = next((e for e in reversed(events) if e.get("event") == "checkpoint_interval"), None)
+    if chosen is None or not isinstance(chosen.get("seconds"), (int, float)) or not math.isfinite(chosen["seconds"]):
+        return None
+    why = chosen.get("why") if isinstance(chosen.get("why"), str) else ""
+    clamped = chosen.get("clamped") if isinstance(chosen.get("clamped"), str) else None
+    return {"seconds": chosen["seconds"], "why": why, "clamped": clamped,
+            "sources": chosen.get("sources") if isinstance(chosen.get("sources"), dict) else {}}
 
 
 def snapshots_of(events: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -467,6 +480,10 @@ def format_status(s: dict[str, Any]) -> Iterator[str]:
         yield f"in allocation    {s['restarted_in_place_text']} (no requeue)"
     yield f"last checkpoint  step {s['last_checkpoint_step']}" if s["last_checkpoint_step"] is not None \
         else "last checkpoint  none"
+    every = s.get("checkpoint_interval")
+    if every:
+        clamped = f"; {every['clamped']}" if every.get("clamped") else ""
+        yield f"checkpoints      every {every['seconds'] / 60:.1f} min (auto: {every['why']}{clamped})"
     yield f"restarts         {s['restarts']}"
     # Slurm numbers attempts per job: a chain's (or a requeue fallback's) next job starts at 0 again.
     several_jobs = len({a.get("job_id") for a in s["attempts"]}) > 1

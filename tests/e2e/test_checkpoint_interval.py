@@ -41,6 +41,9 @@ def test_the_trainer_records_its_auto_interval_on_the_local_executor(tmp_path):
     assert chosen and chosen[0]["sources"]["sacct"]["note"] == "not a Slurm job: not asked"
     assert chosen[0]["seconds"] >= 60 and chosen[0]["why"].startswith("Young: sqrt(2 x ")
     assert 'checkpoint every' in out and '(checkpoint_every_minutes = "auto"; Young' in out
+    shown = hpc_ddp("status", "run", cwd=tmp_path)   # status shows the interval in effect and why
+    line = next(ln for ln in shown.stdout.splitlines() if ln.startswith("checkpoints "))
+    assert f"every {chosen[-1]['seconds'] / 60:.1f} min (auto: Young: sqrt(2 x " in line, shown.stdout
 
 
 @pytest.mark.slurm
