@@ -17,8 +17,11 @@ from collections.abc import Iterator
 
 __all__ = ["TerminalFilter", "Stop"]
 
-# hpc-ddp's own lines about a stop (the Session's, the built-in trainer's)
-_STOP = re.compile(r"^hpc-ddp: .*(?:stop requested|checkpointing at|checkpointed|training finished|stopped by SIG)")
+# hpc-ddp's own lines about a stop (the Session's, the built-in trainer's), and its one-line errors: after
+# "rank 1 left the run (...); stopping", the other ranks' c10d traces of the closed store say nothing more
+# (issue 43: a Session error on one rank printed the others' frame dumps).
+_STOP = re.compile(r"^hpc-ddp: (?:.*(?:stop requested|checkpointing at|checkpointed|training finished|stopped by SIG)"
+                   r"|error: )")
 # c10's log lines ("[W1127 16:00:00.123456 4242 torch/csrc/distributed/c10d/TCPStore.cpp:122] ..."), a C++
 # exception's frames, and the lines torch puts between them.
 _TRACE = re.compile(r"^(?:(?:\[rank\d+\]:)?\[[WEF]\d{4} \d\d:\d\d:\d\d[.\d]*(?: +\d+)? [^\]]*\] "

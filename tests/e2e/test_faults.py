@@ -1,6 +1,7 @@
 """Rendezvous faults end the job fast and say who: a taken port, a rank that never joins, a rank that
 hangs mid-training (local executor and the real Slurm)."""
 
+import json
 import re
 import socket
 import subprocess
@@ -76,7 +77,9 @@ def test_a_hung_rank_ends_the_job_within_the_collective_timeout(workspace):
 @pytest.mark.slurm
 def test_on_slurm_a_hung_rank_on_the_second_node_is_named_with_its_host(slurm_conf, workspace):
     started = time.monotonic()
-    job = submit_json("--collective-timeout", "15", "--run-dir", "slurm-hang", "job4.toml", cwd=workspace,
+    # --max-restarts 0: what is tested is the hung rank named, not the restart in place that follows it.
+    job = submit_json("--collective-timeout", "15", "--max-restarts", "0", "--run-dir", "slurm-hang", "job4.toml",
+                      cwd=workspace,
                       env={"HPC_DDP_FAULT_HANG_AT": "5:3"})["job_id"]
     assert wait_for_job(job, timeout=180) == "FAILED"
     took = time.monotonic() - started
@@ -84,6 +87,8 @@ def test_on_slurm_a_hung_rank_on_the_second_node_is_named_with_its_host(slurm_co
     assert re.search(r"rank 3 \(hpcn2\) stopped responding \(no heartbeat for 5 s\): it died or hung", logs), logs[-3000:]
     assert took < 15 + 90, took
     status = hpc_ddp("status", "--json", job, cwd=workspace)
-    assert '"kind": "rank_lost"' in status.stdout, status.stdout
+    # The stall watch's own record names it (issue 43: status takes it as the failure), or the heartbeats do.
+    failure = json.loads(status.stdout)["failure"]
+    assert failure["kind"] in ("stalled", "rank_lost") and "rank 3" in json.dumps(failure), status.stdout
     wait_until(lambda: subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout.strip() == "",
                60, "the job to leave the queue")

@@ -37,7 +37,9 @@ def snapshot(path: Path) -> dict[str, tuple[int, str]]:
 def test_a_crash_on_slurm_is_reproduced_here_from_the_checkpoint_its_attempt_started_from(slurm_conf, tmp_path):
     shutil.copy(SCRIPT, tmp_path / SCRIPT.name)
     run = tmp_path / "run"
-    done = hpc_ddp("submit", "--json", "--nodes", "2", "--chain", "2", "--run-dir", str(run), SCRIPT.name,
+    # --max-restarts 0: the crash ends its attempt (a restart in place would resume it from a later checkpoint).
+    done = hpc_ddp("submit", "--json", "--nodes", "2", "--chain", "2", "--max-restarts", "0", "--run-dir", str(run),
+                   SCRIPT.name,
                    "--", "--crash-at", "12", cwd=tmp_path, env={"HPC_DDP_FAULT_STOP_AT": "6"})
     assert done.returncode == 0, done.stderr
     first, second = json.loads(done.stdout)["job_ids"]

@@ -39,7 +39,9 @@ def test_on_slurm_a_stopped_rank_on_the_second_node_is_named_with_its_host(slurm
 
     shutil.copy(Path(__file__).with_name("stall_probe.py"), tmp_path)
     started = time.monotonic()
-    job = submit_json("--partition", "debug", "--nodes", "2", "--run-dir", "run", "stall_probe.py", cwd=tmp_path,
+    # --max-restarts 0: one stall, named; a restart in place would stall again (tested in test_restart_in_place).
+    job = submit_json("--partition", "debug", "--nodes", "2", "--max-restarts", "0", "--run-dir", "run",
+                      "stall_probe.py", cwd=tmp_path,
                       env={"HPC_DDP_STALL_MIN_S": "3"})["job_id"]
     assert wait_for_job(job, timeout=240) == "FAILED"
     assert time.monotonic() - started < 200   # not the 600 s collective timeout
