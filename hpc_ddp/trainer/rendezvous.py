@@ -459,16 +459,32 @@ def leave(timeout_s: float = 10.0) -> None:
     worker.join(timeout_s)
 
 
-def outlive_peers(store: dist.Store | None, env: DistEnv, timeout_s: float) -> None:
+def outlive_peers(store: dist.Store | None, env: DistEnv, timeout_s: float,
+                  quiet_s: float = 1.5 * HEARTBEAT_S) -> None:
     """Rank 0 holds the store: keep it up until every other rank has said it left (or `timeout_s`), so a
     peer that finds out about a failure reads its reason there, says one line and leaves, instead of
-    finding the store gone and printing c10d's C++ frame dumps (issue 43)."""
+    finding the store gone and printing c10d's C++ frame dumps (issue 43).
+
+    A rank that has not said it left and whose heartbeat has not moved for `quiet_s` is not waited for:
+    it was killed, or its node was lost, and nobody is left there to read the store. Waiting the whole
+    bound for it held every crash's restart up by 5 s (15 s after an error), and Slurm's kill of the step
+    (KillWait, 30 s on many clusters) was all that ended it (issue 44)."""
     if store is None or env.rank != 0 or env.world_size < 2:
         return
-    deadline = time.monotonic() + timeout_s
+    start = time.monotonic()
+    deadline = start + timeout_s
+    keys = [f"heartbeat/{r}" for r in range(env.world_size)]
     with contextlib.suppress(Exception):
+        seen = _counters(store, keys)
+        moved = [start] * env.world_size
         while time.monotonic() < deadline:
-            if len(left_ranks(store)) >= env.world_size:
+            left = left_ranks(store)
+            if len(left) >= env.world_size:
+                return
+            now, counts = time.monotonic(), _counters(store, keys)
+            moved = [now if a != b else t for a, b, t in zip(seen, counts, moved)]
+            seen = counts
+            if all(r == env.rank or r in left or now - moved[r] >= quiet_s for r in range(env.world_size)):
                 return
             time.sleep(0.1)
 

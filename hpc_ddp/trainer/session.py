@@ -270,6 +270,11 @@ class Session(StepAndStop, SaveAndResume):
         if self._closed:
             return
         self._closed = True
+        if why == "finished" and _UNCAUGHT and not isinstance(_UNCAUGHT[0], SystemExit):
+            # Called at exit, after an error the script did not catch: the peers read this error (their
+            # heartbeat stops them at once), not "finished", which they would wait out in a broken collective
+            # until this process, which holds the group, exits; rank 0 waited for them meanwhile (issue 44).
+            why = _summary(_UNCAUGHT[0])
         self._drain_writer()
         self._drain_records(why)
         self.loggers.close()
@@ -404,6 +409,7 @@ _PEER_FAILED = False   # another rank left for an error of its own: this rank's 
 
 
 _STORE_HOST: list[Any] = []   # rank 0's (store, env) once it knows of another rank's failure
+_UNCAUGHT: list[BaseException] = []  # the exception that ends the program (the exit handlers run after it)
 
 
 def _quiet_exit() -> None:
@@ -424,6 +430,7 @@ def _one_line_errors() -> None:
         return
 
     def hook(kind, exc, tb):
+        _UNCAUGHT[:] = [exc]
         if _PEER_FAILED and not isinstance(exc, SystemExit):
             _quiet_exit()
         if isinstance(exc, HpcDdpError):

@@ -107,6 +107,32 @@ def test_a_silent_rank_is_named_and_beating_ranks_are_not(port):
         alive.stop()
 
 
+def test_rank_0_outlives_ranks_that_beat_until_they_leave_but_not_a_rank_that_died(port):
+    """Rank 0 keeps its store up for the ranks still beating (they read there why the run stopped) and
+    stops waiting for one whose heartbeat stopped without saying it left: a crash's restart is not held
+    up by the whole bound (issue 44)."""
+    server = dist.TCPStore("127.0.0.1", port, 3, True, wait_for_workers=False)
+    store = rendezvous._scoped(server, _env(0, 3, port))
+    alive = rendezvous.Heartbeat(_env(1, 3, port), interval_s=0.1).start()
+    store.add("heartbeat/2", 1)  # rank 2 beat once, then was killed
+    rendezvous.mark_left(store, _env(0, 3, port), "finished")
+    leaves = threading.Timer(1.5, lambda: (rendezvous.mark_left(store, _env(1, 3, port), "finished"), alive.stop()))
+    leaves.start()
+    try:
+        began = time.monotonic()
+        rendezvous.outlive_peers(store, _env(0, 3, port), timeout_s=30, quiet_s=0.5)
+        waited = time.monotonic() - began
+    finally:
+        leaves.cancel()
+        alive.stop()
+    assert 1.4 <= waited < 10  # until rank 1 said it left; rank 2, quiet since, was not waited for
+    assert sorted(rendezvous.left_ranks(store)) == [0, 1]
+
+    began = time.monotonic()  # nobody beating: only the quiet time, not the bound
+    rendezvous.outlive_peers(store, _env(0, 3, port), timeout_s=30, quiet_s=0.5)
+    assert time.monotonic() - began < 10
+
+
 def test_a_store_that_is_gone_means_rank_0_is_gone(port):
     server = dist.TCPStore("127.0.0.1", port, 2, True, wait_for_workers=False)
     client = dist.TCPStore("127.0.0.1", port, 2, False)
