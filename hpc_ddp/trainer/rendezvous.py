@@ -434,8 +434,11 @@ def explain_failure(store: dist.Store | None, env: DistEnv, window_s: float = 2.
 def _investigate(store: dist.Store, env: DistEnv, window_s: float, round_: int) -> str | None:
     line = None
     try:
-        lost = unresponsive(store, env, window_s)
+        # A rank that said why it failed is the cause, named at once; only when none did is the heartbeat
+        # window waited (a killed rank says nothing). That window held every survivor of a crash up by
+        # 2.5 heartbeats, before its restart could begin (issue 44).
         parts = _failed_ranks(store, env)
+        lost = [] if parts else unresponsive(store, env, window_s)
         if lost:
             parts.append(f"{describe_ranks(env, lost)} stopped responding (no heartbeat for {window_s:g} s): "
                          f"{'they' if len(lost) > 1 else 'it'} died or hung")

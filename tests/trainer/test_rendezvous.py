@@ -170,8 +170,10 @@ def test_a_rank_that_left_with_an_error_is_named_for_it_and_one_that_finished_is
     rendezvous.mark_left(store, _env(1, 4, port), "ValueError: bad shard")
     rendezvous.mark_left(store, _env(2, 4, port), "finished")
     try:
-        line = rendezvous.explain_failure(store, _env(0, 4, port), window_s=0.5)
+        began = time.monotonic()
+        line = rendezvous.explain_failure(store, _env(0, 4, port), window_s=5)
         assert line == "rank 1 (node1) failed: ValueError: bad shard"
+        assert time.monotonic() - began < 4  # named at once: the heartbeat window is for ranks that said nothing
     finally:
         alive.stop()
 
@@ -350,15 +352,14 @@ def test_the_investigation_does_not_ask_once_per_rank(port):
     for r in range(world):
         store.add(f"heartbeat/{r}", 1)  # every rank beat at start-up
     beats = [rendezvous.Heartbeat(_env(r, world, port), interval_s=0.1).start() for r in range(1, world) if r != dead]
-    rendezvous.mark_left(store, _env(5, world, port), "ValueError: bad shard")
+    rendezvous.mark_left(store, _env(5, world, port), "finished")  # a rank that finished is not blamed
     counted.requests = 0
     try:
         line = rendezvous.explain_failure(store, _env(0, world, port), window_s=0.5)
     finally:
         for b in beats:
             b.stop()
-    assert line == ("rank 5 (node5) failed: ValueError: bad shard; rank 9 (node9) stopped responding "
-                    "(no heartbeat for 0.5 s): it died or hung")
+    assert line == "rank 9 (node9) stopped responding (no heartbeat for 0.5 s): it died or hung"
     assert counted.requests < 20  # not 3 per rank
 
 
