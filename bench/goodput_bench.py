@@ -218,7 +218,7 @@ def run_side(ws: Workspace, name: str, events: list[dict], timeout: float = 900)
     done_at = []
     released: set[tuple[str, str]] = set()
     deadline = time.monotonic() + timeout
-    allocated, polled, timeline = 0.0, time.time(), []
+    allocated, polled, timeline, counted = 0.0, time.time(), [], []
     while time.monotonic() < deadline:
         steps = _steps(side.dir)
         if steps and first is None:
@@ -229,6 +229,7 @@ def run_side(ws: Workspace, name: str, events: list[dict], timeout: float = 900)
         if state in ("RUNNING", "COMPLETING"):  # the nodes it holds now (a node lost under --no-kill has left)
             held = int(info.get("NumNodes", "0").split("-")[0] or 0)
             allocated += (now - polled) * held
+            counted.append((polled, now, held))
             if not timeline or timeline[-1][1:] != [state, held]:
                 timeline.append([round(now, 1), state, held])
         polled = now
@@ -258,10 +259,28 @@ def run_side(ws: Workspace, name: str, events: list[dict], timeout: float = 900)
         for j in side.jobs:
             subprocess.run(["scancel", j], capture_output=True)
         raise RuntimeError(f"{name}: did not finish within {timeout:.0f} s")
-    return measure(side, done_at, allocated, timeline)
+    return measure(side, done_at, allocated, timeline, counted)
 
 
-def measure(side: Side, interruptions: list[dict], allocated: float, held: list) -> dict:
+def where_it_went(counted: list[tuple[float, float, int]], step_times: list[float]) -> dict[str, float]:
+    """The allocated node-seconds (`counted`: intervals polled RUNNING or COMPLETING, with the nodes held)
+    by what the job did then: `start` before its first step; `training` while steps came (the last one at
+    most 2 x STEP_S before); `between` otherwise: from an interruption to the next life's first step
+    (stopping, Slurm's clean-up, the restart's start-up) and after the last step (the end)."""
+    import bisect
+
+    out = {"start": 0.0, "training": 0.0, "between": 0.0}
+    times = sorted(step_times)
+    for began, ended, nodes in counted:
+        mid = (began + ended) / 2
+        i = bisect.bisect_right(times, mid)
+        kind = "start" if i == 0 else "training" if mid - times[i - 1] <= 2 * STEP_S else "between"
+        out[kind] += (ended - began) * nodes
+    return {k: round(v, 1) for k, v in out.items()}
+
+
+def measure(side: Side, interruptions: list[dict], allocated: float, held: list,
+            counted: list[tuple[float, float, int]] | None = None) -> dict:
     """`allocated`: node-seconds the harness saw the jobs RUNNING or COMPLETING (polled twice a second, the
     nodes `scontrol show job` counts at each poll). sacct is not used: after a node is taken out of a
     --no-kill job and the job is requeued, Slurm 22.05's accounting records the requeued run with the
@@ -271,13 +290,15 @@ def measure(side: Side, interruptions: list[dict], allocated: float, held: list)
     last_life = {}
     for r in steps:
         last_life[r["step"]] = tuple(r["life"])
-    useful, previous = 0.0, {}
+    useful, redone, previous = 0.0, 0.0, {}
     for r in steps:
         life = tuple(r["life"])
         dur = r["t"] - previous[life] if life in previous else STEP_S
         previous[life] = r["t"]
         if last_life[r["step"]] == life:
             useful += min(dur, 2 * STEP_S) * r["nodes"]
+        else:
+            redone += min(dur, 2 * STEP_S) * r["nodes"]
     to_next = []
     for ev in interruptions:
         later = [r["t"] for r in steps if r["t"] > ev["time"] and r["life"] != ev["life"]]
@@ -293,7 +314,9 @@ def measure(side: Side, interruptions: list[dict], allocated: float, held: list)
             "time_to_next_step_s": to_next, "interruptions": interruptions,
             "save_s": round(statistics.median(saves), 4) if saves else 0.0,
             "first_to_last_step_s": round(steps[-1]["t"] - steps[0]["t"], 1) if steps else None,
-            "steps_recorded": len(steps), "steps_redone": len(steps) - len(last_life)}
+            "steps_recorded": len(steps), "steps_redone": len(steps) - len(last_life),
+            "redone_node_s": round(redone, 1),
+            "where_allocated_went_node_s": where_it_went(counted or [], [r["t"] for r in steps])}
 
 
 def model(u0: float, dt: float, w: float, rate_per_s: float) -> float:

@@ -26,3 +26,13 @@ def test_without_the_test_slurm_the_section_is_one_skipped_row(monkeypatch, tmp_
     monkeypatch.delenv("SLURM_CONF", raising=False)
     [row] = goodput_bench.run(None)
     assert row.section == "goodput" and row.ours_value is None and "SLURM_CONF unset" in row.skipped
+
+
+def test_allocated_time_is_split_into_start_training_and_the_gaps_between():
+    from bench import goodput_bench as g
+
+    steps = [10.0 + 0.5 * i for i in range(10)] + [30.0 + 0.5 * i for i in range(4)]  # a gap from 14.5 to 30
+    counted = [(0.0, 10.0, 4), (10.0, 14.0, 4), (14.0, 20.0, 4), (20.0, 30.0, 2), (30.0, 32.0, 3), (32.0, 40.0, 3)]
+    split = g.where_it_went(counted, steps)
+    assert split == {"start": 40.0, "training": 16.0 + 6.0, "between": 24.0 + 20.0 + 24.0}
+    assert sum(split.values()) == sum((b - a) * n for a, b, n in counted)
