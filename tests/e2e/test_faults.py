@@ -67,11 +67,13 @@ def test_a_hung_rank_ends_the_job_within_the_collective_timeout(workspace):
     done, took, out = _local(workspace, "--collective-timeout", "10", "--run-dir", "hang",
                         env={"HPC_DDP_FAULT_HANG_AT": "5:1"})
     assert done.returncode == 1, out[-2000:]
-    assert re.search(r"\[rank 0\] hpc-ddp train: error: rank 0: rank 1 \(localhost\) stopped responding "
-                     r"\(no heartbeat for 5 s\): it died or hung", out), out[-3000:]
+    # Named by whichever notices first: the broken collective (its timeout, 10 s), or the stall watch (no
+    # step for 10 s: the same limit, so on a loaded machine it can be first); either names rank 1.
+    assert re.search(r"\[rank 0\] hpc-ddp(?: train)?: error: rank 0: (?:no step completed for \d+ s [^\n]*; )?"
+                     r"rank 1 \(localhost\) stopped responding \(no heartbeat for 5 s\): it died or hung", out), out[-3000:]
     assert took < 10 + 45, took
     events = read_jsonl(workspace / "hang" / "events.jsonl")
-    assert events[-1]["event"] == "attempt_end" and events[-1]["cause"] == "failed"
+    assert events[-1]["event"] == "attempt_end" and events[-1]["cause"] in ("failed", "stalled")
 
 
 @pytest.mark.slurm
