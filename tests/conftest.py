@@ -48,16 +48,15 @@ def _private_registry(tmp_path_factory):
         os.environ["HPC_DDP_REGISTRY"] = previous
 
 
-# With pytest-xdist (`pytest -n 3 tests`), every test that uses the test Slurm (marked `slurm`, or asking for
-# the `slurm_conf` fixture, directly or through another fixture) runs on ONE worker, one after another as
-# without xdist: they share four nodes, and some kill a slurmd, preempt partitions or expect idle nodes. The
-# rest is spread over the other workers. make test does not use it yet: on 2 cores the Slurm tests' worker is
-# the whole run's floor (26 of its 80 tests took 16 minutes beside the others), and preemption tests that must
-# checkpoint within KillWait failed with the other workers beside it (see the commit that made this).
-# xdist's own `--dist loadgroup` cannot be trusted for the grouping: with pytest 9.2 its xdist_group mark is
-# silently ignored (it renames item._nodeid, which pytest no longer reads). So it is done here: each worker
-# writes the node ids of its Slurm tests to a folder the controller made, and the controller's scheduler
-# (LoadScopeScheduling, whose one "scope" holding all of them goes first: it is the largest) reads them.
+
+# `make test` runs the suite on pytest-xdist workers (`-n 3`). Every test that uses the test Slurm (marked
+# `slurm`, or asking for the `slurm_conf` fixture, directly or through another fixture) runs on ONE worker,
+# one after another as without xdist: they share four nodes, and some kill a slurmd, preempt partitions or
+# expect idle nodes. The rest is spread over the other workers. xdist's own `--dist loadgroup` cannot be
+# trusted for this: with pytest 9.2 its xdist_group mark is silently ignored (it renames item._nodeid, which
+# pytest no longer reads), so the grouping is done here: each worker writes the node ids of its Slurm tests
+# to a folder the controller made, and the controller's scheduler (LoadScopeScheduling, whose one "scope"
+# holding all of them goes first: it is the largest) reads them.
 SLURM_GROUP = "test-slurm"
 _GROUPS_ENV = "HPC_DDP_TEST_XDIST_GROUPS"
 
@@ -90,6 +89,23 @@ def pytest_collection_modifyitems(config, items):
     partial = target.with_suffix(".partial")
     partial.write_text("".join(f"{item.nodeid}\n" for item in items if uses_test_slurm(item)))
     partial.replace(target)   # whole or absent: the controller reads it once the worker has collected
+
+
+# The Slurm tests' worker is the one that sets the pace (its tests cannot share the nodes), and its jobs run
+# at nice 0 under slurmd; the other workers, and the local runs they start, run each non-Slurm test at nice
+# 10, so that on a 2-core machine they take the CPU the Slurm jobs leave rather than slowing them: a
+# preempted rank still checkpoints within KillWait, as it does when the suite runs in one process.
+_OTHER_TESTS_NICE = 10
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    if getattr(item.config, "workerinput", None) is None:
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, 0 if uses_test_slurm(item) else _OTHER_TESTS_NICE)
+    except OSError:   # lowering it again needs root (the test Slurm needs root anyway)
+        pass
 
 
 class _SlurmTestsOnOneWorker:
