@@ -58,7 +58,7 @@ def line(row: Row) -> str:
     if row.extra.get("error"):
         return f"| {row.name} | | | | | | error: {row.extra['error']} |"
     base = f"{_num(row.baseline_value, row.unit)} ({row.baseline})" if row.baseline else ""
-    how = f"median of {row.repeats}" if row.aggregate == "median" else f"worst of {row.repeats}"
+    how = f"{row.aggregate if row.aggregate in ('median', 'mean') else 'worst'} of {row.repeats}"
     ours = _num(row.ours_value, row.unit) + (f" ({how})" if row.repeats > 1 else "")
     ratio = f"{row.ratio:.2f}" if row.ratio is not None else ""
     paired = f"{row.paired_ratio:.2f}" if row.paired_ratio is not None else ""
