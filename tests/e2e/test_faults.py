@@ -70,7 +70,8 @@ def test_a_hung_rank_ends_the_job_within_the_collective_timeout(workspace):
     # Named by whichever notices first: the broken collective (its timeout, 10 s), or the stall watch (no
     # step for 10 s: the same limit, so on a loaded machine it can be first); either names rank 1.
     assert re.search(r"\[rank 0\] hpc-ddp(?: train)?: error: rank 0: (?:no step completed for \d+ s [^\n]*; )?"
-                     r"rank 1 \(localhost\) stopped responding \(no heartbeat for 5 s\): it died or hung", out), out[-3000:]
+                     r"rank 1 \(localhost\) stopped responding \(no heartbeat for 5 s\): it died or hung",
+                     out), out[-3000:]
     assert took < 10 + 45, took
     events = read_jsonl(workspace / "hang" / "events.jsonl")
     assert events[-1]["event"] == "attempt_end" and events[-1]["cause"] in ("failed", "stalled")
