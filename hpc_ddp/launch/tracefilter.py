@@ -18,7 +18,7 @@ from collections.abc import Iterator
 __all__ = ["TerminalFilter", "Stop"]
 
 # hpc-ddp's own lines about a stop (the Session's, the built-in trainer's), and its one-line errors: after
-# "rank 1 left the run (...); stopping", the other ranks' c10d traces of the closed store say nothing more
+# "rank 1 (host) failed: ...; stopping", the other ranks' c10d traces of the closed store say nothing more
 # (issue 43: a Session error on one rank printed the others' frame dumps).
 _STOP = re.compile(r"^hpc-ddp: (?:.*(?:stop requested|checkpointing at|checkpointed|training finished|stopped by SIG)"
                    r"|error: )")

@@ -324,8 +324,9 @@ class Session(StepAndStop, SaveAndResume):
         _PEER_FAILED = True
         if self.is_main:  # the store's host leaves last, quietly too: see _quiet_exit
             _STORE_HOST[:] = [self.store, self.env]
-        print(f"hpc-ddp: error: rank {self.rank}: {rendezvous.describe_ranks(self.env, [rank])} left the run "
-              f"({why[:200]}); stopping", file=sys.stderr, flush=True)
+        # The same words as explain_failure's, which says it when the broken collective is seen first.
+        print(f"hpc-ddp: error: rank {self.rank}: {rendezvous.describe_ranks(self.env, [rank])} failed: "
+              f"{why[:200]}; stopping", file=sys.stderr, flush=True)
         rendezvous.mark_left(store, self.env, rendezvous.LEFT_AFTER_OTHERS)
 
     def __enter__(self) -> "Session":
