@@ -33,6 +33,7 @@ from hpc_ddp.job.attempts import down_nodes
 __all__ = ["pick", "watch", "INTERVAL_S"]
 
 INTERVAL_S = 5.0
+REQUEUE_TRIES = 24  # two minutes at INTERVAL_S
 
 
 def pick(nodes: str, batch_host: str) -> str | None:
@@ -71,9 +72,29 @@ def watch(run_dir: Path, attempt: int, batch_host: str, env: Mapping[str, str] |
                 {"event": "batch_host_lost", "attempt": attempt, "node": batch_host, "job_id": env.get("SLURM_JOB_ID"),
                  "note": "the batch script died with its node; the guard requeues the job (--no-kill keeps the "
                          "rest of the allocation)"})
-            run(["scontrol", "requeue", target], capture_output=True, text=True, timeout=60)
+            _requeue(target, run, sleep, interval)
             return True
         sleep(interval)
+    return False
+
+
+def _requeue(target: str, run, sleep, interval: float, tries: int = REQUEUE_TRIES) -> bool:
+    """`scontrol requeue`, again while Slurm refuses it (it may while it is still taking the lost node out
+    of the job, or when slurmctld is busy): a refusal the guard ignored would leave the job RUNNING with
+    nothing in it until its time limit. Each refusal goes to stderr, the guard's log."""
+    for n in range(1, tries + 1):
+        try:
+            done = run(["scontrol", "requeue", target], capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.SubprocessError) as e:
+            why = str(e)
+        else:
+            if getattr(done, "returncode", 0) == 0:
+                return True
+            why = (getattr(done, "stderr", "") or "").strip() or f"exit code {done.returncode}"
+        print(f"hpc-ddp guard: scontrol requeue {target} failed (try {n} of {tries}): {why}", file=sys.stderr,
+              flush=True)
+        if n < tries:
+            sleep(interval)
     return False
 
 

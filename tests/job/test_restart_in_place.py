@@ -128,6 +128,26 @@ def test_the_guard_requeues_the_job_when_the_batch_host_is_lost(tmp_path):
     assert hostguard._target({"SLURM_JOB_ID": "9", "SLURM_ARRAY_JOB_ID": "7", "SLURM_ARRAY_TASK_ID": "2"}) == "7_2"
 
 
+def test_the_guard_asks_again_while_slurm_refuses_the_requeue(tmp_path, capsys):
+    answers = iter([subprocess.CompletedProcess([], 1, "", "scontrol: error: Job is in a transitional state"),
+                    subprocess.TimeoutExpired("scontrol", 60), subprocess.CompletedProcess([], 0, "", "")])
+    calls = []
+
+    def run(argv, **_):
+        calls.append(argv)
+        answer = next(answers)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    assert hostguard.watch(tmp_path, 0, "hpcn1", {"SLURM_JOB_ID": "7"}, lost=lambda node: ["hpcn1"], run=run,
+                           sleep=lambda s: None)
+    assert calls == [["scontrol", "requeue", "7"]] * 3
+    err = capsys.readouterr().err
+    assert "try 1 of 24): scontrol: error: Job is in a transitional state" in err and "try 2 of 24)" in err
+    assert "try 3" not in err
+
+
 def test_the_batch_scripts_loop_restarts_the_ranks_on_the_nodes_it_is_told(tmp_path):
     """The rendered script's own lines, with stand-ins for srun and the policy: the first step fails, the
     policy answers restart on 3 nodes, the second srun gets --nodes, --ntasks and --nodelist, then stop."""
