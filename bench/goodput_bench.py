@@ -96,12 +96,33 @@ def _procs(job: str, node: str | None = None, rank: str | None = None) -> list[i
     return found
 
 
-def _kill(pids) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+def _parent(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _depth(pid: int) -> int:
+    depth = 0
+    while pid > 1 and depth < 64:
+        pid, depth = _parent(pid), depth + 1
+    return depth
+
+
+def kill_at_once(pids) -> None:
+    """SIGKILL `pids` as a node that vanishes would lose them, with none reacting to another's death: all
+    stopped first, then killed children before parents. Killed as they come, a process sees its kin die:
+    srun's shepherd, when its srun died, cancels srun's step (the batch host guard's, on another node);
+    and a stopped child whose parent dies is woken by the kernel (SIGHUP and SIGCONT to an orphaned
+    process group), which again lets the shepherd run. A real lost node lets none of them run."""
+    pids = sorted(set(pids), key=_depth, reverse=True)
+    for sig in (signal.SIGSTOP, signal.SIGKILL):
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
 
 
 def kill_node(job: str, node: str) -> None:
@@ -111,13 +132,13 @@ def kill_node(job: str, node: str) -> None:
                                            text=True).stdout.split()]
     for pid in _procs(job, node):
         pids.append(pid)
+        parent = _parent(pid)
         try:
-            parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
             if Path(f"/proc/{parent}/cmdline").read_bytes().startswith(b"slurmstepd"):
                 pids.append(parent)
-        except (OSError, ValueError, IndexError):
+        except OSError:
             pass
-    _kill(pids)
+    kill_at_once(pids)
     subprocess.run(["scontrol", "update", f"NodeName={node}", "State=DOWN", "Reason=hpc-ddp bench: node killed"],
                    capture_output=True)
 
@@ -205,7 +226,7 @@ def _inject(kind: str, job: str) -> dict:
         bring_back(node)
         return {"node": node}
     pids = _procs(job, rank="1")
-    _kill(pids)
+    kill_at_once(pids)
     return {"rank": 1, "pids": len(pids)}
 
 

@@ -114,8 +114,9 @@ def release_when_requeued(job_id: str, timeout: float = 60) -> None:
     subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], capture_output=True)
 
 
-def run_through_requeues(job_id: str, timeout: float = 600) -> str:
-    """Release every requeue of the job at once until it ends; its final state."""
+def run_through_requeues(job_id: str, timeout: float = 600, run_dir: Path | None = None) -> str:
+    """Release every requeue of the job at once until it ends; its final state. On a timeout the error
+    carries what Slurm and (given run_dir) the run recorded, as wait_for_job's does."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         state = job_field(job_id, "JobState")
@@ -124,9 +125,16 @@ def run_through_requeues(job_id: str, timeout: float = 600) -> str:
         if state == "PENDING" and job_field(job_id, "Restarts") not in (None, "0"):
             time.sleep(5)  # see release_when_requeued
             subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], capture_output=True)
+            if "held" in (job_field(job_id, "Reason") or "").lower():
+                # Started too soon after all, Slurm's batch launch fails ("Job credential revoked") and it
+                # holds the job: "launch failed requeued held". A user's job, not started early, never is.
+                subprocess.run(["scontrol", "release", job_id], capture_output=True)
         time.sleep(1)
+    info = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True).stdout
+    steps = subprocess.run(["sacct", "-P", "-j", job_id, "-o", "JobID,State,NodeList,Start,End"],
+                           capture_output=True, text=True).stdout
     subprocess.run(["scancel", job_id])
-    raise AssertionError(f"job {job_id} did not finish within {timeout} s")
+    raise AssertionError(f"job {job_id} did not finish within {timeout} s\n{info}{steps}{_run_record(run_dir)}")
 
 
 def preempt(job_id: str) -> None:

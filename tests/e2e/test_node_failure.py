@@ -6,12 +6,12 @@ node that is up, resumes from the last checkpoint and completes. The node is bro
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 from pathlib import Path
 
 import pytest
 
+from bench.goodput_bench import kill_at_once
 from hpc_ddp.common.events import read_jsonl
 
 from .helpers import SLOW_MODEL, hpc_ddp, job_field, run_through_requeues, submit_json, wait_until
@@ -59,11 +59,7 @@ def _slurmd_of(node: str) -> list[int]:
 
 
 def _kill_node(node: str, job_id: str) -> None:
-    for pid in _slurmd_of(node) + _job_processes(job_id):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    kill_at_once(_slurmd_of(node) + _job_processes(job_id))
     subprocess.run(["scontrol", "update", f"NodeName={node}", "State=DOWN", "Reason=hpc-ddp test: node killed"],
                    check=True, capture_output=True)
 

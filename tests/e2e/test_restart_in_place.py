@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.goodput_bench import kill_node
 from hpc_ddp.common.events import read_jsonl
 
 from .helpers import hpc_ddp, job_field, run_through_requeues, submit_json, wait_until
@@ -63,34 +64,9 @@ def _events(tmp_path: Path) -> list[dict]:
 
 def _kill_node(node: str, job_id: str) -> None:
     """What test_node_failure does to a node, for one node of a multi-node job on this one machine: its
-    slurmd, and the job's processes on it (its slurmstepds, the ranks; the batch shell on the batch host)."""
-    import os
-    import signal
-
-    pids = {int(p) for p in subprocess.run(["pgrep", "-f", f"^slurmd -N {node}( |$)"], capture_output=True,
-                                           text=True).stdout.split()}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            environ = (entry / "environ").read_bytes()
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        if f"SLURMD_NODENAME={node}\0".encode() in environ and f"SLURM_JOB_ID={job_id}\0".encode() in environ:
-            pids.add(int(entry.name))
-            try:
-                if (Path("/proc") / str(parent) / "cmdline").read_bytes().startswith(b"slurmstepd"):
-                    pids.add(parent)
-            except OSError:
-                pass
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    subprocess.run(["scontrol", "update", f"NodeName={node}", "State=DOWN", "Reason=hpc-ddp test: node killed"],
-                   check=True, capture_output=True)
+    slurmd, and the job's processes on it (its slurmstepds, the ranks; the batch shell on the batch host),
+    all at one moment (bench.goodput_bench.kill_node, which the goodput bench's trace uses too)."""
+    kill_node(job_id, node)
 
 
 def _finish(job: str, *more: str) -> None:
@@ -107,7 +83,7 @@ def _steps(job: str) -> list[str]:
 def test_a_rank_that_crashes_once_costs_one_restart_in_place(slurm_conf, tmp_path):
     job = _submit(tmp_path, "--partition", "debug", "--nodes", "2", env={"KEYS_CRASH_AT": "7:1", "KEYS_STEP_S": "0.1"})
     try:
-        assert run_through_requeues(job, timeout=300) == "COMPLETED"
+        assert run_through_requeues(job, timeout=300, run_dir=tmp_path / "run") == "COMPLETED"
     finally:
         _finish(job)
     events = _events(tmp_path)
@@ -144,7 +120,7 @@ def test_a_2_4_job_that_loses_one_of_its_4_nodes_completes_exactly(slurm_conf, t
         node = batch_host if which == "batch_host" else rng.choice([f"hpcn{i}" for i in range(1, 5)
                                                                    if f"hpcn{i}" != batch_host])
         _kill_node(node, job)
-        assert run_through_requeues(job, timeout=420) == "COMPLETED"
+        assert run_through_requeues(job, timeout=420, run_dir=tmp_path / "run") == "COMPLETED"
     finally:
         _finish(job)
         if node:
