@@ -33,7 +33,7 @@ slurm-down:
 # All tests, the real-Slurm ones included: brings the test Slurm up and takes it down again.
 test: install
 	@set -o pipefail; eval "$$(bash tests/cluster/slurm-up.sh | tail -n 1)"; \
-	$(PY) -m pytest -q tests; rc=$$?; bash tests/cluster/slurm-down.sh; exit $$rc
+	$(PY) -m pytest -q --durations=40 tests; rc=$$?; bash tests/cluster/slurm-down.sh; exit $$rc
 
 # hpc-ddp against plain alternatives (bench/README.md); writes bench/results.json and .png (~10 min).
 # Quick check of the harness only: make bench BENCH_ARGS=--quick
