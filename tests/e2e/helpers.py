@@ -111,7 +111,16 @@ def release_when_requeued(job_id: str, timeout: float = 60) -> None:
     # Slurm is still cleaning up the previous run of the job for a moment (that is what the delay is
     # for); starting it again at once gets "Job credential revoked".
     time.sleep(5)
+    start_now(job_id)
+
+
+def start_now(job_id: str) -> None:
+    """Let a requeued job start at once. Started too soon after all, Slurm's batch launch fails ("Job
+    credential revoked") and Slurm holds the job ("launch failed requeued held"): release it then. A
+    user's job, which waits Slurm's own delay, never meets this."""
     subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], capture_output=True)
+    if "held" in (job_field(job_id, "Reason") or "").lower():
+        subprocess.run(["scontrol", "release", job_id], capture_output=True)
 
 
 def run_through_requeues(job_id: str, timeout: float = 600, run_dir: Path | None = None) -> str:
@@ -124,11 +133,7 @@ def run_through_requeues(job_id: str, timeout: float = 600, run_dir: Path | None
             return state
         if state == "PENDING" and job_field(job_id, "Restarts") not in (None, "0"):
             time.sleep(5)  # see release_when_requeued
-            subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], capture_output=True)
-            if "held" in (job_field(job_id, "Reason") or "").lower():
-                # Started too soon after all, Slurm's batch launch fails ("Job credential revoked") and it
-                # holds the job: "launch failed requeued held". A user's job, not started early, never is.
-                subprocess.run(["scontrol", "release", job_id], capture_output=True)
+            start_now(job_id)
         time.sleep(1)
     info = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True).stdout
     steps = subprocess.run(["sacct", "-P", "-j", job_id, "-o", "JobID,State,NodeList,Start,End"],
@@ -147,7 +152,7 @@ def preempt(job_id: str) -> None:
     wait_until(lambda: job_field(urgent, "JobState") in ("COMPLETED", "FAILED", "CANCELLED", None), 60,
                f"urgent job {urgent} to end")
     time.sleep(5)  # Slurm still cleans up the preempted run for a moment ("Job credential revoked")
-    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], capture_output=True)
+    start_now(job_id)
 
 
 def submit_json(*args: str, cwd: Path, env: dict | None = None) -> dict:

@@ -17,7 +17,7 @@ import pytest
 
 from hpc_ddp.common.events import read_jsonl
 
-from .helpers import hpc_ddp, job_field, submit_json, wait_until
+from .helpers import hpc_ddp, job_field, start_now, submit_json, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -248,7 +248,7 @@ def _preempt_all(jobs: list[str]) -> None:
     wait_until(lambda: job_field(urgent, "JobState") in ("COMPLETED", "FAILED", "CANCELLED", None), 60, "urgent job")
     time.sleep(5)  # Slurm still cleans up the preempted run for a moment ("Job credential revoked")
     for job in jobs:
-        subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], capture_output=True)
+        start_now(job)
 
 
 def _wait_done(job: str, timeout: float = 400) -> str:
