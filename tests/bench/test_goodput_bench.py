@@ -36,3 +36,33 @@ def test_allocated_time_is_split_into_start_training_and_the_gaps_between():
     split = g.where_it_went(counted, steps)
     assert split == {"start": 40.0, "training": 16.0 + 6.0, "between": 24.0 + 20.0 + 24.0}
     assert sum(split.values()) == sum((b - a) * n for a, b, n in counted)
+
+
+def test_a_node_kill_stops_every_process_then_kills_children_before_parents(monkeypatch):
+    """A node that vanishes lets none of its processes react to another's death: srun's shepherd, seeing
+    srun die first, would cancel srun's step on another node (the batch host guard's, issue 44's CI hang)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    parent = subprocess.Popen([sys.executable, "-c", "import subprocess; subprocess.run(['sleep', '30'])"])
+    try:
+        def children():
+            return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()
+                    and goodput_bench._parent(int(p.name)) == parent.pid]
+        deadline = time.monotonic() + 20
+        while not children() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        [child] = children()
+        sent = []
+        monkeypatch.setattr(goodput_bench.os, "kill", lambda pid, sig: sent.append((pid, sig)))
+        goodput_bench.kill_at_once([parent.pid, child])   # parent first, as a scan of /proc finds them
+        assert sent == [(child, signal.SIGSTOP), (parent.pid, signal.SIGSTOP),
+                        (child, signal.SIGKILL), (parent.pid, signal.SIGKILL)]
+    finally:
+        monkeypatch.undo()
+        subprocess.run(["pkill", "-P", str(parent.pid)], check=False)
+        parent.kill()
+        parent.wait()
