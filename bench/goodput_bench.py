@@ -140,7 +140,7 @@ def kill_node(job: str, node: str) -> None:
             pass
     kill_at_once(pids)
     subprocess.run(["scontrol", "update", f"NodeName={node}", "State=DOWN", "Reason=hpc-ddp bench: node killed"],
-                   capture_output=True)
+                   check=True, capture_output=True)
 
 
 def bring_back(node: str, after_s: float = 15.0) -> threading.Thread:

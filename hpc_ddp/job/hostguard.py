@@ -88,9 +88,9 @@ def _requeue(target: str, run, sleep, interval: float, tries: int = REQUEUE_TRIE
         except (OSError, subprocess.SubprocessError) as e:
             why = str(e)
         else:
-            if getattr(done, "returncode", 0) == 0:
+            if done.returncode == 0:
                 return True
-            why = (getattr(done, "stderr", "") or "").strip() or f"exit code {done.returncode}"
+            why = (done.stderr or "").strip() or f"exit code {done.returncode}"
         print(f"hpc-ddp guard: scontrol requeue {target} failed (try {n} of {tries}): {why}", file=sys.stderr,
               flush=True)
         if n < tries:

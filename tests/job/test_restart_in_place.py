@@ -119,7 +119,8 @@ def test_the_guard_runs_on_another_node_of_the_step(nodes, batch, picked):
 def test_the_guard_requeues_the_job_when_the_batch_host_is_lost(tmp_path):
     calls, looks = [], iter([[], [], ["hpcn1"]])
     assert hostguard.watch(tmp_path, 0, "hpcn1", {"SLURM_JOB_ID": "7"}, lost=lambda node: next(looks),
-                           run=lambda argv, **_: calls.append(argv), sleep=lambda s: None)
+                           run=lambda argv, **_: calls.append(argv) or subprocess.CompletedProcess(argv, 0, "", ""),
+                           sleep=lambda s: None)
     assert calls == [["scontrol", "requeue", "7"]]
     assert [(r["event"], r["node"]) for r in _events(tmp_path)] == [("batch_host_lost", "hpcn1")]
     assert not hostguard.watch(tmp_path, 0, "hpcn1", {"SLURM_ARRAY_JOB_ID": "7", "SLURM_ARRAY_TASK_ID": "2"},
