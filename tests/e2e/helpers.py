@@ -105,12 +105,18 @@ def last_step(run_dir: Path) -> int:
     return steps[-1] if steps else 0
 
 
+# A requeued job's old run had its credential revoked by each slurmd at the second it was killed, and
+# slurmd refuses a launch whose credential was made in that same second or before ("Job credential
+# revoked": the job ends FAILED, or is held). Slurm's ~120 s wait before a requeued job may start again
+# is for this. Once the job is PENDING (its nodes released), or another job ran on its nodes, the
+# revocation lies in the past: one second more and a new credential is always newer.
+CREDENTIAL_SECOND_S = 1.5
+
+
 def release_when_requeued(job_id: str, timeout: float = 60) -> None:
     """A requeued job waits ~120 s before it may start again; tests start it at once."""
     wait_until(lambda: job_field(job_id, "JobState") == "PENDING", timeout, f"job {job_id} to be requeued")
-    # Slurm is still cleaning up the previous run of the job for a moment (that is what the delay is
-    # for); starting it again at once gets "Job credential revoked".
-    time.sleep(5)
+    time.sleep(CREDENTIAL_SECOND_S)
     start_now(job_id)
 
 
@@ -132,7 +138,7 @@ def run_through_requeues(job_id: str, timeout: float = 600, run_dir: Path | None
         if state not in (*_NOT_ENDED, None):
             return state
         if state == "PENDING" and job_field(job_id, "Restarts") not in (None, "0"):
-            time.sleep(5)  # see release_when_requeued
+            time.sleep(CREDENTIAL_SECOND_S)
             start_now(job_id)
         time.sleep(1)
     info = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True).stdout
@@ -151,7 +157,7 @@ def preempt(job_id: str) -> None:
     wait_until(lambda: int(job_field(job_id, "Restarts") or 0) > restarts, 90, f"job {job_id} to be requeued")
     wait_until(lambda: job_field(urgent, "JobState") in ("COMPLETED", "FAILED", "CANCELLED", None), 60,
                f"urgent job {urgent} to end")
-    time.sleep(5)  # Slurm still cleans up the preempted run for a moment ("Job credential revoked")
+    time.sleep(CREDENTIAL_SECOND_S)
     start_now(job_id)
 
 

@@ -17,7 +17,7 @@ import pytest
 
 from hpc_ddp.common.events import read_jsonl
 
-from .helpers import hpc_ddp, job_field, start_now, submit_json, wait_until
+from .helpers import CREDENTIAL_SECOND_S, hpc_ddp, job_field, start_now, submit_json, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -246,7 +246,7 @@ def _preempt_all(jobs: list[str]) -> None:
     for job in jobs:
         wait_until(lambda j=job: int(job_field(j, "Restarts") or 0) > restarts[j], 120, f"job {job} to be requeued")
     wait_until(lambda: job_field(urgent, "JobState") in ("COMPLETED", "FAILED", "CANCELLED", None), 60, "urgent job")
-    time.sleep(5)  # Slurm still cleans up the preempted run for a moment ("Job credential revoked")
+    time.sleep(CREDENTIAL_SECOND_S)
     for job in jobs:
         start_now(job)
 
