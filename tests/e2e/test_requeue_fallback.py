@@ -125,18 +125,18 @@ def test_a_chain_hands_over_at_a_stop_and_its_last_job_ends_at_once(slurm_conf, 
 
 
 def test_a_chain_carries_a_run_past_short_time_limits_without_requeues(slurm_conf, workspace):
-    """What --chain is for: a run longer than the time limit (2-minute jobs; at least 2 minutes of
-    training), with no requeue allowed (--max-requeues 0). Job 1 stops at its time limit and job 2,
-    queued up front, goes on from the checkpoint: that handover counts against no cap. Job 2, the last of
-    the chain, stops at its own time limit, and there the cap holds: no requeue.
-    (2 minutes, not 1: Slurm may send the warning up to a minute early, and one that comes while the ranks
-    still start up, before the trainer's handler is installed, kills them.)"""
+    """What --chain is for: a run longer than the time limit (1-minute jobs; 5 minutes of training), with
+    no requeue allowed (--max-requeues 0). Job 1 stops at its time limit and job 2, queued up front, goes
+    on from the checkpoint: that handover counts against no cap. Job 2, the last of the chain, stops at its
+    own time limit, and there the cap holds: no requeue. (Slurm may send the warning up to a minute early,
+    even while the ranks still import torch: the runner ignores it until the trainer's handler is in
+    place, and the trainer's deadline stops it 20 s before the limit all the same.)"""
     (workspace / "slowmodel.py").write_text(SLOW_MODEL)
     (workspace / "long.toml").write_text(
         'nodes = 1\ntasks_per_node = 2\n[train]\ndataset = "fake"\nfake_size = 256\nimage_size = 8\n'
         'model = "slowmodel:make"\nepochs = 150\nbatch_size = 16\nnum_workers = 0\nlog_every = 20\n'
-        'eval_every_epoch = false\n')  # 150 epochs x 8 steps x 0.25 s = 300 s: more than two 2-minute jobs train
-    out = submit_json("--time", "2", "--signal-lead", "20", "--max-requeues", "0", "--chain", "2", "--run-dir",
+        'eval_every_epoch = false\n')  # 150 epochs x 8 steps x 0.25 s = 300 s: more than two 1-minute jobs train
+    out = submit_json("--time", "1", "--signal-lead", "20", "--max-requeues", "0", "--chain", "2", "--run-dir",
                       "short", "long.toml", cwd=workspace, env={"PYTHONPATH": str(workspace)})
     jobs, run_dir = out["job_ids"], workspace / "short"
     assert [wait_for_job(j, timeout=400) for j in jobs] == ["FAILED", "FAILED"]  # both ended with 75
