@@ -20,9 +20,10 @@ def weird_dir(tmp_path: Path) -> Path:
     return path
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def slurm_conf() -> str:
-    """The test Slurm (make slurm-up). `make test` always brings it up, so there these never skip."""
+    """The test Slurm (make slurm-up). `make test` always brings it up, so there these never skip.
+    Session-scoped, so a module's fixture may submit a job that its tests share."""
     conf = os.environ.get("SLURM_CONF")
     if not conf or not Path(conf).exists() or not shutil.which("sbatch"):
         pytest.skip("the test Slurm is not up here (run `make slurm-up` or `make test`)")

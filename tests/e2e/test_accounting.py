@@ -5,7 +5,6 @@ while it was still pending."""
 import json
 import subprocess
 import textwrap
-import time
 
 import pytest
 
@@ -69,7 +68,22 @@ def accounted(job_id: str, cwd, state: str, timeout: float = 60) -> dict:
     return wait_until(ready, timeout, f"sacct to say {state} for job {job_id}", interval=1)
 
 
-def test_a_preempted_job_in_status_list_and_timeline(accounting_up, tmp_path):
+@pytest.fixture(scope="module")
+def timed_out_job(slurm_conf, tmp_path_factory):
+    """A sleeper with a 1-minute limit, submitted when the module's first test starts: it waits out its
+    time limit (60-90 s: slurmctld checks limits every 30 s) while the preemption test runs. It sits
+    alone on hpcn4 (partition wide), where that test's urgent job (hpcn1-2) cannot preempt it."""
+    folder = tmp_path_factory.mktemp("timelimit")
+    (folder / "sleeper.py").write_text(SLEEPER)
+    (folder / "job.toml").write_text('script = "sleeper.py"\nnodes = 1\ntime = "1:00"\n'
+                                     "signal_lead = 10\nmax_requeues = 0\n")
+    job = submit_json("--executor", "sbatch", "--partition", "wide", "--sbatch-arg=--nodelist=hpcn4", "--run-dir",
+                      "run", "job.toml", cwd=folder)["job_id"]
+    yield job, folder
+    subprocess.run(["scancel", job], check=False, capture_output=True)  # already ended: nothing to do
+
+
+def test_a_preempted_job_in_status_list_and_timeline(accounting_up, timed_out_job, tmp_path):
     (tmp_path / "loop.py").write_text(SCRIPT)
     job = submit_json("--executor", "sbatch", "--partition", "debug", "--nodes", "1", "--run-dir", "run",
                       "loop.py", cwd=tmp_path)["job_id"]
@@ -106,22 +120,14 @@ def test_a_preempted_job_in_status_list_and_timeline(accounting_up, tmp_path):
     assert tl.spans[1].resume_step and tl.spans[0].checkpoints
 
 
-def test_a_job_that_hit_its_time_limit(accounting_up, tmp_path):
-    (tmp_path / "sleeper.py").write_text(SLEEPER)
-    (tmp_path / "job.toml").write_text('script = "sleeper.py"\nnodes = 1\ntime = "10:00"\n'
-                                       "signal_lead = 10\nmax_requeues = 0\n")
-    job = submit_json("--executor", "sbatch", "--partition", "debug", "--run-dir", "run", "job.toml",
-                      cwd=tmp_path)["job_id"]
-    wait_until(lambda: job_field(job, "JobState") == "RUNNING", 60, f"job {job} to run")
-    time.sleep(3)
-    # Ten minutes is too long to wait for: the limit is cut to what the job has already run.
-    subprocess.run(["scontrol", "update", f"JobId={job}", "TimeLimit=0:01"], check=True, capture_output=True)
-    info = accounted(job, tmp_path, "TIMEOUT", timeout=150)
+def test_a_job_that_hit_its_time_limit(accounting_up, timed_out_job):
+    job, folder = timed_out_job
+    info = accounted(job, folder, "TIMEOUT", timeout=150)
     assert info["state"] in ("STOPPED", "TIMEOUT"), info["state"]
-    assert info["scheduler"]["elapsed"] >= "00:00:01"
-    text = hpc_ddp("status", job, cwd=tmp_path).stdout
+    assert info["scheduler"]["elapsed"] >= "00:01:00"
+    text = hpc_ddp("status", job, cwd=folder).stdout
     assert "slurm accounting TIMEOUT" in text
-    listed = json.loads(hpc_ddp("list", "--json", cwd=tmp_path).stdout)
+    listed = json.loads(hpc_ddp("list", "--json", cwd=folder).stdout)
     assert next(r for r in listed if r["job_id"] == job)["slurm"]["state"] == "TIMEOUT"
 
 
