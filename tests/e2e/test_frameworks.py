@@ -280,11 +280,16 @@ def _ends(run_dir: Path) -> list[str]:
 
 
 def _one_stop_then_completed(run_dir: Path, name: str) -> None:
-    """The first attempt ended preempted; or, at GraceTime 0, "killed": Slurm SIGKILLs the batch shell
-    KillWait (5 s here) after its SIGTERM, sometimes before it recorded the end (the next attempt records
-    it then; both count against max_preemptions)."""
+    """The first attempt ended preempted; or "killed" where Slurm SIGKILLed the batch shell KillWait (5 s
+    here) after its SIGTERM, before it recorded the end (the next attempt records it then; both count
+    against max_preemptions). That happens at GraceTime 0, and to Lightning at any grace: Lightning 2.6's
+    SIGTERM handler calls dist.broadcast from inside the signal handler, a collective that meets whatever
+    the other rank is doing at that moment (the step's all-reduce), and the ranks can deadlock until Slurm
+    kills the step. Seen once at GraceTime 15 (make test, 2026-11-28): rank 0 stopped at step 24, rank 1
+    never ran its handler, and both sat until the grace's end."""
     ends = _ends(run_dir)
-    allowed = [["preempted", "completed"]] + ([["killed", "completed"]] if "grace0" in name else [])
+    killed_allowed = "grace0" in name or name.startswith("lightning")
+    allowed = [["preempted", "completed"]] + ([["killed", "completed"]] if killed_allowed else [])
     assert ends in allowed, (name, ends)
 
 
