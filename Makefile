@@ -31,9 +31,9 @@ slurm-down:
 	@bash tests/cluster/slurm-down.sh
 
 # All tests, the real-Slurm ones included: brings the test Slurm up and takes it down again.
+# Two lanes at once, the real-Slurm tests one after another in one of them (tests/run-lanes.sh says how).
 test: install
-	@set -o pipefail; eval "$$(bash tests/cluster/slurm-up.sh | tail -n 1)"; \
-	$(PY) -m pytest -q --durations=40 tests; rc=$$?; bash tests/cluster/slurm-down.sh; exit $$rc
+	@PY=$(PY) bash tests/run-lanes.sh
 
 # hpc-ddp against plain alternatives (bench/README.md); writes bench/results.json and .png (~10 min).
 # Quick check of the harness only: make bench BENCH_ARGS=--quick

@@ -47,3 +47,28 @@ def _private_registry(tmp_path_factory):
         os.environ.pop("HPC_DDP_REGISTRY", None)
     else:
         os.environ["HPC_DDP_REGISTRY"] = previous
+
+
+# `make test` runs the suite in two lanes at once (tests/run-lanes.sh): `--lane slurm`, the tests that use the
+# test Slurm, one after another as they must (they share four nodes, kill slurmds, preempt partitions); and
+# `--lane local`, everything else. Without --lane a run takes every test, as before.
+def pytest_addoption(parser):
+    parser.addoption("--lane", choices=("all", "slurm", "local"), default="all",
+                     help="run only the tests that use the test Slurm (slurm), only the others (local), or all")
+
+
+def uses_test_slurm(item: pytest.Item) -> bool:
+    """Marked `slurm`, or asking for `slurm_conf` directly or through another fixture (fixturenames is the
+    closure)."""
+    return item.get_closest_marker("slurm") is not None or "slurm_conf" in getattr(item, "fixturenames", ())
+
+
+def pytest_collection_modifyitems(config, items):
+    lane = config.getoption("lane")
+    if lane == "all":
+        return
+    keep = [item for item in items if uses_test_slurm(item) == (lane == "slurm")]
+    if len(keep) != len(items):
+        kept = set(map(id, keep))
+        config.hook.pytest_deselected(items=[item for item in items if id(item) not in kept])
+        items[:] = keep

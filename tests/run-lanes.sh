@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# `make test`: the whole suite (or what the arguments select, e.g. -k preempt), in two lanes at once on the test Slurm (tests/cluster/slurm-up.sh).
+#
+#   slurm lane: the tests that use the test Slurm (pytest --lane slurm), one after another, as they must:
+#               they share its four nodes, kill slurmds and preempt partitions. Its log is this script's output.
+#   local lane: every other test (--lane local), at the same time. Its log is printed when it ends.
+#
+# The slurm lane spends most of its time waiting on Slurm's clocks, but when its jobs start, their ranks want
+# both cores, and a preempted rank has KillWait (5 s) to checkpoint and leave. So the lanes run in two cpu
+# cgroups of their own: the slurm lane (and the Slurm daemons, whose job steps inherit it) with 8 times the
+# local lane's weight. The local lane gets what the slurm lane leaves, and is never stopped outright (a
+# liveness check in a local run looks for a heartbeat within 5 s). Without a cpu cgroup we can make (no
+# cgroup v1 cpu controller, or no root), the lanes run one after the other, as one pytest did before.
+#
+# Only the two cgroups this run made are removed at the end (rmdir of an empty cgroup; never a process killed
+# other than the local lane, if this script is interrupted).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+PYTEST=("$PY" -m pytest -q --durations=25 "$@")  # arguments go to both lanes: -k, -x, ...
+CPU=/sys/fs/cgroup/cpu
+SLURM_WEIGHT=${HPC_DDP_TEST_SLURM_WEIGHT:-8192}
+LOCAL_WEIGHT=${HPC_DDP_TEST_LOCAL_WEIGHT:-1024}
+made=()
+
+cleanup() {
+    if [ -n "${local_pid:-}" ] && kill -0 "$local_pid" 2>/dev/null; then
+        kill -TERM -- "-$local_pid" 2>/dev/null || kill -TERM "$local_pid" 2>/dev/null
+    fi
+    bash tests/cluster/slurm-down.sh
+    # Out of the cgroups this run made, back into their parent: this shell and what it started that is
+    # still running (munged, which slurm-down.sh leaves up); then remove them.
+    local group pid
+    for group in "${made[@]}"; do
+        while read -r pid; do echo "$pid" > "$CPU/cgroup.procs" 2>/dev/null; done < "$group/cgroup.procs"
+        rmdir "$group" 2>/dev/null
+    done
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+lanes=parallel
+if [ "${HPC_DDP_TEST_LANES:-parallel}" = serial ] || [ ! -w "$CPU/cgroup.procs" ]; then
+    lanes=serial
+else
+    for lane in slurm local; do
+        group="$CPU/hpc-ddp-test-$lane-$$"
+        if mkdir "$group" 2>/dev/null; then
+            made+=("$group")
+        else
+            lanes=serial
+        fi
+    done
+    if [ "$lanes" = parallel ]; then
+        echo "$SLURM_WEIGHT" > "${made[0]}/cpu.shares" && echo "$LOCAL_WEIGHT" > "${made[1]}/cpu.shares" \
+            && echo $$ > "${made[0]}/cgroup.procs" || lanes=serial
+    fi
+fi
+
+# The Slurm daemons start from this shell, so in the slurm lane's cgroup when there is one.
+eval "$(bash tests/cluster/slurm-up.sh | tail -n 1)" || { echo "the test Slurm did not come up" >&2; exit 1; }
+
+if [ "$lanes" = serial ]; then
+    echo "make test: one lane (no cpu cgroup could be made here)"
+    "${PYTEST[@]}" tests
+    exit $?
+fi
+
+local_log=$(mktemp "${TMPDIR:-/tmp}/hpc-ddp-local-lane.XXXXXX")
+echo "make test: two lanes; the local lane's log ($local_log) follows the slurm lane's"
+# setsid: the local lane is its own process group, so an interrupted run stops all of it and nothing else.
+setsid bash -c 'echo $$ > "$1/cgroup.procs" && shift && exec "$@"' lane "${made[1]}" \
+    "${PYTEST[@]}" --lane local tests >"$local_log" 2>&1 &
+local_pid=$!
+start=$SECONDS
+"${PYTEST[@]}" --lane slurm tests
+slurm_rc=$?
+echo "make test: slurm lane done after $((SECONDS - start)) s (rc $slurm_rc); waiting for the local lane"
+wait "$local_pid"
+local_rc=$?
+local_pid=
+echo "================================ local lane ================================"
+cat "$local_log"
+echo "make test: both lanes done after $((SECONDS - start)) s (slurm rc $slurm_rc, local rc $local_rc)"
+rm -f "$local_log"
+[ "$slurm_rc" -eq 0 ] && [ "$local_rc" -eq 0 ]
