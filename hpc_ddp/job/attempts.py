@@ -35,7 +35,8 @@ Everything is recorded in RUN_DIR/events.jsonl (append-only), next to the traine
 Causes: an attempt ends "completed" (exit 0 with no stop before it, or a recorded finish), "time_limit" or
 "preempted" (exit 75 after the program checkpointed; the trainer says which: a stop near the job's end time
 is a time limit; or a stop from outside, whatever the exit code, 0 included: frameworks catch SIGTERM and
-exit 0), "killed" (no end record: the job was killed from outside before the batch shell could say so),
+exit 0), "killed" (no end record: the job was killed from outside before the batch shell could say so,
+and Slurm's accounting, which the next begin asks, does not say PREEMPTED, TIMEOUT or NODE_FAIL),
 "cancelled", or "failed". An exit 0 after the time-limit warning reached a handler of the program's own
 (exitsite/hpc_ddp_warned.py records it as a "warned" event) is a time limit too.
 
@@ -72,8 +73,10 @@ from hpc_ddp.common.durable import read_regular
 from hpc_ddp.common.errors import HpcDdpError, SubmitError, report
 from hpc_ddp.common.events import JsonLines, read_jsonl
 from hpc_ddp.common.exitcodes import REQUEUE_EXIT_CODE
+from hpc_ddp.common.procs import CommandRunner, SubprocessCommands
 from hpc_ddp.common.rundir import LATEST, SCRIPT, RunDir, checkpoint_step
 from hpc_ddp.job.chain import chain_of, members, successor
+from hpc_ddp.slurm.jobstate import accounting
 
 __all__ = ["Admission", "Attempt", "Limits", "admit", "attempts_from_events", "current_job", "decide_begin",
            "decide_end", "decide_restart", "decide_successor", "latest_checkpoint_step", "outside_cause", "stopped_cause",
@@ -137,8 +140,8 @@ class Attempt:
 
     @property
     def ended_cause(self) -> str:
-        if self.exit_code is None:  # no end record; a lost node is found by the next begin (`admit`)
-            return "node_failure" if self.cause == "node_failure" else "killed"
+        if self.exit_code is None:  # no end record: the next begin (`admit`) asks Slurm why (a lost node, or
+            return self.cause if self.cause in UNRECORDED_CAUSES else "killed"  # its accounting); else killed
         return self.cause or ("completed" if self.exit_code == 0 else "failed")
 
 
@@ -399,6 +402,26 @@ def lost_state(state: str) -> bool:
     return word.endswith("*") or word.split("+")[0].rstrip("~#!%$@^-") in _LOST_STATES
 
 
+# An attempt that left no end record (its batch shell was killed first) ended this way, where Slurm's accounting
+# says so of the job's run (sacct -D); any other state, or no accounting, leaves it "killed".
+ACCOUNTED_CAUSES = {"PREEMPTED": "preempted", "TIMEOUT": "time_limit", "NODE_FAIL": "node_failure"}
+UNRECORDED_CAUSES = ("node_failure", "preempted", "time_limit")
+
+
+def accounted_end(job_id: str | None, commands: CommandRunner | None = None) -> str | None:
+    """How Slurm's accounting says the latest ended run of `job_id` ended (PREEMPTED, TIMEOUT, NODE_FAIL,
+    REQUEUED, ...): with -D each run of a requeued job is a record, and the one running now is left out.
+    None without sacct, accounting or an answer within its timeout."""
+    if not job_id:
+        return None
+    try:
+        runs = accounting([job_id], commands or SubprocessCommands(), history=True).get(job_id, [])
+    except HpcDdpError:
+        return None
+    ended = [run["state"] for run in runs if run["state"] not in ("RUNNING", "PENDING", "REQUEUE_HOLD")]
+    return ended[-1] if ended else None
+
+
 def down_nodes(nodelist: str | None, run=subprocess.run) -> list[str]:
     """The nodes of `nodelist` (Slurm's hostlist) that Slurm holds lost now (`lost_state`), sorted; [] when
     none, or when Slurm cannot be asked."""
@@ -485,6 +508,13 @@ def admit(run_dir: Path, attempt: int, env: Mapping[str, str] | None = None) -> 
         if previous and previous[-1].exit_code is None and env.get("SLURM_JOB_ID") else []
     if lost:  # the attempt before left no end record: its node went down, taking the batch shell with it
         previous[-1].cause = "node_failure"
+    accounted = None
+    if previous and previous[-1].exit_code is None and env.get("SLURM_JOB_ID") and not lost:
+        # Slurm killed the batch shell before it could say why (a program that outlived GraceTime or KillWait,
+        # as Lightning's SIGTERM handler can under DDP): Slurm's accounting still knows.
+        accounted = accounted_end(previous[-1].job_id or job_id)
+        if accounted in ACCOUNTED_CAUSES:
+            previous[-1].cause = ACCOUNTED_CAUSES[accounted]
     ok, reason = (False, verdict[1]) if verdict else decide_begin(previous, step, _limits(_spec(run_dir)))
     # "code": the snapshot this attempt runs (the spec names it; a resubmission to the run dir names another)
     events.write({"event": "attempt_start", "attempt": attempt, "job_id": job_id,
@@ -496,8 +526,13 @@ def admit(run_dir: Path, attempt: int, env: Mapping[str, str] | None = None) -> 
                       **({"cause": "node_failure", "nodes": ",".join(lost),
                           "note": f"no end record: node {', '.join(lost)} of the attempt went down (Slurm holds it down "
                                   "or not responding) and took the batch shell with it"} if lost else
+                         {"cause": previous[-1].cause, "note": f"no end record: Slurm's accounting says {accounted}; "
+                                                               "the batch shell was killed before it could record "
+                                                               "the end (the program outlived GraceTime or KillWait)"}
+                         if accounted in ACCOUNTED_CAUSES else
                          {"cause": "killed", "note": "no end record: the job was killed from outside (preempted, "
-                                                     "requeued or node failure)"})})
+                                                     "requeued or node failure)"
+                                                     + (f"; Slurm's accounting says {accounted}" if accounted else "")})})
     if not ok:
         events.write({"event": "attempt_end", "attempt": attempt, "exit_code": NOT_ADMITTED_EXIT_CODE,
                       "cause": "not_admitted"})

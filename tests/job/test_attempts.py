@@ -525,3 +525,49 @@ def test_a_batch_shell_that_went_down_with_its_node_is_recorded_at_the_next_begi
     assert ok and "node_failure" in reason
     lost = [r for r in _events(run_dir) if r.get("cause") == "node_failure"]
     assert lost and lost[0]["attempt"] == 0 and lost[0]["nodes"] == "hpcn1"
+
+
+def _sacct(lines):
+    from hpc_ddp.common.procs import Completed, FakeCommands
+
+    return FakeCommands({"sacct": lambda argv: Completed(tuple(argv), 0, "".join(f"{line}\n" for line in lines), "")},
+                        installed=("sacct",))
+
+
+def test_accounted_end_is_the_state_of_the_latest_run_that_ended(monkeypatch):
+    monkeypatch.undo()  # the real one (tests/job/conftest.py fakes it), asking a fake sacct
+    fields = "|0:0|00:00:41|2026-11-28T05:00:00|2026-11-28T05:00:41|hpcn[1-2]|None"
+    from hpc_ddp.job.attempts import accounted_end
+
+    commands = _sacct([f"12|PREEMPTED{fields}", f"12|RUNNING{fields}"])
+    assert accounted_end("12", commands) == "PREEMPTED"
+    assert "-D" in commands.calls[0][0] and "12" in commands.calls[0][0]
+    assert accounted_end("12", _sacct([f"12|TIMEOUT{fields}"])) == "TIMEOUT"  # a chain's earlier job: ended
+    assert accounted_end("12", _sacct([f"12|RUNNING{fields}"])) is None        # not yet accounted
+    assert accounted_end("12", _sacct([f"12|NODE_FAIL{fields}", f"12|CANCELLED by 0{fields}",
+                                       f"12|PENDING{fields}"])) == "CANCELLED"
+    assert accounted_end("12", _sacct([])) is None and accounted_end(None, _sacct([])) is None
+    from hpc_ddp.common.procs import FakeCommands
+
+    assert accounted_end("12", FakeCommands(installed=())) is None              # no sacct on the node
+
+
+@pytest.mark.parametrize("state,cause", [("PREEMPTED", "preempted"), ("TIMEOUT", "time_limit"),
+                                         ("NODE_FAIL", "node_failure"), ("REQUEUED", "killed"), (None, "killed")])
+def test_an_attempt_without_an_end_record_takes_its_cause_from_slurms_accounting(tmp_path, monkeypatch, state, cause):
+    """Slurm SIGKILLed the batch shell (a program that outlived GraceTime, as Lightning's handler can):
+    the next begin records the cause accounting gives, and the caps count it as such."""
+    run_dir = _spec_dir(tmp_path, max_preemptions=1)
+    asked = []
+    monkeypatch.setattr(attempts, "accounted_end", lambda job_id, commands=None: asked.append(job_id) or state)
+    env = {"SLURM_JOB_ID": "9"}
+    assert attempts.begin(run_dir, 0, env=env)[0]
+    assert attempts.begin(run_dir, 1, env=env)[0]
+    end = [r for r in _events(run_dir) if r["event"] == "attempt_end"]
+    assert asked == ["9"] and [(r["attempt"], r["cause"]) for r in end] == [(0, cause)]
+    assert (f"accounting says {state}" in end[0]["note"]) if state else ("accounting" not in end[0]["note"])
+    previous = attempts_from_events(_events(run_dir))
+    assert previous[0].ended_cause == cause
+    # a second one: the preemption cap (1) counts preempted and killed alike; the others have their own
+    ok, reason = attempts.begin(run_dir, 2, env=env)
+    assert ok == (cause not in ("preempted", "killed")), reason
