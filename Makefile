@@ -31,7 +31,7 @@ slurm-down:
 	@bash tests/cluster/slurm-down.sh
 
 # All tests, the real-Slurm ones included: brings the test Slurm up and takes it down again.
-# Two lanes at once, the real-Slurm tests one after another in one of them (tests/run-lanes.sh says how).
+# One pytest; HPC_DDP_TEST_LANES=parallel runs two lanes at once (opt-in: tests/run-lanes.sh, CONTRIBUTING.md).
 test: install
 	@PY=$(PY) bash tests/run-lanes.sh
 

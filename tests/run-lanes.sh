@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# `make test`: the whole suite (or what the arguments select, e.g. -k preempt), in two lanes at once on the test Slurm (tests/cluster/slurm-up.sh).
+# `make test`: the whole suite (or what the arguments select, e.g. -k preempt) on the test Slurm
+# (tests/cluster/slurm-up.sh): one pytest by default; two lanes at once with HPC_DDP_TEST_LANES=parallel
+# (opt-in: 1 of 3 full runs passed; the other two each failed a timing-sensitive test under the shared CPU).
 #
 #   slurm lane: the tests that use the test Slurm (pytest --lane slurm), one after another, as they must:
 #               they share its four nodes, kill slurmds and preempt partitions. Its log is this script's output.
@@ -10,7 +12,7 @@
 # cgroups of their own: the slurm lane (and the Slurm daemons, whose job steps inherit it) with 8 times the
 # local lane's weight. The local lane gets what the slurm lane leaves, and is never stopped outright (a
 # liveness check in a local run looks for a heartbeat within 5 s). Without a cpu cgroup we can make (no
-# cgroup v1 cpu controller, or no root), the lanes run one after the other, as one pytest did before.
+# cgroup v1 cpu controller, or no root), or without HPC_DDP_TEST_LANES=parallel, one pytest runs everything.
 #
 # Only the two cgroups this run made are removed at the end (rmdir of an empty cgroup; never a process killed
 # other than the local lane, if this script is interrupted).
@@ -40,7 +42,7 @@ trap cleanup EXIT
 trap 'exit 130' INT TERM
 
 lanes=parallel
-if [ "${HPC_DDP_TEST_LANES:-parallel}" = serial ] || [ ! -w "$CPU/cgroup.procs" ]; then
+if [ "${HPC_DDP_TEST_LANES:-serial}" != parallel ] || [ ! -w "$CPU/cgroup.procs" ]; then
     lanes=serial
 else
     for lane in slurm local; do
@@ -61,7 +63,7 @@ fi
 eval "$(bash tests/cluster/slurm-up.sh | tail -n 1)" || { echo "the test Slurm did not come up" >&2; exit 1; }
 
 if [ "$lanes" = serial ]; then
-    echo "make test: one lane (no cpu cgroup could be made here)"
+    echo "make test: one lane (HPC_DDP_TEST_LANES=parallel, where a cpu cgroup can be made, runs two)"
     "${PYTEST[@]}" tests
     exit $?
 fi
