@@ -49,9 +49,9 @@ def _private_registry(tmp_path_factory):
         os.environ["HPC_DDP_REGISTRY"] = previous
 
 
-# `make test` runs the suite in two lanes at once (tests/run-lanes.sh): `--lane slurm`, the tests that use the
-# test Slurm, one after another as they must (they share four nodes, kill slurmds, preempt partitions); and
-# `--lane local`, everything else. Without --lane a run takes every test, as before.
+# `HPC_DDP_TEST_LANES=parallel make test` runs the suite in two lanes at once (tests/run-lanes.sh): `--lane
+# slurm`, the tests that use the test Slurm, one after another as they must (they share four nodes, kill
+# slurmds, preempt partitions); and `--lane local`, everything else. Without --lane a run takes every test.
 def pytest_addoption(parser):
     parser.addoption("--lane", choices=("all", "slurm", "local"), default="all",
                      help="run only the tests that use the test Slurm (slurm), only the others (local), or all")

@@ -60,7 +60,7 @@ else
 fi
 
 # The Slurm daemons start from this shell, so in the slurm lane's cgroup when there is one.
-eval "$(bash tests/cluster/slurm-up.sh | tail -n 1)" || { echo "the test Slurm did not come up" >&2; exit 1; }
+eval "$(bash tests/cluster/slurm-up.sh | tail -n 1)"
 
 if [ "$lanes" = serial ]; then
     echo "make test: one lane (HPC_DDP_TEST_LANES=parallel, where a cpu cgroup can be made, runs two)"
