@@ -247,11 +247,13 @@ def main(argv: list[str] | None = None) -> None:
     if len(args) != 1:
         sys.exit("usage: python -m hpc_ddp.job.runner RUN_DIR/spec.json")
     try:
+        # First: a warning that comes while this runner prepares (seconds on a loaded node, or a restart in
+        # place late in the allocation) must not kill the rank before its program could handle it.
+        _ignore_warning_signal(load_spec(args[0]))
         program, env = prepare(args[0])
     except Exception as exc:  # noqa: BLE001 - the rank's log gets one line (a traceback for a bug)
         sys.exit(report(exc, "hpc-ddp runner", traceback_for_bugs=True))
     sys.stdout.flush()
-    _ignore_warning_signal(load_spec(args[0]))
     os.execve(program[0], program, env)
 
 

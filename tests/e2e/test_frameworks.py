@@ -176,13 +176,14 @@ if fabric.global_rank == 0:
 
 # handles the time-limit warning itself (SIGUSR2), saves and leaves with exit 0
 HANDLES_WARNING = """
-# Handles the time-limit warning itself: saves its progress and leaves with exit 0.
+# Handles the time-limit warning itself: saves its progress and leaves with exit 0. The handler goes in
+# first, before torch's seconds of import, so a warning that comes early is not missed.
 import json, os, signal, sys, time
+warned = []
+signal.signal(signal.SIGUSR2, lambda *_: warned.append(1))
 import torch, torch.distributed as dist
 
 progress = sys.argv[1]
-warned = []
-signal.signal(signal.SIGUSR2, lambda *_: warned.append(1))
 dist.init_process_group("gloo")
 start = json.load(open(progress))["step"] if os.path.exists(progress) else 0
 for step in range(start, 60):

@@ -127,3 +127,28 @@ def test_a_plain_script_survives_the_warning_signal(tmp_path):
     done = subprocess.run([sys.executable, "-m", "hpc_ddp.job.runner", str(tmp_path / "spec.json")],
                           env={"PATH": "/usr/bin"}, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == "alive", done.stderr
+
+
+def test_the_warning_is_ignored_before_the_runner_prepares_the_rank(tmp_path, monkeypatch):
+    """A warning that comes while the runner still prepares (a loaded node, or a restart in place late in
+    the allocation) must not kill the rank: the signal is ignored before any of that work begins."""
+    import signal
+
+    from hpc_ddp.job import runner
+
+    spec = build_spec([Layer("flags", {})], target=Target("script", "t.py"), workdir=str(tmp_path),
+                      python=sys.executable)
+    (tmp_path / "spec.json").write_text(json.dumps(spec.to_dict()))
+    seen = []
+
+    def prepare(_path):
+        seen.append(signal.getsignal(signal.SIGUSR2))
+        raise EnvError("stop here")
+    previous = signal.getsignal(signal.SIGUSR2)
+    monkeypatch.setattr(runner, "prepare", prepare)
+    try:
+        with pytest.raises(SystemExit):
+            runner.main([str(tmp_path / "spec.json")])
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
+    assert seen == [signal.SIG_IGN]

@@ -31,6 +31,16 @@ def test_a_rank_that_hangs_mid_training_is_stalled_not_a_rendezvous_timeout(line
     assert kind == "stalled" and "no step completed" in detail
 
 
+def test_a_long_step_that_went_on_is_not_the_failure():
+    """The stall watch's warning for a step that was only slow (a starved rank on a loaded machine) must
+    not hide what did fail: here a rank on another node that stopped responding."""
+    went_on = ("hpc-ddp: warning: rank 0: no step completed for 16 s (the limit is 15 s), then the run went on: "
+               "not a stall\n")
+    lost = "hpc-ddp train: error: rank 0: rank 3 (hpcn2) stopped responding (no heartbeat for 5 s): it died or hung\n"
+    assert classify_failure([went_on, lost]) == ("rank_lost", lost.strip())
+    assert classify_failure([went_on]) is None
+
+
 def test_a_real_rendezvous_timeout_is_still_one():
     assert classify_failure(["torch.distributed.DistNetworkError: timed out after 600 s in the rendezvous\n"])[0] \
         == "rendezvous_timeout"
