@@ -119,3 +119,26 @@ def test_a_ddp_module_alive_at_exit_lets_its_process_group_go(tmp_path):
                       os.path.join(EXIT_GUARD_DIR, "sitecustomize.py"), HPC_DDP_EXIT_GUARD="0")
     assert done.returncode == 0, done.stderr
     assert "before: True True" in done.stdout and "after: False False" in done.stdout
+
+
+# Finishes its work with a handler for the warning installed; then, while Python finalizes (a module
+# global's __del__, after the exit handlers), the warning comes.
+WARNED_WHILE_LEAVING = """
+import os, signal
+signal.signal(signal.SIGUSR2, lambda *_: print("handled", flush=True))
+class Late:
+    def __del__(self, kill=os.kill, pid=os.getpid(), sig=signal.SIGUSR2):
+        kill(pid, sig)
+late = Late()
+print("work done", flush=True)
+"""
+
+
+def test_a_warning_while_python_finalizes_does_not_kill_a_rank_that_finished(tmp_path):
+    """Python gives SIG_DFL back to a handled signal when it finalizes; the guard leaves it ignored instead,
+    so a rank whose work is done is not killed by the warning (exit -12: the attempt 'failed')."""
+    guarded = run_python(WARNED_WHILE_LEAVING, tmp_path, with_exit_guard(None), HPC_DDP_WARNING_SIGNAL="USR2")
+    assert (guarded.returncode, guarded.stdout) == (0, "work done\n"), guarded.stderr
+    bare = run_python(WARNED_WHILE_LEAVING, tmp_path, with_exit_guard(None), HPC_DDP_WARNING_SIGNAL="USR2",
+                      HPC_DDP_EXIT_GUARD="0")
+    assert bare.returncode == -12  # what it guards against

@@ -1,5 +1,6 @@
 """Put on a rank's PYTHONPATH by hpc-ddp's runner: installs hpc_ddp_code (the project is imported from the
-run's snapshot, not the working tree), destroys a process group left open at exit, and installs
+run's snapshot, not the working tree), destroys a process group left open at exit (and ignores the
+time-limit warning from then on), and installs
 hpc_ddp_rankguard (the rank starts on its own GPU; ranks that share one stop at start-up) and
 hpc_ddp_warned (a time-limit warning that reached a handler of the program's is recorded).
 
@@ -23,8 +24,25 @@ _LEAVE_TIMEOUT_S = 10.0
 
 
 def _leave_cleanly():
+    _ignore_the_warning_from_now_on()
     _destroy_open_process_group()
     _release_ddp_modules()
+
+
+def _ignore_the_warning_from_now_on():
+    """When Python finalizes (after the exit handlers), it gives SIG_DFL back to every signal it had a
+    handler for. A time-limit warning that came then killed a rank that had finished its work (exit -12,
+    so the attempt "failed", seen when a run's last steps ended right at the warning). A program that is
+    leaving can no longer act on it: from here on it is ignored (SIG_IGN is kept through finalization)."""
+    name = os.environ.get("HPC_DDP_WARNING_SIGNAL")
+    if not name or threading.current_thread() is not threading.main_thread():
+        return
+    import signal
+
+    signum = getattr(signal, f"SIG{name}", None)
+    if signum is not None:
+        with contextlib.suppress(Exception):
+            signal.signal(signum, signal.SIG_IGN)
 
 
 def _release_ddp_modules():
