@@ -31,7 +31,7 @@ slurm-down:
 	@bash tests/cluster/slurm-down.sh
 
 # All tests, the real-Slurm ones included: brings the test Slurm up and takes it down again.
-# One pytest; HPC_DDP_TEST_LANES=parallel runs two lanes at once (opt-in: tests/run-lanes.sh, CONTRIBUTING.md).
+# Two lanes at once, the test Slurm's and the rest (tests/run-lanes.sh, CONTRIBUTING.md); HPC_DDP_TEST_LANES=serial: one pytest.
 test: install
 	@PY=$(PY) bash tests/run-lanes.sh
 

@@ -49,7 +49,7 @@ def _private_registry(tmp_path_factory):
         os.environ["HPC_DDP_REGISTRY"] = previous
 
 
-# `HPC_DDP_TEST_LANES=parallel make test` runs the suite in two lanes at once (tests/run-lanes.sh): `--lane
+# `make test` runs the suite in two lanes at once (tests/run-lanes.sh, unless HPC_DDP_TEST_LANES=serial): `--lane
 # slurm`, the tests that use the test Slurm, one after another as they must (they share four nodes, kill
 # slurmds, preempt partitions); and `--lane local`, everything else. Without --lane a run takes every test.
 def pytest_addoption(parser):
