@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # `make test`: the whole suite (or what the arguments select, e.g. -k preempt) on the test Slurm
-# (tests/cluster/slurm-up.sh), in two lanes at once where a cpu cgroup can be made (about 27 min on 2 cores,
+# (tests/cluster/slurm-up.sh), in two lanes at once where a cpu cgroup can be made (27-30 min on 2 cores,
 # against about 40 for one pytest); HPC_DDP_TEST_LANES=serial runs one pytest.
 #
 #   slurm lane: the tests that use the test Slurm (pytest --lane slurm), one after another, as they must:
