@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 SLURM_ENV := /var/tmp/hpc-ddp-slurm/env.sh
 
-.PHONY: install demo test test-fast test-gpu gpu-check gpu-wheels slurm-up slurm-down bench scale clean
+.PHONY: install dist demo test test-slurm-versions test-fast test-gpu gpu-check gpu-wheels slurm-up slurm-down bench scale clean
 
 install: $(STAMP)
 
@@ -20,6 +20,13 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q -c constraints.txt -e '.[plot,test]'
 	$(PY) -c 'import torch, torchvision, submitit, click, jinja2, matplotlib; print("installed torch", torch.__version__, "torchvision", torchvision.__version__)'
 	touch $(STAMP)
+
+# The wheel to copy to a cluster or a laptop (docs/install.md): dist/hpc_ddp-VERSION-py3-none-any.whl.
+# build/ is setuptools' own scratch folder; removed first so no stale file ships.
+dist: install
+	rm -rf build
+	$(PY) -m pip wheel -q --no-deps --no-build-isolation -w dist .
+	@ls dist/*.whl
 
 demo: install
 	$(PY) -m hpc_ddp.demo
@@ -34,6 +41,12 @@ slurm-down:
 # Two lanes at once, the test Slurm's and the rest (tests/run-lanes.sh, CONTRIBUTING.md); HPC_DDP_TEST_LANES=serial: one pytest.
 test: install
 	@PY=$(PY) bash tests/run-lanes.sh
+
+# The core Slurm tests (marked slurm_core) on each supported Slurm in turn: 22.05 here, 24.11 and 26.05 from
+# Debian roots built and cached once (tests/cluster/chroot.sh). SLURM_VERSIONS="24.11" for one.
+SLURM_VERSIONS ?= 22.05 24.11 26.05
+test-slurm-versions: install
+	@PY=$(PY) bash tests/run-versions.sh $(SLURM_VERSIONS)
 
 # hpc-ddp against plain alternatives (bench/README.md); writes bench/results.json and .png (~10 min).
 # Quick check of the harness only: make bench BENCH_ARGS=--quick

@@ -72,3 +72,40 @@ def pytest_collection_modifyitems(config, items):
         kept = set(map(id, keep))
         config.hook.pytest_deselected(items=[item for item in items if id(item) not in kept])
         items[:] = keep
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.when == "call" and report.failed:
+        item.stash[_FAILED] = True
+    return report
+
+
+_FAILED = pytest.StashKey[bool]()
+
+
+def _queued_jobs() -> set[str]:
+    import subprocess
+
+    done = subprocess.run(["squeue", "-h", "-o", "%A"], capture_output=True, text=True)
+    return set(done.stdout.split()) if done.returncode == 0 else set()
+
+
+@pytest.fixture(autouse=True)
+def _cancel_what_a_failed_test_left(request):
+    """A Slurm test that fails part-way leaves its jobs running on the four shared nodes, and the next test's
+    jobs then wait behind them or are preempted with them (one CI failure became two this way). After a
+    failed test, the jobs that entered the queue during it are cancelled; a module fixture's shared job,
+    submitted before this snapshot, is left alone."""
+    if not uses_test_slurm(request.node) or not shutil.which("squeue") or not os.environ.get("SLURM_CONF"):
+        yield
+        return
+    before = _queued_jobs()
+    yield
+    if request.node.stash.get(_FAILED, False):
+        import subprocess
+
+        left = sorted(_queued_jobs() - before)
+        if left:
+            subprocess.run(["scancel", *left], capture_output=True)

@@ -14,6 +14,13 @@
 # liveness check in a local run looks for a heartbeat within 5 s). Without a cpu cgroup we can make (no
 # cgroup v1 cpu controller, or no root), or with HPC_DDP_TEST_LANES=serial, one pytest runs everything.
 #
+# The whole suite runs on the test Slurm of this machine's Debian, 22.05. Then the version smoke: the tests
+# marked slurm_smoke (HPC_DDP_TEST_VERSIONS_MARK; CI gives slurm_core, the larger core set) on each other
+# version the project supports (HPC_DDP_TEST_SMOKE_VERSIONS, default "24.11 26.05", "" for none), on a test
+# Slurm of that version (tests/cluster/chroot.sh), one after another, in the slurm lane, while the local lane
+# goes on: the whole run takes the longer of the two lanes, not their sum. `make test-slurm-versions` runs
+# the core set on all three, one version after another and nothing else beside it.
+#
 # Only the two cgroups this run made are removed at the end (rmdir of an empty cgroup; never a process killed
 # other than the local lane, if this script is interrupted).
 set -uo pipefail
@@ -60,12 +67,32 @@ else
 fi
 
 # The Slurm daemons start from this shell, so in the slurm lane's cgroup when there is one.
-eval "$(bash tests/cluster/slurm-up.sh | tail -n 1)"
+eval "$(HPC_DDP_SLURM_VERSION=22.05 bash tests/cluster/slurm-up.sh | tail -n 1)"
+SAVED_PATH=$PATH
+
+# The version smoke, after the suite's own Slurm tests: 0 when every version passed.
+smoke_versions() {
+    local version line rc=0 mark=${HPC_DDP_TEST_VERSIONS_MARK:-slurm_smoke} began
+    for version in ${HPC_DDP_TEST_SMOKE_VERSIONS-24.11 26.05}; do
+        PATH=$SAVED_PATH
+        began=$SECONDS
+        echo "make test: the version smoke on Slurm $version (-m $mark)"
+        if ! line=$(HPC_DDP_SLURM_VERSION=$version bash tests/cluster/slurm-up.sh | tail -n 1) || [ -z "$line" ]; then
+            echo "make test: the Slurm $version test Slurm did not start"; rc=1; continue
+        fi
+        eval "$line"
+        "${PYTEST[@]}" --lane slurm -m "$mark" tests || rc=1
+        echo "make test: Slurm $version ($(sinfo -V)), -m $mark, done after $((SECONDS - began)) s"
+    done
+    return $rc
+}
 
 if [ "$lanes" = serial ]; then
     echo "make test: one lane (two where a cpu cgroup can be made, unless HPC_DDP_TEST_LANES=serial)"
     "${PYTEST[@]}" tests
-    exit $?
+    rc=$?
+    smoke_versions || rc=1
+    exit $rc
 fi
 
 local_log=$(mktemp "${TMPDIR:-/tmp}/hpc-ddp-local-lane.XXXXXX")
@@ -77,7 +104,9 @@ local_pid=$!
 start=$SECONDS
 "${PYTEST[@]}" --lane slurm tests
 slurm_rc=$?
-echo "make test: slurm lane done after $((SECONDS - start)) s (rc $slurm_rc); waiting for the local lane"
+echo "make test: slurm lane done after $((SECONDS - start)) s (rc $slurm_rc)"
+smoke_versions || slurm_rc=1
+echo "make test: version smoke done after $((SECONDS - start)) s; waiting for the local lane"
 wait "$local_pid"
 local_rc=$?
 local_pid=

@@ -43,8 +43,9 @@ TABLE = (
                                          "`doctor`: the job cannot run as asked"),
     ExitCode(NOT_ADMITTED, "batch script", "the requeue policy did not start this attempt (a cap reached, no "
                                            "progress, a crash at start-up); the reason is in `events.jsonl`"),
-    ExitCode(RUN_COMPLETE, "`hpc_ddp.job.attempts begin`", "a job of a chain whose run already completed: nothing "
-                                                          "to do (its batch script exits 0)"),
+    ExitCode(RUN_COMPLETE, "`hpc_ddp.job.attempts begin`", "a job whose run already completed, in an earlier job "
+                                                          "of its chain or before Slurm started it once more: "
+                                                          "nothing to do (its batch script exits 0)"),
     ExitCode(REQUEUE_EXIT_CODE, "a rank", "checkpointed at a stop request: requeue me (`REQUEUE_EXIT_CODE`)"),
     ExitCode(CANCELLED, "`hpc-ddp`, a local or srun run", "interrupted by Ctrl-C; for a local or srun run, the code "
                                                           "`status` shows once it was cancelled (Ctrl-C or "

@@ -30,7 +30,9 @@ kills the batch script and leaves the job RUNNING on the other nodes with nothin
 a small step on another node, requeues it then.
 
 Everything is recorded in RUN_DIR/events.jsonl (append-only), next to the trainer's own records, so
-`hpc-ddp status` can tell the whole story. The policy itself (`decide_begin`, `decide_end`) is pure.
+`hpc-ddp status` can tell the whole story. The policy itself (`job.policy`: `decide_begin`, `decide_end`,
+`decide_restart`) is pure; what Slurm's answers mean, and what each Slurm version does, is `slurm.jobview`;
+the restarts inside the allocation, `job.restarts`. This module is the edge that reads, asks and records.
 
 Causes: an attempt ends "completed" (exit 0 with no stop before it, or a recorded finish), "time_limit" or
 "preempted" (exit 75 after the program checkpointed; the trainer says which: a stop near the job's end time
@@ -46,7 +48,8 @@ attempt as "preempted" or "time_limit", so it runs again within the caps. What S
 the batch shell, measured on Slurm 22.05 (tests/e2e/test_user_scripts.py runs each case):
 
     preempted, GraceTime=0      COMPLETING, Restarts already +1  -> Slurm requeues the job itself
-    preempted, GraceTime>0      RUNNING, PreemptTime set         -> ends as FAILED unless we requeue it
+    preempted, GraceTime>0      RUNNING, PreemptTime set         -> 22.05-23.11: ends unless we requeue it;
+                                                                    24.05 on: Slurm requeues it at its end
     scontrol requeue (admin)    COMPLETING, Restarts already +1  -> Slurm requeues the job itself
     time limit                  COMPLETING or TIMEOUT, Reason=TimeLimit
     scancel                     COMPLETING or CANCELLED, nothing of the above -> cancelled: never requeued
@@ -54,6 +57,10 @@ the batch shell, measured on Slurm 22.05 (tests/e2e/test_user_scripts.py runs ea
 
 Without Slurm's answer (no scontrol), a SIGTERM the batch shell trapped stands for "signalled from
 outside" (HPC_DDP_SHELL_SIGNAL), so a preemption still runs again.
+
+A run that completed is never run again, whoever starts its job once more: the next begin records it as
+"skipped" and the batch script exits 0 (Slurm 24.05 to 25.11 requeue a job once more after it completed,
+where hpc-ddp's own requeue met a preemption's GraceTime: `slurm.jobview`), so the job ends COMPLETED.
 """
 
 from __future__ import annotations
@@ -61,11 +68,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import shlex
-import shutil
-import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -73,10 +78,16 @@ from hpc_ddp.common.durable import read_regular
 from hpc_ddp.common.errors import HpcDdpError, SubmitError, report
 from hpc_ddp.common.events import JsonLines, read_jsonl
 from hpc_ddp.common.exitcodes import REQUEUE_EXIT_CODE
-from hpc_ddp.common.procs import CommandRunner, SubprocessCommands
 from hpc_ddp.common.rundir import LATEST, SCRIPT, RunDir, checkpoint_step
 from hpc_ddp.job.chain import chain_of, members, successor
-from hpc_ddp.slurm.jobstate import accounting
+# The policy's and Slurm's names, re-exported: this module is what the batch script, the executors and
+# `status` have always imported them from.
+from hpc_ddp.job.policy import (STARTUP_S, UNRECORDED_CAUSES, Attempt, Limits, attempts_from_events,  # noqa: F401
+                                current_job, decide_begin, decide_end, decide_restart, decide_successor, limits_of)
+from hpc_ddp.job.restarts import restart_in_place
+from hpc_ddp.slurm.jobview import (ACCOUNTED_CAUSES, _int, accounted_end, down_nodes, grace_preempted,  # noqa: F401
+                                   lost_state, outside_cause, parse_show_job, preempt_mode, requeues_after_grace, slurm_job,
+                                   slurm_stop, slurm_version, stopped_cause)
 
 __all__ = ["Admission", "Attempt", "Limits", "admit", "attempts_from_events", "current_job", "decide_begin",
            "decide_end", "decide_restart", "decide_successor", "latest_checkpoint_step", "outside_cause", "stopped_cause",
@@ -86,63 +97,6 @@ NOT_ADMITTED_EXIT_CODE = 3
 # A later job of a chain whose run already completed: nothing to do, and not a failure (the batch script
 # exits 0, so a job waiting on it with afterok still starts).
 RUN_COMPLETE_EXIT_CODE = 4
-# An attempt of a user's own script (no trainer events) counts as having trained once it ran this long.
-STARTUP_S = 60.0
-
-
-@dataclasses.dataclass(frozen=True)
-class Limits:
-    max_requeues: int = 10        # requeues after time limits
-    max_preemptions: int = 20     # requeues after preemptions (and outside kills)
-    max_restarts: int = 0         # restarts inside the allocation per attempt (rank crash, lost node)
-
-
-@dataclasses.dataclass
-class Attempt:
-    number: int
-    start_step: int | None         # newest valid checkpoint when the attempt began
-    trainer: bool = False          # the built-in trainer reported start/resume in this attempt
-    exit_code: int | None = None   # None: no end record (killed from outside)
-    cause: str | None = None
-    started_at: float | None = None
-    ended_at: float | None = None
-    checkpointed: bool = False     # the trainer saved at a stop request and asked to be requeued
-    job_id: str | None = None
-    handed_over: bool = False      # went on in the next job of its chain, queued up front (--chain)
-    finished: bool = False         # the trainer or a Session recorded the run's finish in this attempt
-    warned: bool = False           # the time-limit warning reached a handler of the program's own
-    gave_up: str | None = None     # the policy's reason for stopping the run after this attempt
-    code: str | None = None        # the id of the code snapshot it ran (snapshot.snapshot)
-    nodes: str | None = None       # the nodes it ran on (SLURM_JOB_NODELIST)
-    restarts: int = 0              # restarts inside the allocation so far ("restarted" records)
-    step_nodes: str | None = None  # the nodes of its current srun step, after a restart (comma-separated)
-    step_started_at: float | None = None   # when its current srun step began, after a restart
-    step_start_step: int | None = None     # the checkpoint step its current srun step resumed from
-
-    @property
-    def step_trained(self) -> bool:
-        """The current srun step got past start-up: the trainer began its loop, or it ran for a while."""
-        if self.trainer:
-            return True
-        began = self.step_started_at if self.step_started_at is not None else self.started_at
-        if began is None or self.ended_at is None:
-            return False
-        return self.ended_at - began >= STARTUP_S
-
-    @property
-    def trained(self) -> bool:
-        """Got past start-up: the trainer began its loop, or (a user's script) it ran for a while."""
-        if self.trainer:
-            return True
-        if self.started_at is None or self.ended_at is None:
-            return False
-        return self.ended_at - self.started_at >= STARTUP_S
-
-    @property
-    def ended_cause(self) -> str:
-        if self.exit_code is None:  # no end record: the next begin (`admit`) asks Slurm why (a lost node, or
-            return self.cause if self.cause in UNRECORDED_CAUSES else "killed"  # its accounting); else killed
-        return self.cause or ("completed" if self.exit_code == 0 else "failed")
 
 
 def latest_checkpoint_step(run_dir: Path) -> int | None:
@@ -153,306 +107,6 @@ def latest_checkpoint_step(run_dir: Path) -> int | None:
         return None
     return checkpoint_step(name)
 
-
-def attempts_from_events(events: Sequence[dict[str, Any]], chain: str | None = None) -> list[Attempt]:
-    """The attempts recorded in `events`; with `chain` (a job id, or the first job id of a chain), only
-    those of that job and of the jobs that carried on after it. A new submission of the same run dir is a
-    new chain: an earlier chain's failures do not stop it."""
-    attempts: list[Attempt] = []
-    for event in _of_chain(events, chain):
-        kind = event.get("event")
-        if kind == "attempt_start":
-            if attempts and attempts[-1].ended_at is None:
-                attempts[-1].ended_at = event.get("time")  # killed: it ended before this one began
-            attempts.append(Attempt(int(event.get("attempt", len(attempts))), event.get("checkpoint_step"),
-                                    started_at=event.get("time"), job_id=event.get("job_id"),
-                                    code=event.get("code") if isinstance(event.get("code"), str) else None,
-                                    nodes=event.get("nodes") if isinstance(event.get("nodes"), str) else None))
-        elif not attempts:
-            continue
-        elif kind in ("start", "resume"):
-            attempts[-1].trainer = True
-        elif kind == "finish":
-            attempts[-1].finished = True
-        elif kind == "warned":
-            attempts[-1].warned = True
-        elif kind == "signal":
-            attempts[-1].cause = event.get("cause")
-        elif kind == "requeue_requested":
-            attempts[-1].checkpointed = True
-        elif kind == "attempt_end" and _ended(attempts, event).exit_code is None:
-            which = _ended(attempts, event)
-            which.exit_code = event.get("exit_code")
-            which.cause = event.get("cause") or which.cause
-            which.ended_at = event.get("time") or which.ended_at
-        elif kind == "requeue" and event.get("by") == "chain":
-            attempts[-1].handed_over = True
-        elif kind == "gave_up":
-            attempts[-1].gave_up = str(event.get("reason") or "gave up")
-        elif kind == "restarted":  # a new srun step of the same attempt: what is known of the step starts over
-            a = attempts[-1]
-            a.restarts += 1
-            a.trainer = a.checkpointed = a.finished = a.warned = False
-            a.cause = None
-            a.step_started_at = event.get("time")
-            a.step_nodes = event.get("nodes") if isinstance(event.get("nodes"), str) else a.step_nodes
-            a.step_start_step = event.get("checkpoint_step")
-    return attempts
-
-
-def _ended(attempts: list[Attempt], event: dict[str, Any]) -> Attempt:
-    """The attempt an attempt_end record is about: the last one, or the one before it when the record names
-    it (the next attempt's begin records how a killed attempt ended, after its own start)."""
-    if len(attempts) > 1 and event.get("exit_code") is None and event.get("attempt") == attempts[-2].number \
-            and attempts[-1].number != attempts[-2].number:
-        return attempts[-2]
-    return attempts[-1]
-
-
-def _of_chain(events: Sequence[dict[str, Any]], chain: str | None) -> list[dict[str, Any]]:
-    """The events from the chain's first attempt on. Records from before chains were recorded have no
-    "chain": their job id is their chain."""
-    if chain is None:
-        return list(events)
-    starts = [i for i, e in enumerate(events)
-              if e.get("event") == "attempt_start" and str(e.get("chain") or e.get("job_id")) == chain]
-    return list(events[starts[0]:]) if starts else []
-
-
-def current_job(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The records of the newest job in the run dir (from its first attempt): a job submitted again to
-    resume is judged on its own, not on why the one before it stopped."""
-    starts = [e for e in events if e.get("event") == "attempt_start"]
-    if not starts:
-        return events
-    job = starts[-1].get("job_id")
-    first = next(i for i, e in enumerate(events) if e.get("event") == "attempt_start" and e.get("job_id") == job)
-    return events[first:]
-
-
-def _count(attempts: Sequence[Attempt], *causes: str) -> int:
-    # A time limit handed over to the next job of a --chain is planned, not a requeue to be capped.
-    return sum(1 for a in attempts if a.ended_cause in causes and not (a.handed_over and a.ended_cause == "time_limit"))
-
-
-def decide_successor(previous: Sequence[Attempt], cancelled: str | None = None) -> tuple[str, str] | None:
-    """A later job of a chain, before `decide_begin`: ("done", why) when the run completed in an earlier
-    job, ("stop", why) when the policy stopped it there or `cancelled` (a job of the chain that
-    `hpc-ddp cancel` cancelled), None when the usual rules decide."""
-    if cancelled:
-        return "stop", f"job {cancelled} of the chain was cancelled (hpc-ddp cancel)"
-    if not previous:
-        return None  # the jobs before it never ran (cancelled while pending): this one starts the run
-    last = previous[-1]
-    where = f" in job {last.job_id}" if last.job_id else " in an earlier job of the chain"
-    if last.ended_cause == "completed":
-        return "done", f"the run already completed{where}; nothing left to do"
-    if last.gave_up:
-        return "stop", f"the run stopped{where}: {last.gave_up}"
-    return None
-
-
-def decide_begin(previous: Sequence[Attempt], start_step: int | None, limits: Limits) -> tuple[bool, str]:
-    """May a new attempt run, given the ones before it? (ok, reason)."""
-    if not previous:
-        return True, "first attempt"
-    last = previous[-1]
-    if last.ended_cause == "completed":
-        return False, "the job already completed; requeued by mistake?"
-    if last.ended_cause == "failed":
-        return False, f"the previous attempt failed (exit code {last.exit_code}); not running again"
-    if last.ended_cause == "cancelled":
-        return False, "the job was cancelled; not running again"
-    # An attempt killed or signalled from outside (node failure, preemption, admin requeue) is not the
-    # job's fault: it only counts against max_preemptions. The no-progress guard judges attempts that
-    # asked to be requeued themselves (exit 75) without having moved the checkpoint on.
-    if last.exit_code == REQUEUE_EXIT_CODE and last.trainer and start_step == last.start_step:
-        return False, f"no progress: the previous attempt started and ended at checkpoint step {start_step}"
-    preempted = _count(previous, "preempted", "killed")
-    if preempted > limits.max_preemptions:
-        return False, f"preempted {preempted} times, more than max_preemptions={limits.max_preemptions}"
-    failed_nodes = _count(previous, "node_failure")
-    if failed_nodes > limits.max_requeues:
-        return False, f"lost a node {failed_nodes} times, more than max_requeues={limits.max_requeues}"
-    timeouts = _count(previous, "time_limit")
-    if timeouts > limits.max_requeues:
-        return False, f"hit the time limit {timeouts} times, more than max_requeues={limits.max_requeues}"
-    return True, f"restart {len(previous)} after {last.ended_cause}"
-
-
-def decide_end(attempts: Sequence[Attempt], exit_code: int, limits: Limits,
-               successor: str | None = None) -> tuple[bool, str]:
-    """Should the job be requeued after this attempt (the last of `attempts`)? (requeue, reason).
-    An exit code other than 0 and 75 is requeued only when the attempt's cause says it came from
-    outside (preempted, time_limit: see `outside_cause`). `successor`: the next job of the chain, queued
-    up front and waiting; the run goes on there instead (a time limit then counts against no cap)."""
-    cause = attempts[-1].cause
-    if exit_code == 0 and cause not in ("preempted", "time_limit", "cancelled"):
-        return False, "completed"
-    if cause == "cancelled":
-        return False, "cancelled"
-    if exit_code != REQUEUE_EXIT_CODE and cause not in ("preempted", "time_limit", "node_failure"):
-        return False, f"failed with exit code {exit_code}"
-    if exit_code == REQUEUE_EXIT_CODE and not attempts[-1].trained:
-        return False, "it asked to be requeued before training started (crash loop guard)"
-    cause = cause or "preempted"
-    if cause == "time_limit" and successor:
-        return True, f"time_limit: job {successor}, queued after this one, goes on"
-    if cause == "time_limit":
-        used, cap, name = _count(attempts, "time_limit"), limits.max_requeues, "max_requeues"
-    elif cause == "node_failure":  # a lost node: the next attempt runs on the nodes that are up
-        used, cap, name = _count(attempts, "node_failure"), limits.max_requeues, "max_requeues"
-    else:
-        used, cap, name = _count(attempts, "preempted", "killed"), limits.max_preemptions, "max_preemptions"
-    if used > cap:
-        return False, f"{cause}: {used} requeues would exceed {name}={cap}"
-    return True, f"{cause}: requeue {used} of at most {cap}" + (f", in job {successor}" if successor else "")
-
-
-def decide_restart(last: Attempt, limits: Limits, *, healthy: Sequence[str], min_nodes: int,
-                   checkpoint_step: int | None) -> tuple[bool, str]:
-    """Restart the attempt `last` (its step just ended, `last.cause` says why) inside its allocation, on the
-    nodes in `healthy` (the allocation's, less those Slurm holds lost)? (restart, reason). `min_nodes`: the
-    fewest nodes the job runs on (a range's MIN; a fixed size's count, so it restarts only on all of them).
-    Only a crash ("failed") or a lost node is restarted so: a preemption, a time limit or a cancel ends the
-    allocation anyway."""
-    cause = last.cause or "failed"
-    if limits.max_restarts <= 0:
-        return False, "restarts inside the allocation are off (max_restarts=0)"
-    if cause not in ("failed", "node_failure"):
-        return False, f"{cause}: the allocation ends, nothing to restart in"
-    if last.restarts >= limits.max_restarts:
-        return False, f"{cause}: restarted in place {last.restarts} time(s) already, max_restarts={limits.max_restarts}"
-    if cause == "failed" and not last.step_trained:
-        return False, "it failed before training started: a restart would fail the same way (crash loop guard)"
-    if cause == "failed" and last.restarts and last.trainer and checkpoint_step == last.step_start_step:
-        return False, f"it failed again before checkpointing past step {checkpoint_step} (no progress since the restart)"
-    if len(healthy) < min_nodes:
-        return False, f"{cause}: {len(healthy)} healthy node(s) left in the allocation, the job needs {min_nodes}"
-    return True, (f"{cause}: restart {last.restarts + 1} of at most {limits.max_restarts} in the allocation, "
-                  f"on {len(healthy)} node(s)")
-
-
-# Lines of `scontrol show job` whose value is free text (a job name or path may hold " Restarts=9").
-_FREE_TEXT = ("JobId", "Command", "WorkDir", "StdErr", "StdIn", "StdOut", "Comment", "AdminComment",
-              "SystemComment", "Power", "MailUser", "Features", "Licenses")
-
-
-def parse_show_job(text: str) -> dict[str, str]:
-    """`scontrol show job ID` -> {field: value}. The lines that hold free text (the first, with the job
-    name, and the paths) are skipped, so no name a user chose can pose as one of Slurm's fields."""
-    fields: dict[str, str] = {}
-    for line in text.splitlines():
-        words = line.split()
-        if not words or words[0].partition("=")[0] in _FREE_TEXT:
-            continue
-        for word in words:
-            key, eq, value = word.partition("=")
-            if eq and key[:1].isupper():
-                fields.setdefault(key, value)
-    return fields
-
-
-_NONE = ("", "None", "Unknown", "N/A", "(null)")
-
-
-def outside_cause(job: Mapping[str, str] | None, attempt: int, shell_signal: str | None) -> tuple[str, bool]:
-    """Why an attempt whose program exited with an error ended: (cause, Slurm requeues it itself).
-
-    `job` is Slurm's view from the batch shell (`parse_show_job`), None where it could not be asked;
-    `attempt` the attempt's number (SLURM_RESTART_COUNT); `shell_signal` a signal the batch shell trapped.
-    The table in the module docstring is what this reads."""
-    if not job:
-        return ("preempted" if shell_signal else "failed"), False
-    if _int(job.get("Restarts")) > attempt:
-        return "preempted", True
-    if job.get("PreemptTime", "None") not in _NONE:
-        return "preempted", False
-    if job.get("Reason") == "TimeLimit" or job.get("JobState") == "TIMEOUT":
-        return "time_limit", False
-    if job.get("JobState") in ("CANCELLED", "COMPLETING") and (shell_signal or job.get("JobState") == "CANCELLED"):
-        return "cancelled", False
-    return "failed", False
-
-
-def stopped_cause(job: Mapping[str, str] | None, attempt: int, shell_signal: str | None) -> tuple[str, bool]:
-    """Why an attempt whose program exited 0 ended: (cause, Slurm requeues it itself).
-
-    Exit 0 is not "done" by itself: Lightning catches SIGTERM and leaves through a SystemExit with no code,
-    and a script that traps SIGTERM, saves and exits 0 is common. A stop that reached the program first
-    (Slurm shows a preemption, a time limit or a cancel, as `outside_cause` reads them; or, without Slurm's
-    answer, the batch shell or launcher got SIGTERM) makes the attempt interrupted, to be run again within
-    the caps; otherwise it completed."""
-    cause, by_slurm = outside_cause(job, attempt, shell_signal)
-    return ("completed", False) if cause == "failed" else (cause, by_slurm)
-
-
-def slurm_stop(job: Mapping[str, str] | None, attempt: int) -> bool:
-    """Slurm shows a stop of its own (preemption, requeue, time limit, cancel)."""
-    return bool(job) and outside_cause(job, attempt, None)[0] != "failed"
-
-
-# sinfo's node states (%T) that mean the node is lost to its jobs; a trailing "*" means not responding.
-_LOST_STATES = ("down", "fail", "failing", "not_responding", "unknown")
-
-
-def lost_state(state: str) -> bool:
-    """Is a node in sinfo's extended state `state` (down, down*, idle*, fail, mixed+drain, ...) lost?"""
-    word = state.strip().lower()
-    return word.endswith("*") or word.split("+")[0].rstrip("~#!%$@^-") in _LOST_STATES
-
-
-# An attempt that left no end record (its batch shell was killed first) ended this way, where Slurm's accounting
-# says so of the job's run (sacct -D); any other state, or no accounting, leaves it "killed".
-ACCOUNTED_CAUSES = {"PREEMPTED": "preempted", "TIMEOUT": "time_limit", "NODE_FAIL": "node_failure"}
-UNRECORDED_CAUSES = ("node_failure", "preempted", "time_limit")
-
-
-def accounted_end(job_id: str | None, commands: CommandRunner | None = None) -> str | None:
-    """How Slurm's accounting says the latest ended run of `job_id` ended (PREEMPTED, TIMEOUT, NODE_FAIL,
-    REQUEUED, ...): with -D each run of a requeued job is a record, and the one running now is left out.
-    None without sacct, accounting or an answer within its timeout."""
-    if not job_id:
-        return None
-    try:
-        runs = accounting([job_id], commands or SubprocessCommands(), history=True).get(job_id, [])
-    except HpcDdpError:
-        return None
-    ended = [run["state"] for run in runs if run["state"] not in ("RUNNING", "PENDING", "REQUEUE_HOLD")]
-    return ended[-1] if ended else None
-
-
-def down_nodes(nodelist: str | None, run=subprocess.run) -> list[str]:
-    """The nodes of `nodelist` (Slurm's hostlist) that Slurm holds lost now (`lost_state`), sorted; [] when
-    none, or when Slurm cannot be asked."""
-    if not nodelist or not shutil.which("sinfo"):
-        return []
-    try:
-        done = run(["sinfo", "-h", "-N", "-n", nodelist, "-o", "%N|%T"], capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.TimeoutExpired):
-        return []
-    if done.returncode != 0:
-        return []
-    lost = {name for name, _, state in (line.partition("|") for line in done.stdout.splitlines()) if lost_state(state)}
-    return sorted(lost)
-
-
-def _int(text: str | None) -> int:
-    try:
-        return int(text or 0)
-    except ValueError:
-        return 0
-
-
-def slurm_job(job_id: str | None, run=subprocess.run) -> dict[str, str] | None:
-    """Slurm's record of `job_id` (`scontrol show job`), or None when it cannot be had."""
-    if not job_id:
-        return None
-    try:
-        done = run(["scontrol", "show", "job", job_id], capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return parse_show_job(done.stdout) or None if done.returncode == 0 else None
 
 
 # ---- the edge: what the batch script and the local executor call ----
@@ -473,7 +127,7 @@ def _code_of(run_dir: Path) -> dict[str, str]:
 
 
 def _limits(spec) -> Limits:
-    return Limits(spec.max_requeues, spec.max_preemptions, getattr(spec, "max_restarts", 0))
+    return limits_of(spec)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -504,7 +158,16 @@ def admit(run_dir: Path, attempt: int, env: Mapping[str, str] | None = None) -> 
     if verdict and verdict[0] == "done":
         events.write({"event": "skipped", "job_id": job_id, "chain": chain, "reason": verdict[1]})
         return Admission(False, verdict[1], done=True)
-    lost = down_nodes(previous[-1].step_nodes or previous[-1].nodes) \
+    if not verdict and previous and previous[-1].exit_code is not None and previous[-1].ended_cause == "completed":
+        # The run completed, and Slurm started its job once more all the same (Slurm 24.05 to 25.11 do, after
+        # a preemption with a GraceTime that hpc-ddp requeued: slurm.jobview; an admin's requeue may too).
+        # Nothing to do, and no failure: the job ends COMPLETED, and this start is no attempt.
+        reason = (f"the run completed in attempt {previous[-1].number}; Slurm started job {job_id} once more: "
+                  "nothing to do")
+        events.write({"event": "skipped", "attempt": attempt, "job_id": job_id, "reason": reason})
+        return Admission(False, reason, done=True)
+    # Why the attempt before died without an end record: here a node not responding is evidence enough.
+    lost = down_nodes(previous[-1].step_nodes or previous[-1].nodes, silent=True) \
         if previous and previous[-1].exit_code is None and env.get("SLURM_JOB_ID") else []
     if lost:  # the attempt before left no end record: its node went down, taking the batch shell with it
         previous[-1].cause = "node_failure"
@@ -547,6 +210,7 @@ class Outcome:
     by_slurm: bool = False  # Slurm has requeued it already (preemption with GraceTime=0, admin requeue)
     next_job: str | None = None  # the next job of the chain, already queued, goes on instead
     restart_on: tuple[str, ...] = ()  # restart inside the allocation, a new srun step on these nodes
+    at_end: bool = False    # by_slurm, once the batch script ends (a GraceTime preemption, Slurm 24.05 on)
 
     @property
     def word(self) -> str:
@@ -566,9 +230,12 @@ def end(run_dir: Path, attempt: int, exit_code: int, env: dict[str, str] | None 
 
 
 def finish(run_dir: Path, attempt: int, exit_code: int, env: Mapping[str, str] | None = None,
-           ask_slurm=slurm_job) -> Outcome:
+           ask_slurm=slurm_job, grace_requeue=None) -> Outcome:
     """Record how attempt `attempt` ended and decide whether the job runs again.
-    `env` may carry HPC_DDP_SHELL_SIGNAL: a signal the batch shell (or local executor) received."""
+    `env` may carry HPC_DDP_SHELL_SIGNAL: a signal the batch shell (or local executor) received.
+    `ask_slurm(job_id)`: Slurm's view of the job; `grace_requeue(job, attempt, env)`: does Slurm requeue this
+    job itself once the batch script ends (`slurm_requeues_after_grace`)."""
+    grace_requeue = grace_requeue or slurm_requeues_after_grace
     env = dict(os.environ if env is None else env)
     events = JsonLines(RunDir(run_dir).events)
     job_id = env.get("SLURM_JOB_ID") or env.get("HPC_DDP_JOB_ID")
@@ -584,7 +251,7 @@ def finish(run_dir: Path, attempt: int, exit_code: int, env: Mapping[str, str] |
     # ending is judged by what happened to the job, exit 0 included (see stopped_cause).
     done = exit_code == 0 and last.finished
     slurm = ask_slurm(env.get("SLURM_JOB_ID")) if not done and env.get("SLURM_JOB_ID") else None
-    by_slurm = False
+    by_slurm = at_end = False
     shell_signal = env.get("HPC_DDP_SHELL_SIGNAL") or None
     if exit_code == REQUEUE_EXIT_CODE:
         last.cause = last.cause or _cause_from_deadline(env)
@@ -603,6 +270,8 @@ def finish(run_dir: Path, attempt: int, exit_code: int, env: Mapping[str, str] |
     if slurm is None and shell_signal and last.cause == "preempted":
         # No Slurm to ask (the local and srun executors, no scontrol): a stop at the deadline is its limit.
         last.cause = _cause_from_deadline(env)
+    if last.cause == "preempted" and not by_slurm and grace_requeue(slurm, attempt, env):
+        by_slurm = at_end = True  # preempted in its GraceTime, on a Slurm that requeues such a job itself at its end
     step_nodes = last.step_nodes or env.get("SLURM_JOB_NODELIST")
     lost = down_nodes(step_nodes) if exit_code != 0 and last.cause in ("failed", "preempted") \
         and env.get("SLURM_JOB_ID") else []
@@ -610,16 +279,17 @@ def finish(run_dir: Path, attempt: int, exit_code: int, env: Mapping[str, str] |
         last.cause = "node_failure"
     last.exit_code, last.ended_at = exit_code, time.time()
     if env.get("HPC_DDP_RESTART_STEP") and exit_code not in (0, REQUEUE_EXIT_CODE) and not by_slurm:
-        restart = _restart_in_place(run_dir, attempt, exit_code, last, lost, slurm, env)
+        restart = restart_in_place(run_dir, attempt, exit_code, last, lost, slurm, env, _spec(run_dir),
+                                   lost_now=down_nodes, checkpoint_step=latest_checkpoint_step(run_dir))
         if restart is not None:
-            return restart
+            return Outcome(False, restart[1], restart_on=restart[0])
     goes_on = exit_code == REQUEUE_EXIT_CODE or last.cause in ("preempted", "time_limit", "node_failure")
     next_job = _waiting_successor(run_dir, env.get("SLURM_JOB_ID"), ask_slurm) if goes_on and not by_slurm else None
     requeue, reason = decide_end(attempts, exit_code, _limits(_spec(run_dir)), next_job)
     record = {"event": "attempt_end", "attempt": attempt, "exit_code": exit_code, "cause": last.cause}
     if lost:
-        record.update(nodes=",".join(lost), note=f"node {', '.join(lost)} went down (Slurm holds it down or not "
-                                                 "responding); the next attempt runs on nodes that are up")
+        record.update(nodes=",".join(lost), note=f"node {', '.join(lost)} went down (Slurm holds it down or "
+                                                 "failed); the next attempt runs on nodes that are up")
     elif exit_code not in (0, REQUEUE_EXIT_CODE) and last.cause != "failed":
         record["note"] = f"signalled from outside ({_outside_note(slurm, env)}), not the program's failure"
     elif exit_code == 0 and last.cause != "completed":
@@ -633,50 +303,47 @@ def finish(run_dir: Path, attempt: int, exit_code: int, env: Mapping[str, str] |
                       **(how if requeue else {})})
     elif last.cause == "cancelled":  # as the local executor records a cancel: status says CANCELLED
         events.write({"event": "gave_up", "attempt": attempt, "reason": "cancelled (scancel)", "cause": "cancelled"})
-    return Outcome(requeue, reason, by_slurm, next_job if requeue else None)
+    return Outcome(requeue, reason, by_slurm, next_job if requeue else None, at_end=by_slurm and at_end)
 
 
-def _restart_in_place(run_dir: Path, attempt: int, exit_code: int, last: Attempt, lost: list[str],
-                      slurm: Mapping[str, str] | None, env: Mapping[str, str]) -> Outcome | None:
-    """The attempt's step ended with a crash or a lost node: an Outcome restarting it in the allocation
-    (recorded as a "restarted" event), or None where `decide_restart` says no (the usual rules go on)."""
-    spec = _spec(run_dir)
-    from hpc_ddp.slurm.nodelist import expand_hostlist
-
-    try:  # the allocation as Slurm holds it now (with --no-kill a lost node has left it), less what is lost
-        allocation = expand_hostlist((slurm or {}).get("NodeList") or last.step_nodes or env.get("SLURM_JOB_NODELIST")
-                                     or "")
-    except (ValueError, HpcDdpError):
-        allocation = ()
-    healthy = [n for n in allocation if n not in lost and n not in down_nodes(",".join(allocation))] \
-        if allocation else []
-    step = latest_checkpoint_step(run_dir)
-    ok, reason = decide_restart(last, _limits(spec), healthy=healthy, min_nodes=spec.nodes, checkpoint_step=step)
-    if not ok:
-        if last.restarts or last.cause == "node_failure" or _limits(spec).max_restarts:
-            print(f"hpc-ddp: not restarted in the allocation: {reason}", file=sys.stderr, flush=True)
-        return None
-    events = JsonLines(RunDir(run_dir).events)
-    now = time.time()
-    since = _last_progress(read_jsonl(RunDir(run_dir).events), last)
-    events.write({"event": "restarted", "attempt": attempt, "restart": last.restarts + 1,
-                  "cause": last.cause, "exit_code": exit_code,
-                  "nodes": ",".join(healthy), "node_count": len(healthy),
-                  **({"lost_nodes": ",".join(lost)} if lost else {}),
-                  "checkpoint_step": step, "seconds_lost": round(max(now - since, 0.0), 3) if since else None,
-                  "reason": reason})
-    return Outcome(False, reason, restart_on=tuple(healthy))
+def slurm_requeues_after_grace(job: Mapping[str, str] | None, attempt: int, env: Mapping[str, str]) -> bool:
+    """Will Slurm requeue the job itself when the batch script ends (`slurm.jobview.requeues_after_grace`)?
+    Asks Slurm's version and the partition's PreemptMode only for a job preempted in its GraceTime."""
+    if not grace_preempted(job, attempt):
+        return False
+    return requeues_after_grace(job, attempt, slurm_version(), preempt_mode((job or {}).get("Partition")
+                                                                            or env.get("SLURM_JOB_PARTITION")))
 
 
-def _last_progress(events: Sequence[dict[str, Any]], last: Attempt) -> float | None:
-    """When the step that just ended last saved (its newest checkpoint record), else when it began: the
-    work after that is lost, and the restart redoes it."""
-    began = last.step_started_at if last.step_started_at is not None else last.started_at
-    if began is None:
-        return None
-    saved = [e.get("time") for e in events if e.get("event") == "checkpoint"
-             and isinstance(e.get("time"), (int, float)) and e["time"] >= began]
-    return max(saved) if saved else began
+def admission_of(run_dir: Path, attempt: int, job_id: str | None, timeout: float = 120.0,
+                 poll: float = 0.2) -> Admission | None:
+    """What rank 0's `admit` decided for `attempt` of job `job_id`, for the other ranks of a launch that runs
+    it on rank 0 only (the submitit executor): an Admission once its record is there ("attempt_start"
+    followed by no refusal, "skipped", or a refusal's "gave_up"), or None when none came within `timeout`
+    seconds (the rank then goes on, as before). Reads only: rank 0 writes the records."""
+    deadline = time.monotonic() + timeout
+    seen_start = None  # rank 0 writes a refusal right after the start record: look again a moment later
+    while True:
+        started = False
+        for event in read_jsonl(RunDir(run_dir).events):
+            # a chain's "skipped" record names its job, not an attempt
+            if event.get("attempt", attempt) != attempt or (event.get("job_id") not in (None, job_id)):
+                continue
+            kind = event.get("event")
+            if kind == "skipped":
+                return Admission(False, str(event.get("reason") or "skipped"), done=True)
+            if kind == "attempt_start":
+                started = True
+            elif started and kind == "gave_up":
+                return Admission(False, str(event.get("reason") or "not admitted"))
+        now = time.monotonic()
+        if started:
+            seen_start = seen_start or now
+            if now - seen_start >= 0.5:
+                return Admission(True, "admitted")
+        if now >= deadline:
+            return None
+        time.sleep(poll)
 
 
 def finished_in_last_attempt(run_dir: Path) -> bool:
@@ -709,13 +376,20 @@ def _waiting_successor(run_dir: Path, job_id: str | None, ask_slurm) -> str | No
     return following if job is None or job.get("JobState") == "PENDING" else None
 
 
-def resubmit(run_dir: Path, attempt: int, why: str, env: Mapping[str, str] | None = None, queue=None) -> str:
+def resubmit(run_dir: Path, attempt: int, why: str, env: Mapping[str, str] | None = None, queue=None,
+             ask_slurm=None) -> str | None:
     """`scontrol requeue` failed (`why`: what it said): queue the next attempt as a new job that waits for
     this one (`job.chain.queue_next`), on the same run dir and chain, so the same policy
-    and caps apply. Returns the new job id; raises SubmitError (and records gave_up) when that fails too."""
+    and caps apply. Returns the new job id; raises SubmitError (and records gave_up) when that fails too.
+    None where Slurm shows the job requeued after all: the requeue's own SIGTERM to the batch shell can
+    kill the `scontrol requeue` that caused it before it says so (seen on 22.05: "failed: no message"), and
+    a fallback job then would run the run twice."""
     env = dict(os.environ if env is None else env)
     events = JsonLines(RunDir(run_dir).events)
     job_id = env.get("SLURM_JOB_ID")
+    job = (ask_slurm or slurm_job)(job_id) if job_id else None
+    if job and _int(job.get("Restarts")) > attempt:
+        return None
     if queue is None:
         from hpc_ddp.job.chain import queue_next as queue
     why = " ".join(why.split())[:300] or "no reason given"
@@ -748,6 +422,13 @@ def _cause_from_deadline(env: dict[str, str]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    numbers = args[2:4] if args[:1] == ["end"] else args[2:3]
+    if len(args) >= 3 and not all(n.isascii() and n.lstrip("-").isdigit() and len(n) < 10 for n in numbers):
+        # the batch script passes $SLURM_RESTART_COUNT and srun's exit code: anything else is damage
+        print(f"hpc-ddp attempts: error: {' and '.join(repr(n) for n in numbers)} must be whole numbers "
+              "(the attempt, and for end the exit code) HINT: run the batch script hpc-ddp wrote, as it is",
+              file=sys.stderr, flush=True)
+        return 2
     try:
         if args[:1] == ["begin"] and len(args) == 3:
             admission = admit(Path(args[1]), int(args[2]))
@@ -760,7 +441,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args[:1] == ["resubmit"] and len(args) == 4:
             next_job = resubmit(Path(args[1]), int(args[2]), args[3])
-            print(f"hpc-ddp: the next attempt is job {next_job}, queued to start when this one ends", flush=True)
+            print(f"hpc-ddp: the next attempt is job {next_job}, queued to start when this one ends" if next_job
+                  else "hpc-ddp: Slurm shows the job requeued after all: no job queued instead", flush=True)
             return 0
     except Exception as exc:  # noqa: BLE001 - the batch log gets one line (a traceback for a bug)
         return report(exc, "hpc-ddp attempts", traceback_for_bugs=True)

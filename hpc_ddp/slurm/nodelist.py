@@ -16,14 +16,45 @@ from hpc_ddp.common.errors import EnvError
 __all__ = ["expand_hostlist", "compress_hostlist", "expand_tasks_per_node"]
 
 _TASKS_ITEM = re.compile(r"^(\d+)(?:\(x(\d+)\))?$")
+# More hosts than any job has: a hostlist that expands past this (`n[1-20000000]` in a damaged record) is
+# refused before a name is made, not expanded into gigabytes of memory.
+MAX_HOSTS = 65536
 
 
-def expand_hostlist(hostlist: str) -> tuple[str, ...]:
-    """Expand a Slurm hostlist into host names, in Slurm's order (duplicates kept, as Slurm does)."""
+def expand_hostlist(hostlist: str, limit: int = MAX_HOSTS) -> tuple[str, ...]:
+    """Expand a Slurm hostlist into host names, in Slurm's order (duplicates kept, as Slurm does). More than
+    `limit` names is an EnvError, found by counting before anything is expanded."""
+    items = _split_top_level(hostlist)
+    total = 0
+    for item in items:
+        total += _count_item(item, hostlist)
+        if total > limit:
+            raise EnvError(f"hostlist {hostlist[:80]!r}{'...' if len(hostlist) > 80 else ''} names more than "
+                           f"{limit:,} hosts: not expanded")
     hosts: list[str] = []
-    for item in _split_top_level(hostlist):
+    for item in items:
         hosts.extend(_expand_item(item, hostlist))
     return tuple(hosts)
+
+
+def _count_item(item: str, whole: str) -> int:
+    """How many names `item` expands to, without expanding it."""
+    count = 1
+    for piece in re.split(r"(\[[^\]]*\])", item):
+        if piece.startswith("["):
+            count *= sum(_range_size(rng, whole) for rng in piece[1:-1].split(","))
+    return count
+
+
+def _range_size(rng: str, whole: str) -> int:
+    lo, sep, hi = rng.partition("-")
+    if not lo.isdigit() or (sep and not hi.isdigit()):
+        raise EnvError(f"invalid hostlist {whole!r}: bad range {rng!r}")
+    if not sep:
+        return 1
+    if int(hi) < int(lo):
+        raise EnvError(f"invalid hostlist {whole!r}: range {rng!r} runs backwards")
+    return int(hi) - int(lo) + 1
 
 
 def compress_hostlist(hosts: Sequence[str]) -> str:

@@ -7,6 +7,11 @@
 # starts clean, so job ids start again and old records would be mistaken for new jobs); MariaDB itself
 # is left running when it answers.
 # The last line printed is the `export SLURM_CONF=...` line that points sbatch/srun/squeue at it.
+#
+# HPC_DDP_SLURM_VERSION picks the Slurm release: 22.05 (the default) is Debian bookworm's, on this machine;
+# 24.11 (Debian trixie) and 26.05 (Debian sid) run from a root of their own release (tests/cluster/chroot.sh:
+# built once with mmdebstrap from Debian's repositories, cached). Their daemons, and so every job step, run
+# inside that root; the Slurm commands on the export line's PATH ($ROOT/bin) run that release's commands.
 set -euo pipefail
 
 ROOT=${HPC_DDP_SLURM_ROOT:-/var/tmp/hpc-ddp-slurm}
@@ -22,12 +27,20 @@ CPUS_PER_NODE=4
 DB_PORT=3316
 DB_SOCK=$ROOT/mysql.sock
 here=$(cd "$(dirname "$0")" && pwd)
+VERSION=${HPC_DDP_SLURM_VERSION:-22.05}
+# shellcheck source=tests/cluster/chroot.sh
+. "$here/chroot.sh"
+CHROOT=$(chroot_dir "$VERSION") || exit 2
+# Slurm's daemons and commands below run from the version's root (CHROOT; "" for the host's own Slurm).
+slurm_argv() { if [ -n "$CHROOT" ]; then SLURM_ARGV=("${CHROOT_ENV[@]/#@ROOT@/$CHROOT}" "$@"); else SLURM_ARGV=("$@"); fi; }
+in_slurm() { slurm_argv "$@"; "${SLURM_ARGV[@]}"; }
 
 log() { printf 'slurm-up: %s\n' "$*" >&2; }
 
 install_packages() {
     if command -v slurmctld >/dev/null && command -v munged >/dev/null && command -v sbatch >/dev/null \
-        && command -v slurmdbd >/dev/null && command -v mariadbd >/dev/null && command -v ch-run >/dev/null; then
+        && command -v slurmdbd >/dev/null && command -v mariadbd >/dev/null && command -v ch-run >/dev/null \
+        && { [ -z "$CHROOT" ] || command -v mmdebstrap >/dev/null; }; then
         return
     fi
     log "installing slurm-wlm, munge, slurmdbd, mariadb-server and charliecloud-runtime (apt-get)"
@@ -35,7 +48,8 @@ install_packages() {
     apt-get update -qq
     # The packages' own MariaDB service is not used: the one below has a data dir of its own.
     # charliecloud-runtime (ch-run) is the container runtime of the container tests (tests/cluster/ch-image.sh).
-    apt-get install -y -qq slurm-wlm munge slurmdbd mariadb-server charliecloud-runtime >/dev/null
+    # mmdebstrap: the roots of the newer releases (tests/cluster/chroot.sh).
+    apt-get install -y -qq slurm-wlm munge slurmdbd mariadb-server charliecloud-runtime mmdebstrap >/dev/null
 }
 
 # Start a daemon in the background with none of our file descriptors: one it inherited would hold what
@@ -166,6 +180,7 @@ EOF
 }
 
 stop_daemons() {
+    [ -n "$CHROOT" ] || rm_wrappers "$ROOT/bin"
     pkill -x slurmctld 2>/dev/null || true
     pkill -x slurmd 2>/dev/null || true
     pkill -x slurmdbd 2>/dev/null || true
@@ -180,44 +195,48 @@ stop_daemons() {
 
 start_slurmdbd() {
     export SLURM_CONF=$ROOT/slurm.conf
-    spawn slurmdbd
+    slurm_argv slurmdbd
+    spawn "${SLURM_ARGV[@]}"
     # Once slurmdbd answers (it creates its tables first): the cluster, an account, and root in it.
     local i
     for i in $(seq 300); do
-        sacctmgr -n -P show cluster >/dev/null 2>&1 && break
+        in_slurm sacctmgr -n -P show cluster >/dev/null 2>&1 && break
         sleep 0.1
     done
-    if ! sacctmgr -n -P show cluster >/dev/null 2>&1; then
+    if ! in_slurm sacctmgr -n -P show cluster >/dev/null 2>&1; then
         log "slurmdbd did not start; see $ROOT/log/slurmdbd.log"
         return 1
     fi
-    sacctmgr -i add cluster hpcddp >/dev/null
-    sacctmgr -i add account hpcddp Cluster=hpcddp Description=hpc-ddp-tests Organization=hpc-ddp >/dev/null
-    sacctmgr -i add user root Account=hpcddp Cluster=hpcddp DefaultAccount=hpcddp >/dev/null
+    in_slurm sacctmgr -i add cluster hpcddp >/dev/null
+    in_slurm sacctmgr -i add account hpcddp Cluster=hpcddp Description=hpc-ddp-tests Organization=hpc-ddp >/dev/null
+    in_slurm sacctmgr -i add user root Account=hpcddp Cluster=hpcddp DefaultAccount=hpcddp >/dev/null
 }
 
 start_daemons() {
     export SLURM_CONF=$ROOT/slurm.conf
-    slurmctld -c -L "$ROOT/log/slurmctld.log"   # -c: clean start, no jobs left from an earlier run
+    # The state of an earlier test Slurm (another version's, whose cluster id the emptied database no longer
+    # knows: slurmctld 24.11 and later refuse to start on it, "CLUSTER ID MISMATCH"); -c starts clean anyway.
+    rm -rf "$ROOT/state" && mkdir -p "$ROOT/state"
+    in_slurm slurmctld -c -L "$ROOT/log/slurmctld.log"   # -c: clean start, no jobs left from an earlier run
     local n
     for n in "${NODES[@]}"; do
         mkdir -p "$ROOT/spool/$n"
-        slurmd -N "$n" -L "$ROOT/log/slurmd-$n.log"
+        in_slurm slurmd -N "$n" -L "$ROOT/log/slurmd-$n.log"
     done
 }
 
 wait_until_idle() {
     local i
     for i in $(seq 100); do
-        if [ "$(sinfo -h -N -t idle -o '%N' 2>/dev/null | sort -u | wc -l)" = "${#NODES[@]}" ]; then
+        if [ "$(in_slurm sinfo -h -N -t idle -o '%N' 2>/dev/null | sort -u | wc -l)" = "${#NODES[@]}" ]; then
             return 0
         fi
         # Nodes may come up DOWN/"unexpectedly rebooted" after a restart; resume them.
-        scontrol update NodeName="$(IFS=,; echo "${NODES[*]}")" State=RESUME >/dev/null 2>&1 || true
+        in_slurm scontrol update NodeName="$(IFS=,; echo "${NODES[*]}")" State=RESUME >/dev/null 2>&1 || true
         sleep 0.3
     done
     log "nodes did not become idle; see $ROOT/log"
-    sinfo >&2 || true
+    in_slurm sinfo >&2 || true
     return 1
 }
 
@@ -227,10 +246,20 @@ start_munge
 make_fake_gpus
 stop_daemons
 write_config
+if [ -n "$CHROOT" ]; then
+    build_chroot "$CHROOT" "$VERSION"
+    mount_chroot "$CHROOT" "$ROOT" "$here/../.." ${PY:+"$PY"}
+    write_wrappers "$CHROOT" "$ROOT/bin"
+fi
 start_mariadb
 reset_accounting_db
 start_slurmdbd
 start_daemons
 wait_until_idle
-sinfo -o '%P %a %l %D %t %N %G' >&2
-echo "export SLURM_CONF=$ROOT/slurm.conf"
+in_slurm sinfo -o '%P %a %l %D %t %N %G' >&2
+log "Slurm $(in_slurm sinfo -V)${CHROOT:+ (from $CHROOT)}"
+if [ -n "$CHROOT" ]; then
+    echo "export SLURM_CONF=$ROOT/slurm.conf HPC_DDP_SLURM_VERSION=$VERSION PATH=$ROOT/bin:\$PATH"
+else
+    echo "export SLURM_CONF=$ROOT/slurm.conf HPC_DDP_SLURM_VERSION=$VERSION"
+fi

@@ -9,6 +9,17 @@ PORT=${HPC_DDP_SSHD_PORT:-2222}
 REMOTE_USER=${HPC_DDP_REMOTE_USER:-hpcremote}
 SLURM_CONF_FILE=${SLURM_CONF:-/var/tmp/hpc-ddp-slurm/slurm.conf}
 log() { echo "sshd-up: $*" >&2; }
+# On a test Slurm of a newer release (HPC_DDP_SLURM_VERSION 24.11 or 26.05, tests/cluster/chroot.sh) the sshd
+# runs in that release's root, so the cluster account's sessions run that release's Slurm commands, as on a
+# login node of such a cluster. slurm-up.sh builds the root and binds what it needs into it.
+here=$(cd "$(dirname "$0")" && pwd)
+# shellcheck source=tests/cluster/chroot.sh
+. "$here/chroot.sh"
+CHROOT=$(chroot_dir "${HPC_DDP_SLURM_VERSION:-22.05}") || exit 2
+if [ -n "$CHROOT" ] && [ ! -x "$CHROOT/usr/sbin/sshd" ]; then
+    log "no sshd in $CHROOT: bring the Slurm ${HPC_DDP_SLURM_VERSION} test Slurm up first (slurm-up.sh builds its root)"
+    exit 1
+fi
 
 if [ ! -x /usr/sbin/sshd ]; then
     log "installing openssh-server (apt-get)"
@@ -31,6 +42,10 @@ if [ -n "${HPC_DDP_REMOTE_PYTHON:-}" ]; then
             command -v setfacl >/dev/null || { export DEBIAN_FRONTEND=noninteractive; apt-get install -y -qq acl >/dev/null 2>&1 || { apt-get update -qq; apt-get install -y -qq acl >/dev/null; }; }
             setfacl -m "u:$REMOTE_USER:x" "$dir"
             log "let $REMOTE_USER pass through $dir (setfacl u:$REMOTE_USER:x)"
+        fi
+        # The same folder in the root the sshd runs in, where it is the root's own (not a bound one).
+        if [ -n "$CHROOT" ] && [ -d "$CHROOT$dir" ] && [ "$(stat -c %d:%i "$CHROOT$dir")" != "$(stat -c %d:%i "$dir")" ]; then
+            command -v setfacl >/dev/null && setfacl -m "u:$REMOTE_USER:x" "$CHROOT$dir"
         fi
         dir=$(dirname "$dir")
     done
@@ -84,8 +99,15 @@ CONF
 if [ -f "$ROOT/sshd.pid" ] && kill -0 "$(cat "$ROOT/sshd.pid")" 2>/dev/null; then
     kill "$(cat "$ROOT/sshd.pid")" && sleep 0.5
 fi
-/usr/sbin/sshd -t -f "$ROOT/sshd_config"
-/usr/sbin/sshd -f "$ROOT/sshd_config" -E "$ROOT/sshd.log"
+SSHD=(/usr/sbin/sshd)
+if [ -n "$CHROOT" ]; then
+    _bind "$CHROOT" "$ROOT"
+    sync_accounts "$CHROOT"   # the account made above, and sshd's own user
+    mkdir -p "$CHROOT/run/sshd" && chmod 755 "$CHROOT/run/sshd"
+    SSHD=(chroot "$CHROOT" /usr/sbin/sshd)
+fi
+"${SSHD[@]}" -t -f "$ROOT/sshd_config"
+"${SSHD[@]}" -f "$ROOT/sshd_config" -E "$ROOT/sshd.log"
 for _ in $(seq 50); do
     ssh -F "$ROOT/ssh_config" -o ControlMaster=no cluster true 2>/dev/null && break
     sleep 0.2

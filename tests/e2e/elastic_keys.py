@@ -19,10 +19,19 @@ class Indices(torch.utils.data.Dataset):
 
 
 run = hpc_ddp.start()
-model = torch.nn.Linear(1, 1)
-opt = torch.optim.SGD(model.parameters(), lr=0.01)
-if run.distributed:
-    model = torch.nn.parallel.DistributedDataParallel(model)
+if os.environ.get("KEYS_FSDP"):  # sharded (tests/e2e/test_sharded.py): FSDP2 on each layer and the model
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    for layer in (model[0], model[2], model):
+        fully_shard(layer)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+else:
+    model = torch.nn.Linear(1, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    if run.distributed:
+        model = torch.nn.parallel.DistributedDataParallel(model)
 run.track(model=model, optimizer=opt)
 BATCH = int(os.environ.get("KEYS_BATCH", "4"))
 loader = run.loader(Indices(), batch_size=BATCH)
@@ -36,7 +45,7 @@ for epoch in run.epochs(2):
         for _ in range(accum):
             x = next(batches)
             seen += x.tolist()
-            (model(x.float().view(-1, 1)).sum() * run.loss_weight()).backward()  # uneven splits weight it
+            (model(x.float().view(-1, 1) / 200).mean() * run.loss_weight()).backward()  # a mean: loss_weight() is for one
         opt.step()
         opt.zero_grad()
         time.sleep(float(os.environ.get("KEYS_STEP_S", "0")))  # slow enough to be preempted mid-run
@@ -44,4 +53,9 @@ for epoch in run.epochs(2):
         out.flush()
         if run.step(batches=accum):
             break
+if os.environ.get("KEYS_FSDP"):  # the sharded model's outputs, for `hpc-ddp export`'s file to match
+    probe = model(torch.linspace(0, 1, 7).view(-1, 1)).detach()  # a collective: every rank's forward
+    if run.rank == 0:
+        with open(os.path.join(sys.argv[1], "probe.json"), "w") as f:
+            json.dump(probe.view(-1).tolist(), f)
 run.finish()

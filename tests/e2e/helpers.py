@@ -88,14 +88,27 @@ def job_field(job_id: str, field: str) -> str | None:
     return m.group(1) if m else None
 
 
-def wait_until(predicate, timeout: float, what: str, interval: float = 0.2):
+def wait_until(predicate, timeout: float, what: str, interval: float = 0.2, explain=None):
+    """Poll `predicate` until it is true; on a timeout the error carries `explain()` (what Slurm and the
+    run recorded), so that a CI log says why."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
         time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}" + (f"\n{explain()}" if explain else ""))
+
+
+def explain_job(job_id: str) -> str:
+    """What Slurm shows of a job (scontrol, sacct's steps) and what its run dir recorded (found from the
+    job's StdOut, RUN_DIR/logs/slurm-N.out)."""
+    info = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True).stdout
+    steps = subprocess.run(["sacct", "-P", "-j", job_id, "-o", "JobID,State,ExitCode,NodeList,Start,End"],
+                           capture_output=True, text=True).stdout
+    out = re.search(r"StdOut=(\S+)", info)
+    run_dir = Path(out.group(1)).parent.parent if out else None
+    return f"{info}{steps}{_run_record(run_dir if run_dir and (run_dir / 'events.jsonl').exists() else None)}"
 
 
 def last_step(run_dir: Path) -> int:
@@ -154,7 +167,8 @@ def preempt(job_id: str) -> None:
     restarts = int(job_field(job_id, "Restarts") or 0)
     urgent = subprocess.run(["sbatch", "--parsable", "-p", "urgent", "-N2", "--exclusive", "-o", "/dev/null",
                              "--wrap", "sleep 1"], capture_output=True, text=True, check=True).stdout.strip()
-    wait_until(lambda: int(job_field(job_id, "Restarts") or 0) > restarts, 90, f"job {job_id} to be requeued")
+    wait_until(lambda: int(job_field(job_id, "Restarts") or 0) > restarts, 90, f"job {job_id} to be requeued",
+               explain=lambda: explain_job(job_id))
     wait_until(lambda: job_field(urgent, "JobState") in ("COMPLETED", "FAILED", "CANCELLED", None), 60,
                f"urgent job {urgent} to end")
     time.sleep(CREDENTIAL_SECOND_S)
@@ -187,3 +201,39 @@ class SlowLinear(nn.Module):
 def make(**kwargs):
     return SlowLinear(**kwargs)
 """
+
+
+def unix_listening(path: str) -> bool:
+    """Something listens on the Unix socket `path` now (/proc/net/unix: flag __SO_ACCEPTCON). A socket file
+    alone says nothing: one left by a killed process stays until the next listener replaces it."""
+    with open("/proc/net/unix") as table:
+        next(table)
+        for line in table:
+            fields = line.split()
+            if len(fields) >= 8 and fields[7] == path and int(fields[3], 16) & 0x10000:
+                return True
+    return False
+
+
+def stop(proc: subprocess.Popen | None, grace_s: float = 10) -> None:
+    """End a helper process the way a user does (SIGTERM: it cleans up), and kill it only if it will not."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def trained_keys(folder: Path):
+    """The (epoch, index) multiset that elastic_keys.py's ranks wrote they trained (keys-*.jsonl in `folder`)."""
+    import collections
+
+    found = collections.Counter()
+    for path in folder.glob("keys-*.jsonl"):
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            found.update((record["epoch"], k) for k in record["keys"])
+    return found

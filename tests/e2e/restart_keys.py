@@ -1,7 +1,8 @@
 """elastic_keys.py for restarts inside the allocation (issue 44): every (epoch, index) a rank trains, one line
 per optimizer step, tagged with the step and the life that trained it (attempt, srun step), so a test can
 drop the steps a crash lost and a restart redid (`trained_once`). A checkpoint every KEYS_CHECKPOINT_EVERY
-steps; KEYS_CRASH_AT=N:R makes rank R die (exit 3, no checkpoint) at step N, once per run dir."""
+steps; KEYS_CRASH_AT=N:R makes rank R die (exit 3, no checkpoint) at step N, once per run dir; KEYS_FSDP=1
+shards the model with FSDP2."""
 import json
 import os
 import sys
@@ -22,10 +23,18 @@ class Indices(torch.utils.data.Dataset):
 
 run = hpc_ddp.start(checkpoint_every_steps=int(os.environ.get("KEYS_CHECKPOINT_EVERY", "0")),
                     async_checkpoint=False)
-model = torch.nn.Linear(1, 1)
-opt = torch.optim.SGD(model.parameters(), lr=0.01)
-if run.distributed:
-    model = torch.nn.parallel.DistributedDataParallel(model)
+if os.environ.get("KEYS_FSDP"):  # sharded: every rank checkpoints its shards, and a restart reshards them
+    from torch.distributed.fsdp import fully_shard
+
+    model = torch.nn.Sequential(torch.nn.Linear(1, 8), torch.nn.Linear(8, 1))
+    for part in (model[0], model[1], model):
+        fully_shard(part)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+else:
+    model = torch.nn.Linear(1, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    if run.distributed:
+        model = torch.nn.parallel.DistributedDataParallel(model)
 run.track(model=model, optimizer=opt)
 loader = run.loader(Indices(), batch_size=4)
 accum = run.accumulation(1, batch_size=4)

@@ -83,6 +83,7 @@ def timed_out_job(slurm_conf, tmp_path_factory):
     subprocess.run(["scancel", job], check=False, capture_output=True)  # already ended: nothing to do
 
 
+@pytest.mark.slurm_core
 def test_a_preempted_job_in_status_list_and_timeline(accounting_up, timed_out_job, tmp_path):
     (tmp_path / "loop.py").write_text(SCRIPT)
     job = submit_json("--executor", "sbatch", "--partition", "debug", "--nodes", "1", "--run-dir", "run",
@@ -120,6 +121,7 @@ def test_a_preempted_job_in_status_list_and_timeline(accounting_up, timed_out_jo
     assert tl.spans[1].resume_step and tl.spans[0].checkpoints
 
 
+@pytest.mark.slurm_core
 def test_a_job_that_hit_its_time_limit(accounting_up, timed_out_job):
     job, folder = timed_out_job
     info = accounted(job, folder, "TIMEOUT", timeout=150)
@@ -131,6 +133,7 @@ def test_a_job_that_hit_its_time_limit(accounting_up, timed_out_job):
     assert next(r for r in listed if r["job_id"] == job)["slurm"]["state"] == "TIMEOUT"
 
 
+@pytest.mark.slurm_core
 def test_a_job_cancelled_while_pending(accounting_up, tmp_path):
     (tmp_path / "sleeper.py").write_text(SLEEPER)
     job = submit_json("--executor", "sbatch", "--partition", "debug", "--nodes", "1", "--run-dir", "run",

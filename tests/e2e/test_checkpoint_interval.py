@@ -46,6 +46,7 @@ def test_the_trainer_records_its_auto_interval_on_the_local_executor(tmp_path):
     assert f"every {chosen[-1]['seconds'] / 60:.1f} min (auto: Young: sqrt(2 x " in line, shown.stdout
 
 
+@pytest.mark.slurm_core
 @pytest.mark.slurm
 def test_on_slurm_the_partitions_sacct_is_asked_once_and_the_interval_chosen_again(slurm_conf, tmp_path):
     (tmp_path / "job.toml").write_text(JOB.replace("epochs = 3", "epochs = 12"))

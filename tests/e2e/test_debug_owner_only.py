@@ -24,7 +24,7 @@ from hpc_ddp.common.events import read_jsonl
 from hpc_ddp.job import debugrelay
 
 from .dap import DapClient
-from .helpers import hpc_ddp, wait_for_job, wait_until
+from .helpers import hpc_ddp, stop, unix_listening, wait_for_job, wait_until
 
 pytestmark = pytest.mark.e2e
 pytest.importorskip("debugpy")
@@ -136,7 +136,7 @@ def _debugger_event(run_dir: Path):
 
 
 def _socket_ready(path: str) -> bool:
-    return os.path.exists(path)
+    return unix_listening(path)  # not the file alone: a killed attach of an earlier job with this id left one
 
 
 def test_another_user_cannot_attach_to_a_local_debug_rank_and_the_owner_can(other_user, tmp_path):
@@ -175,8 +175,7 @@ def test_another_user_cannot_attach_to_a_local_debug_rank_and_the_owner_can(othe
         _, said = attach.communicate(timeout=30)  # it ends once the rank no longer waits
     finally:
         for child in (proc, attach):
-            if child is not None and child.poll() is None:
-                child.kill()
+            stop(child)
     assert proc.returncode == 0, out + err
     assert "[rank 0] secret=42" in out
     log = next(run_dir.glob("logs/job-local-*/attempt-0/rank-0.log")).read_text()
@@ -245,8 +244,8 @@ def test_on_the_test_slurm_another_user_cannot_reach_the_rank_and_the_owner_atta
         assert wait_for_job(job_id, timeout=120) == "COMPLETED"
     finally:
         subprocess.run(["scancel", job_id], capture_output=True)
-        if attach is not None and attach.poll() is None:
-            attach.kill()
+        stop(attach)
+    assert not os.path.exists(event["login_socket"])  # attach, stopped as a user stops it, left nothing
     log = next(run_dir.glob(f"logs/job-{job_id}/attempt-0/rank-0.log")).read_text()
     assert "secret=42" in log and f"hpc-ddp: on the login node run: hpc-ddp attach {job_id}" in log
 

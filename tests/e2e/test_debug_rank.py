@@ -17,7 +17,7 @@ import pytest
 from hpc_ddp.common.events import read_jsonl
 
 from .dap import DapClient
-from .helpers import hpc_ddp, wait_for_job, wait_until
+from .helpers import hpc_ddp, stop, wait_for_job, wait_until
 
 pytestmark = pytest.mark.e2e
 pytest.importorskip("debugpy")
@@ -159,8 +159,7 @@ def test_attach_to_rank_3_of_a_2x2_job_on_the_test_slurm(slurm_conf, tmp_path):
         _, said = attach.communicate(timeout=60)
     finally:
         subprocess.run(["scancel", job_id], capture_output=True)
-        if attach is not None and attach.poll() is None:
-            attach.kill()
+        stop(attach)
     assert f"ssh -N -L 5678:{event['login_socket']}" in said and "a debugger attached" in said, said
     logs = [p.read_text() for p in sorted(run_dir.glob(f"logs/job-{job_id}/attempt-0/rank-*.log"))]
     assert all("total=46" in log for log in logs), logs
@@ -249,8 +248,7 @@ def test_a_debugger_may_detach_and_another_attach_later(tmp_path):
             out, err = proc.communicate(timeout=90)
     finally:
         for child in (proc, attach):
-            if child is not None and child.poll() is None:
-                child.kill()
+            stop(child)
     assert proc.returncode == 0 and "looped to 1000" in out, out + err
 
 

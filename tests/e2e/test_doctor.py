@@ -11,6 +11,7 @@ from .helpers import copy_probe, hpc_ddp
 pytestmark = [pytest.mark.e2e, pytest.mark.slurm]
 
 
+@pytest.mark.slurm_core
 def test_doctor_reports_the_real_cluster(slurm_conf, tmp_path):
     done = hpc_ddp("doctor", cwd=tmp_path, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -41,6 +42,7 @@ def test_doctor_flags_what_cannot_fit(slurm_conf, tmp_path, args, error):
     assert error in done.stdout and "HINT:" in done.stdout
 
 
+@pytest.mark.slurm_core
 def test_doctor_passes_what_fits_and_asks_sbatch(slurm_conf, tmp_path):
     copy_probe(tmp_path)
     done = hpc_ddp("doctor", "--nodes", "2", "--gpus", "2", "--time", "5", "--partition", "short",

@@ -14,19 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from .helpers import hpc_ddp, job_field, run_through_requeues, submit_json, wait_until
+from .helpers import hpc_ddp, job_field, run_through_requeues, submit_json, trained_keys, wait_until
 
 pytestmark = pytest.mark.e2e
 SCRIPT = Path(__file__).with_name("elastic_keys.py")
-
-
-def _trained(folder: Path) -> collections.Counter:
-    found = collections.Counter()
-    for path in folder.glob("keys-*.jsonl"):
-        for line in path.read_text().splitlines():
-            record = json.loads(line)
-            found.update((record["epoch"], k) for k in record["keys"])
-    return found
 
 
 def _submit(tmp_path, run_dir, keys, *options, env=None):
@@ -46,7 +37,7 @@ def test_a_run_resumed_on_half_its_ranks_trains_the_uninterrupted_samples(tmp_pa
     assert resumed.returncode == 0, resumed.stderr
     out = resumed.stdout + resumed.stderr
     assert "resumed on 2 ranks (saved by 4): global batch kept at 16 with gradient accumulation 1 -> 2" in out
-    whole, parts = _trained(tmp_path / "whole-keys"), _trained(tmp_path / "keys")
+    whole, parts = trained_keys(tmp_path / "whole-keys"), trained_keys(tmp_path / "keys")
     assert parts == whole and max(parts.values()) == 1 and sum(whole.values()) == 2 * (200 // 16 * 16)
     events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
     assert [(e["from_world_size"], e["world_size"], e["grad_accum"]) for e in events if e["event"] == "resized"] \
@@ -67,7 +58,7 @@ def test_a_run_stopped_on_4_ranks_mid_epoch_resumes_on_3_with_uneven_batches_and
     out = resumed.stdout + resumed.stderr
     assert resumed.returncode == 0, out
     assert "global batch kept at 16 as 2 micro-steps of 8, per-rank batches 3 or 2 (was 4)" in out
-    whole, parts = _trained(tmp_path / "whole-keys"), _trained(tmp_path / "keys")
+    whole, parts = trained_keys(tmp_path / "whole-keys"), trained_keys(tmp_path / "keys")
     assert parts == whole and max(parts.values()) == 1 and sum(whole.values()) == 2 * (200 // 16 * 16)
     events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
     resized = [e for e in events if e["event"] == "resized"]
@@ -124,7 +115,7 @@ def test_on_slurm_a_range_job_preempted_on_2_nodes_resumes_on_the_1_left_free(sl
                 subprocess.run(["scancel", pending])
     events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
     assert [(e["from_world_size"], e["world_size"]) for e in events if e["event"] == "resized"] == [(2, 1)]
-    trained = _trained(tmp_path / "keys")
+    trained = trained_keys(tmp_path / "keys")
     sampler = ResumableSampler(200, rank=0, world_size=1, seed=0)
     expected = collections.Counter()
     for epoch in range(2):
@@ -169,7 +160,7 @@ def test_on_slurm_a_2_4_job_started_on_4_resumes_on_the_2_left_free(slurm_conf, 
     for epoch in range(2):
         sampler.set_position(epoch, 0)
         expected.update((epoch, i) for i in sampler.order()[:200 // 16 * 16])  # global batch 4 x 4
-    assert _trained(tmp_path / "keys") == expected
+    assert trained_keys(tmp_path / "keys") == expected
 
 
 @pytest.mark.slurm
@@ -207,7 +198,7 @@ def test_on_slurm_a_2_4_job_started_on_4_resumes_on_the_3_left_free_with_uneven_
     for epoch in range(2):
         sampler.set_position(epoch, 0)
         expected.update((epoch, i) for i in sampler.order()[:200 // 16 * 16])  # global batch 4 x 4
-    assert _trained(tmp_path / "keys") == expected
+    assert trained_keys(tmp_path / "keys") == expected
 
 
 TRAINER_JOB = """script = ""

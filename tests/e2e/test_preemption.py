@@ -101,6 +101,7 @@ def test_preempted_twice_and_warned_once_ends_bitwise_identical(slurm_conf, work
     assert rank_logs == [f"logs/job-{job}/attempt-{a}/rank-{r}.log" for a in range(4) for r in range(4)]
 
 
+@pytest.mark.slurm_core
 def test_time_limit_signals_checkpoints_requeues_and_finishes(slurm_conf, workspace):
     (workspace / "slowmodel.py").write_text(SLOW_MODEL)
     # 40 epochs x 4 steps x 0.25 s = 40 s of training. An attempt trains for less: the signal comes

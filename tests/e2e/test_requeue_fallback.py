@@ -82,6 +82,7 @@ def _trained_every_step_once(run_dir) -> None:
     ("forbidden", "job.toml", {"SBATCH_NO_REQUEUE": "1"}, "Requested operation is presently disabled"),
     ("no_scontrol", "no_scontrol.toml", {}, "scontrol: command not found"),
 ])
+@pytest.mark.slurm_core
 def test_a_job_that_cannot_be_requeued_goes_on_as_a_dependent_job(slurm_conf, workspace, how, job_file, env, said):
     out = submit_json("--run-dir", how, job_file, cwd=workspace, env={"HPC_DDP_FAULT_STOP_AT": STOP_AT, **env})
     first, run_dir = out["job_id"], workspace / how
@@ -105,6 +106,7 @@ def test_a_job_that_cannot_be_requeued_goes_on_as_a_dependent_job(slurm_conf, wo
     assert json.loads(status.stdout)["state"] == "COMPLETED", status.stdout + status.stderr
 
 
+@pytest.mark.slurm_core
 def test_a_chain_hands_over_at_a_stop_and_its_last_job_ends_at_once(slurm_conf, workspace):
     out = submit_json("--chain", "3", "--run-dir", "chain", "job.toml", cwd=workspace,
                       env={"HPC_DDP_FAULT_STOP_AT": STOP_AT})

@@ -1,14 +1,16 @@
-"""Real DDP (gloo, CPU) on the test Slurm: 2 nodes x 2 fake GPUs, via sbatch and via submitit."""
+"""Real DDP (gloo, CPU) on the test Slurm: 2 nodes x 2 fake GPUs, via sbatch and via submitit; 4 nodes x 1."""
 
 import json
 
 import pytest
 
-from .helpers import check_probe, copy_probe, hpc_ddp, read_probe, wait_for_job
+from .helpers import check_probe, copy_probe, hpc_ddp, read_probe, submit_json, wait_for_job
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slurm]
 
 
+@pytest.mark.slurm_smoke
+@pytest.mark.slurm_core
 @pytest.mark.parametrize("executor", ["sbatch", "submitit"])
 def test_two_nodes_two_gpus(slurm_conf, tmp_path, executor):
     copy_probe(tmp_path)
@@ -27,6 +29,17 @@ def test_two_nodes_two_gpus(slurm_conf, tmp_path, executor):
     assert all(r["HPC_DDP_JOB_ID"] == result["job_id"] and r["HPC_DDP_HOSTS"] == "hpcn1,hpcn2" for r in seen)
     rank_logs = sorted(run_dir.glob(f"logs/job-{result['job_id']}/attempt-0/rank-*.log"))
     assert len(rank_logs) == 4
+
+
+@pytest.mark.slurm_core
+def test_four_nodes_one_gpu_each(slurm_conf, tmp_path):
+    """All four nodes of partition `wide`, one rank each: the environment of every rank, on every version."""
+    copy_probe(tmp_path)
+    job = submit_json("--nodes", "4", "--gpus", "1", "--partition", "wide", "--run-dir", "run", "allreduce_probe.py",
+                      cwd=tmp_path)["job_id"]
+    assert wait_for_job(job, run_dir=tmp_path / "run") == "COMPLETED"
+    check_probe(read_probe(tmp_path / "run"), nodes=4, tasks=1, master="hpcn1",
+                node_names=["hpcn1", "hpcn2", "hpcn3", "hpcn4"])
 
 
 def test_sbatch_script_resubmits_from_its_header(slurm_conf, tmp_path):

@@ -37,6 +37,7 @@ def _task_status(workspace, job_id):
     return json.loads(done.stdout)
 
 
+@pytest.mark.slurm_core
 def test_a_sweep_of_two_node_jobs_with_one_task_preempted(slurm_conf, tmp_path):
     (tmp_path / "slowmodel.py").write_text(SLOW_MODEL)
     (tmp_path / "job.toml").write_text(JOB)

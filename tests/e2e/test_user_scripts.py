@@ -66,13 +66,14 @@ def mnist_baseline(workspace):
 @pytest.mark.parametrize("example,args", [
     ("linear_regression.py", ()),
     ("spawn_mnist.py", ("--stage",)),
+    ("fsdp_preemptible.py", ()),   # sharded (FSDP2): every rank writes its shards, and reads them back
 ])
 def test_examples_stop_and_resume_bitwise_under_the_local_executor(workspace, example, args):
     extra = ("--stage", f"{workspace / 'mnist'}:mnist") if args else ()
     env = {"EPOCHS": "3"}
     base = _local(workspace, f"{example}-base", *extra, str(EXAMPLES / example), env=env)
     assert base.returncode == 0, base.stdout[-3000:] + base.stderr[-3000:]
-    stop_at = 2 if example == "linear_regression.py" else 37
+    stop_at = {"linear_regression.py": 2, "fsdp_preemptible.py": 45}.get(example, 37)
     cut = _local(workspace, f"{example}-cut", *extra, str(EXAMPLES / example),
                  env={**env, "HPC_DDP_FAULT_STOP_AT": str(stop_at)})
     assert cut.returncode == 0, cut.stdout[-3000:] + cut.stderr[-3000:]
@@ -167,6 +168,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.slurm_core
 @pytest.mark.slurm
 def test_plain_script_is_run_again_after_each_real_preemption_with_a_grace_time(slurm_conf, workspace):
     (workspace / "plain.py").write_text(PLAIN)
@@ -189,6 +191,7 @@ def test_plain_script_is_run_again_after_each_real_preemption_with_a_grace_time(
     assert "ended: preempted (exit code 143)" in status and "failed" not in status
 
 
+@pytest.mark.slurm_core
 @pytest.mark.slurm
 def test_a_cancelled_plain_script_is_not_requeued(slurm_conf, workspace):
     (workspace / "plain.py").write_text(PLAIN)
@@ -272,6 +275,7 @@ def test_an_unmodified_lightning_script_runs_on_2_by_2(slurm_conf, workspace):
     assert {r["world_size"] for r in seen} == {4} and {r["steps"] for r in seen} == {8}  # 256 / 4 ranks / 16 x 2
 
 
+@pytest.mark.slurm_core
 @pytest.mark.slurm
 def test_plain_script_through_submitit_is_run_again_after_a_real_preemption(slurm_conf, workspace):
     (workspace / "plain.py").write_text(PLAIN)

@@ -5,6 +5,7 @@ import json
 import pytest
 
 from hpc_ddp.job import attempts
+from hpc_ddp.slurm import jobview
 from hpc_ddp.job.attempts import Attempt, Limits, attempts_from_events, decide_begin, decide_end
 
 LIMITS = Limits(max_requeues=2, max_preemptions=3)
@@ -198,7 +199,7 @@ def test_finish_asks_slurm_and_records_the_cause(tmp_path, case, shell_signal, w
 @pytest.mark.parametrize("case,shell_signal,word,cause", [
     # Lightning catches SIGTERM ("Bypassing SIGTERM") and leaves with exit 0 (issue 27): interrupted
     ("preempt_no_grace", "TERM", "requeued", "preempted"),   # GraceTime 0: Slurm requeues it, once
-    ("preempt_grace", "", "requeue", "preempted"),           # GraceTime > 0: ends FAILED unless requeued
+    ("preempt_grace", "", "requeue", "preempted"),           # GraceTime > 0, Slurm 22.05-23.11: we requeue
     ("admin_requeue", "TERM", "requeued", "preempted"),
     ("time_limit", "", "requeue", "time_limit"),
     ("scancel", "TERM", "stop", "cancelled"),                # scancel stays cancelled
@@ -477,7 +478,7 @@ def test_a_chain_cancelled_before_it_ran_does_not_take_the_run_up_again(tmp_path
 
 # ---- a lost node (issue 32) ----
 
-@pytest.mark.parametrize("state, lost", [("down", True), ("down*", True), ("idle*", True), ("mixed*", True),
+@pytest.mark.parametrize("state, lost", [("down", True), ("down*", True), ("idle*", False), ("mixed*", False),
                                          ("fail", True), ("failing", True), ("idle", False), ("allocated", False),
                                          ("mixed", False), ("drained", False), ("completing", False),
                                          ("down~", True), ("mixed+drain", False)])
@@ -488,13 +489,15 @@ def test_lost_states(state, lost):
 def test_down_nodes_asks_sinfo_for_the_jobs_nodes(monkeypatch):
     import subprocess
 
-    monkeypatch.setattr(attempts.shutil, "which", lambda name: "/usr/bin/" + name)
+    monkeypatch.setattr(jobview.shutil, "which", lambda name: "/usr/bin/" + name)
     asked = []
 
     def sinfo(argv, **_):
         asked.append(argv)
         return subprocess.CompletedProcess(argv, 0, "hpcn1|allocated\nhpcn2|down*\nhpcn2|down*\nhpcn3|idle*\n", "")
-    assert attempts.down_nodes("hpcn[1-3]", run=sinfo) == ["hpcn2", "hpcn3"]
+    assert attempts.down_nodes("hpcn[1-3]", run=sinfo) == ["hpcn2"]   # hpcn3 only misses pings
+    assert attempts.down_nodes("hpcn[1-3]", run=sinfo, silent=True) == ["hpcn2", "hpcn3"]
+    del asked[1:]
     assert asked == [["sinfo", "-h", "-N", "-n", "hpcn[1-3]", "-o", "%N|%T"]]
     assert attempts.down_nodes(None, run=sinfo) == []
     assert attempts.down_nodes("hpcn1", run=lambda argv, **_: subprocess.CompletedProcess(argv, 1, "", "x")) == []
@@ -502,7 +505,7 @@ def test_down_nodes_asks_sinfo_for_the_jobs_nodes(monkeypatch):
 
 def test_an_attempt_that_lost_a_node_is_requeued_within_max_requeues(tmp_path, monkeypatch):
     run_dir = _spec_dir(tmp_path, max_requeues=1)
-    monkeypatch.setattr(attempts, "down_nodes", lambda nodes, run=None: ["hpcn2"] if nodes else [])
+    monkeypatch.setattr(attempts, "down_nodes", lambda nodes, run=None, silent=False: ["hpcn2"] if nodes else [])
     env = {"SLURM_JOB_ID": "3", "SLURM_JOB_NODELIST": "hpcn[1-2]"}
     for attempt, word in ((0, "requeue"), (1, "stop")):   # one requeue: max_requeues=1
         assert attempts.begin(run_dir, attempt, env=env)[0]
@@ -519,7 +522,7 @@ def test_an_attempt_that_lost_a_node_is_requeued_within_max_requeues(tmp_path, m
 
 def test_a_batch_shell_that_went_down_with_its_node_is_recorded_at_the_next_begin(tmp_path, monkeypatch):
     run_dir = _spec_dir(tmp_path)
-    monkeypatch.setattr(attempts, "down_nodes", lambda nodes, run=None: ["hpcn1"] if nodes == "hpcn1" else [])
+    monkeypatch.setattr(attempts, "down_nodes", lambda nodes, run=None, silent=False: ["hpcn1"] if nodes == "hpcn1" else [])
     assert attempts.begin(run_dir, 0, env={"SLURM_JOB_ID": "3", "SLURM_JOB_NODELIST": "hpcn1"})[0]
     ok, reason = attempts.begin(run_dir, 1, env={"SLURM_JOB_ID": "3", "SLURM_JOB_NODELIST": "hpcn2"})
     assert ok and "node_failure" in reason
@@ -571,3 +574,124 @@ def test_an_attempt_without_an_end_record_takes_its_cause_from_slurms_accounting
     # a second one: the preemption cap (1) counts preempted and killed alike; the others have their own
     ok, reason = attempts.begin(run_dir, 2, env=env)
     assert ok == (cause not in ("preempted", "killed")), reason
+
+
+# ---- Slurm 24.05 and later requeue a job preempted in its GraceTime themselves (slurm.jobview) ----
+
+def _preempted_and_checkpointed(run_dir):
+    """What the trainer or a Session records when a stop reached it: it trained, checkpointed, asked for a requeue."""
+    with (run_dir / "events.jsonl").open("a") as fh:
+        for record in ({"event": "start", "step": 0}, {"event": "signal", "cause": "preempted"},
+                       {"event": "requeue_requested", "exit_code": 75}):
+            fh.write(json.dumps(record) + "\n")
+
+def test_a_grace_preemption_that_slurm_requeues_itself_is_not_requeued_again(tmp_path):
+    """Slurm 24.11 (tests/slurm/answers/24.11): the step was preempted in its GraceTime and the program
+    checkpointed (exit 75). Slurm requeues the job once the batch script ends; a `scontrol requeue` of ours
+    on top would leave its grace flag set and the completed next run would be requeued once more."""
+    run_dir = _spec_dir(tmp_path)
+    env = {"SLURM_JOB_ID": "3", "HPC_DDP_SHELL_SIGNAL": ""}
+    assert attempts.begin(run_dir, 0, env=env)[0]
+    _preempted_and_checkpointed(run_dir)
+    asked = []
+    outcome = attempts.finish(run_dir, 0, 75, env, ask_slurm=lambda job: attempts.parse_show_job(SHOW_JOB["preempt_grace"]),
+                              grace_requeue=lambda job, attempt, env: asked.append((job["JobState"], attempt)) or True)
+    assert outcome.word == "requeued" and asked == [("RUNNING", 0)]
+    records = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert [r.get("by") for r in records if r["event"] == "requeue"] == ["slurm"]
+
+
+def test_slurm_is_asked_who_requeues_only_for_a_grace_preemption(monkeypatch):
+    monkeypatch.undo()  # the real one, with Slurm's answers faked below
+    calls = []
+    monkeypatch.setattr(attempts, "slurm_version", lambda: calls.append("version") or (24, 11))
+    monkeypatch.setattr(attempts, "preempt_mode", lambda partition: calls.append(partition) or "REQUEUE")
+    grace = {**attempts.parse_show_job(SHOW_JOB["preempt_grace"]), "Partition": "grace"}
+    assert attempts.slurm_requeues_after_grace(grace, 0, {})
+    assert calls == ["version", "grace"]
+    calls.clear()
+    for case in ("preempt_no_grace", "own_crash", "time_limit", "scancel"):
+        assert not attempts.slurm_requeues_after_grace(attempts.parse_show_job(SHOW_JOB[case]), 0, {})
+    assert calls == []
+    monkeypatch.setattr(attempts, "slurm_version", lambda: (23, 11))
+    assert not attempts.slurm_requeues_after_grace(grace, 0, {})
+
+
+def test_a_completed_run_started_once_more_by_slurm_ends_completed_not_failed(tmp_path):
+    """Slurm 24.11 started a job once more after its run completed (issue 51): that start is skipped, the
+    batch script exits 0 (RUN_COMPLETE), and it is no attempt: `status` counts one restart, not two."""
+    run_dir = _spec_dir(tmp_path)
+    env = {"SLURM_JOB_ID": "3", "HPC_DDP_SHELL_SIGNAL": ""}
+    assert attempts.begin(run_dir, 0, env=env)[0]
+    _preempted_and_checkpointed(run_dir)
+    (run_dir / "checkpoints").mkdir()
+    (run_dir / "checkpoints" / "latest").write_text("step-4")
+    attempts.finish(run_dir, 0, 75, env, ask_slurm=lambda job: attempts.parse_show_job(SHOW_JOB["preempt_grace"]))
+    assert attempts.begin(run_dir, 1, env=env)[0]
+    (run_dir / "events.jsonl").open("a").write(json.dumps({"event": "finish", "step": 9}) + "\n")
+    assert attempts.finish(run_dir, 1, 0, env, ask_slurm=lambda job: None).word == "stop"  # the run completed
+    admission = attempts.admit(run_dir, 2, env=env)
+    assert not admission.ok and admission.done and admission.exit_code == attempts.RUN_COMPLETE_EXIT_CODE
+    assert "the run completed in attempt 1" in admission.reason
+    records = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert [r["attempt"] for r in records if r["event"] == "attempt_start"] == [0, 1]
+    assert records[-1]["event"] == "skipped" and records[-1]["attempt"] == 2
+    assert not any(r["event"] == "gave_up" for r in records)
+    assert len(attempts_from_events(records)) == 2
+    assert attempts.main(["begin", str(run_dir), "3"]) == attempts.RUN_COMPLETE_EXIT_CODE
+
+
+def test_the_other_ranks_go_by_rank_0s_admission(tmp_path):
+    """The submitit executor runs `admit` on rank 0 only: the other ranks read its decision, so none starts a
+    program rank 0 will not join (they would wait for it in init_process_group)."""
+    run_dir = _spec_dir(tmp_path)
+    env = {"SLURM_JOB_ID": "3", "HPC_DDP_SHELL_SIGNAL": ""}
+    assert attempts.admission_of(run_dir, 0, "3", timeout=0.3, poll=0.05) is None   # rank 0 has not decided
+    assert attempts.begin(run_dir, 0, env=env)[0]
+    assert attempts.admission_of(run_dir, 0, "3", timeout=2, poll=0.05).ok
+    (run_dir / "events.jsonl").open("a").write(json.dumps({"event": "finish", "step": 3}) + "\n")
+    attempts.finish(run_dir, 0, 0, env, ask_slurm=lambda job: None)
+    attempts.admit(run_dir, 1, env=env)   # the run completed: skipped
+    skipped = attempts.admission_of(run_dir, 1, "3", timeout=2, poll=0.05)
+    assert not skipped.ok and skipped.done
+    (run_dir / "events.jsonl").open("a").write(json.dumps({"event": "skipped", "job_id": "8", "chain": "3",
+                                                           "reason": "the run already completed in job 3"}) + "\n")
+    assert attempts.admission_of(run_dir, 0, "8", timeout=2, poll=0.05).done   # a chain's next job
+    other = _spec_dir(tmp_path / "o") if (tmp_path / "o").mkdir() is None else None
+    assert attempts.begin(other, 0, env=env)[0]
+    attempts.finish(other, 0, 1, env, ask_slurm=lambda job: attempts.parse_show_job(SHOW_JOB["own_crash"]))
+    assert not attempts.begin(other, 1, env=env)[0]   # failed before: refused, recorded with gave_up
+    refused = attempts.admission_of(other, 1, "3", timeout=2, poll=0.05)
+    assert not refused.ok and not refused.done and "failed" in refused.reason
+
+
+@pytest.mark.parametrize("argv", [["begin", "R", "zero"], ["end", "R", "0", "12:00"], ["end", "R", "1e3", "0"],
+                                  ["begin", "R", "٣"], ["end", "R", "0", "9" * 400]])
+def test_damaged_numbers_on_the_command_line_are_one_line_and_exit_2(tmp_path, argv, capsys):
+    argv = [a.replace("R", str(tmp_path)) if a == "R" else a for a in argv]
+    assert attempts.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "must be whole numbers" in err and "HINT:" in err
+    assert not (tmp_path / "events.jsonl").exists()
+
+
+def test_records_that_are_json_but_not_objects_are_left_out(tmp_path):
+    run_dir = _spec_dir(tmp_path)
+    (run_dir / "events.jsonl").write_text('[1, 2]\n"text"\n3\nnull\n{"event": "snapshot"}\n')
+    env = {"SLURM_JOB_ID": "3", "HPC_DDP_SHELL_SIGNAL": ""}
+    assert attempts.begin(run_dir, 0, env=env)[0]
+    assert attempts.finish(run_dir, 0, 0, env, ask_slurm=lambda job: None).word == "stop"
+
+
+def test_no_fallback_job_where_the_requeue_went_through_after_all(tmp_path):
+    """22.05, seen in the GraceTime loop: `scontrol requeue` requeued the job, and the requeue's SIGTERM to
+    the batch shell killed scontrol before it answered ("failed: no message"). A fallback job on top would
+    have run the run twice; Slurm's Restarts past the attempt says it was requeued."""
+    run_dir = _spec_dir(tmp_path)
+    queued = []
+    got = attempts.resubmit(run_dir, 0, "no message", {"SLURM_JOB_ID": "7"},
+                            queue=lambda *a: queued.append(a) or "9",
+                            ask_slurm=lambda job: attempts.parse_show_job(_show("COMPLETING", restarts=1)))
+    assert got is None and queued == [] and not (run_dir / "events.jsonl").exists()
+    assert attempts.resubmit(run_dir, 0, "no message", {"SLURM_JOB_ID": "7"}, queue=lambda *a: "9",
+                             ask_slurm=lambda job: attempts.parse_show_job(_show("RUNNING"))) == "9"

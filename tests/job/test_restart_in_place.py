@@ -65,7 +65,7 @@ def test_a_restarted_record_starts_the_step_over_in_the_same_attempt():
 
 def test_a_crash_is_restarted_in_place_once_then_stops_as_before(tmp_path, monkeypatch):
     run_dir = _spec_dir(tmp_path, nodes=2, max_restarts=1)
-    monkeypatch.setattr(attempts, "down_nodes", lambda nodes, run=None: [])
+    monkeypatch.setattr(attempts, "down_nodes", lambda nodes, run=None, silent=False: [])
     env = {"SLURM_JOB_ID": "3", "SLURM_JOB_NODELIST": "hpcn[1-2]", "HPC_DDP_RESTART_STEP": "0"}
     assert attempts.begin(run_dir, 0, env=env)[0]
     for restart, word in ((0, "restart 2 hpcn1,hpcn2"), (1, "stop")):
@@ -83,7 +83,7 @@ def test_a_crash_is_restarted_in_place_once_then_stops_as_before(tmp_path, monke
 
 
 def test_a_lost_node_of_a_range_restarts_on_the_nodes_left_and_not_for_a_fixed_size(tmp_path, monkeypatch):
-    monkeypatch.setattr(attempts, "down_nodes", lambda nodes, run=None: ["hpcn3"] if nodes == "hpcn[1-4]" else [])
+    monkeypatch.setattr(attempts, "down_nodes", lambda nodes, run=None, silent=False: ["hpcn3"] if nodes == "hpcn[1-4]" else [])
     env = {"SLURM_JOB_ID": "3", "SLURM_JOB_NODELIST": "hpcn[1-4]", "HPC_DDP_RESTART_STEP": "0"}
     for nodes, word in (("2-4", "restart 3 hpcn1,hpcn2,hpcn4"), ("4", "requeue")):
         (tmp_path / nodes).mkdir()
@@ -100,7 +100,7 @@ def test_a_lost_node_of_a_range_restarts_on_the_nodes_left_and_not_for_a_fixed_s
 def test_without_the_scripts_word_nothing_restarts(tmp_path, monkeypatch):
     """A site's own template has no restart loop: it never hears `restart`."""
     run_dir = _spec_dir(tmp_path, nodes=2)
-    monkeypatch.setattr(attempts, "down_nodes", lambda nodes, run=None: [])
+    monkeypatch.setattr(attempts, "down_nodes", lambda nodes, run=None, silent=False: [])
     env = {"SLURM_JOB_ID": "3", "SLURM_JOB_NODELIST": "hpcn[1-2]"}
     assert attempts.begin(run_dir, 0, env=env)[0]
     with open(run_dir / "events.jsonl", "a") as fh:
@@ -119,13 +119,14 @@ def test_the_guard_runs_on_another_node_of_the_step(nodes, batch, picked):
 def test_the_guard_requeues_the_job_when_the_batch_host_is_lost(tmp_path):
     calls, looks = [], iter([[], [], ["hpcn1"]])
     assert hostguard.watch(tmp_path, 0, "hpcn1", {"SLURM_JOB_ID": "7"}, lost=lambda node: next(looks),
+                           silent=lambda node: [],
                            run=lambda argv, **_: calls.append(argv) or subprocess.CompletedProcess(argv, 0, "", ""),
                            sleep=lambda s: None)
     assert calls == [["scontrol", "requeue", "7"]]
     assert [(r["event"], r["node"]) for r in _events(tmp_path)] == [("batch_host_lost", "hpcn1")]
     assert not hostguard.watch(tmp_path, 0, "hpcn1", {"SLURM_ARRAY_JOB_ID": "7", "SLURM_ARRAY_TASK_ID": "2"},
-                               lost=lambda node: [], run=lambda argv, **_: calls.append(argv), sleep=lambda s: None,
-                               rounds=3)
+                               lost=lambda node: [], silent=lambda node: [], run=lambda argv, **_: calls.append(argv),
+                               sleep=lambda s: None, rounds=3)
     assert hostguard._target({"SLURM_JOB_ID": "9", "SLURM_ARRAY_JOB_ID": "7", "SLURM_ARRAY_TASK_ID": "2"}) == "7_2"
 
 
@@ -141,8 +142,8 @@ def test_the_guard_asks_again_while_slurm_refuses_the_requeue(tmp_path, capsys):
             raise answer
         return answer
 
-    assert hostguard.watch(tmp_path, 0, "hpcn1", {"SLURM_JOB_ID": "7"}, lost=lambda node: ["hpcn1"], run=run,
-                           sleep=lambda s: None)
+    assert hostguard.watch(tmp_path, 0, "hpcn1", {"SLURM_JOB_ID": "7"}, lost=lambda node: ["hpcn1"],
+                           silent=lambda node: [], run=run, sleep=lambda s: None)
     assert calls == [["scontrol", "requeue", "7"]] * 3
     err = capsys.readouterr().err
     assert "try 1 of 24): scontrol: error: Job is in a transitional state" in err and "try 2 of 24)" in err
@@ -184,3 +185,41 @@ def test_the_batch_scripts_loop_restarts_the_ranks_on_the_nodes_it_is_told(tmp_p
     ends = [ln for ln in lines if "attempts end" in ln]
     assert [e.rsplit(" ", 2)[-2:] for e in ends] == [["9", "step=0"], ["0", "step=1"]]
     assert "restart 1 in this allocation" in done.stdout
+
+
+class _Clock:
+    """A clock the guard's sleeps move on."""
+    def __init__(self):
+        self.now = 0.0
+
+    def sleep(self, seconds):
+        self.now += seconds
+
+
+def test_a_batch_host_that_misses_pings_for_a_while_is_not_lost(tmp_path):
+    """Issue 53: the guard requeued a running job at its first look at a batch host that sinfo showed
+    `mixed*` (one missed ping). Not responding for 30 s, then answering again: no requeue."""
+    clock, calls = _Clock(), []
+    quiet = iter([["hpcn1"]] * 6 + [[]] * 20)
+    assert not hostguard.watch(tmp_path, 0, "hpcn1", {"SLURM_JOB_ID": "7"}, lost=lambda node: [],
+                               silent=lambda node: next(quiet), run=lambda argv, **_: calls.append(argv),
+                               sleep=clock.sleep, clock=lambda: clock.now, rounds=26)
+    assert calls == [] and not (tmp_path / "events.jsonl").exists()
+
+
+def test_a_batch_host_silent_past_the_grace_is_lost(tmp_path):
+    clock, calls = _Clock(), []
+    assert hostguard.watch(tmp_path, 0, "hpcn1", {"SLURM_JOB_ID": "7"}, lost=lambda node: [],
+                           silent=lambda node: ["hpcn1"],
+                           run=lambda argv, **_: calls.append(argv) or subprocess.CompletedProcess(argv, 0, "", ""),
+                           sleep=clock.sleep, clock=lambda: clock.now, rounds=100)
+    assert calls == [["scontrol", "requeue", "7"]] and clock.now == hostguard.SILENT_S
+
+
+@pytest.mark.parametrize("state,lost,silent", [("mixed*", False, True), ("idle*", False, True),
+                                               ("allocated*", False, True), ("down*", True, True),
+                                               ("down", True, True), ("mixed", False, False)])
+def test_not_responding_is_lost_only_where_asked_why_an_attempt_died(state, lost, silent):
+    from hpc_ddp.slurm.jobview import lost_state
+
+    assert lost_state(state) is lost and lost_state(state, silent=True) is silent

@@ -129,3 +129,19 @@ def test_compress_table(hosts, hostlist):
 def test_compress_round_trips(hostlist):
     hosts = list(dict.fromkeys(expand_hostlist(hostlist)))
     assert sorted(expand_hostlist(compress_hostlist(hosts))) == sorted(hosts)
+
+
+def test_a_hostlist_past_the_bound_is_refused_before_anything_is_expanded():
+    """Issue 53: `n[1-20000000]` in a damaged record cost 13-29 s and 3.5 GB; now one error, at once."""
+    import time
+
+    from hpc_ddp.common.errors import EnvError
+    from hpc_ddp.slurm.nodelist import MAX_HOSTS, expand_hostlist
+
+    start = time.monotonic()
+    for text in ("n[1-20000000]", "r[0-999]b[0-999]", "n[1-40000],m[1-40000]", "n[1-" + "9" * 400 + "]"):
+        with pytest.raises(EnvError, match="names more than"):
+            expand_hostlist(text)
+    assert time.monotonic() - start < 1.0
+    assert len(expand_hostlist(f"n[1-{MAX_HOSTS}]")) == MAX_HOSTS
+    assert expand_hostlist("n[1-3]", limit=3) == ("n1", "n2", "n3")

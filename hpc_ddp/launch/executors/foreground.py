@@ -20,6 +20,7 @@ from hpc_ddp.common.exitcodes import REQUEUE_EXIT_CODE
 from hpc_ddp.common.procs import ProcessIdentity, read_pid_file, signal_process, write_pid_file
 from hpc_ddp.common.rundir import RunDir
 from hpc_ddp.launch.executors.base import Run, Submission, record_submission
+from hpc_ddp.launch.shellwords import bash_word
 
 __all__ = ["ForegroundControl", "CANCELLED_EXIT_CODE", "say", "last_cause"]
 
@@ -90,7 +91,7 @@ class ForegroundControl:
             time.sleep(0.1)
         if who.alive():  # what it is still doing is not known here: its setup, or ranks saving, or stuck
             return (f"Asked job {run.job_id} to stop ({run.run_dir}); it has not ended {CANCEL_WAIT_S} s later: "
-                    f"`hpc-ddp status {run.run_dir}` says when it has")
+                    f"`hpc-ddp status {bash_word(str(run.run_dir))}` says when it has")
         return f"Cancelled job {run.job_id} ({run.run_dir})"
 
     def signal(self, run: Run, name: str) -> None:

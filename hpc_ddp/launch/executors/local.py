@@ -104,6 +104,9 @@ def refuse_too_many_ranks(spec: JobSpec) -> None:
                         hint="try it on fewer simulated nodes (--nodes 2), or submit to Slurm (--executor sbatch)")
 
 
+SRUN_NOT_USED = "ignore:The `srun` command is available on your system but is not used"
+
+
 def rank_envs(spec: JobSpec, job_id: str, port: int, physical_gpus: int, attempt: int = 0,
               deadline: float | None = None, run_dir: str = ".") -> list[dict[str, str]]:
     envs = []
@@ -116,6 +119,9 @@ def rank_envs(spec: JobSpec, job_id: str, port: int, physical_gpus: int, attempt
                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                 "HPC_DDP_HOSTS": ",".join(["localhost"] * spec.most_nodes), "HPC_DDP_JOB_ID": job_id,
                 "HPC_DDP_RESTART_COUNT": str(attempt), "HPC_DDP_LOCAL": "1",
+                # Lightning says on every rank that srun "is available on your system but is not used": here
+                # it is not meant to be. Filtered by its text alone; the user's own filters come after, and win.
+                "PYTHONWARNINGS": ",".join(filter(None, (SRUN_NOT_USED, os.environ.get("PYTHONWARNINGS")))),
                 # Each simulated node gets a node-local disk of its own, as staging expects.
                 "TMPDIR": str(node_scratch(run_dir, node)),
             }

@@ -93,10 +93,12 @@ class RankTask:
         attempt = int(env.get("SLURM_RESTART_COUNT") or 0)
         if rank == 0:
             self._attempt, self._env = (run_dir, attempt), env
-            ok, reason = attempts.begin(run_dir, attempt, env)
-            if not ok:
-                print(f"hpc-ddp: not running attempt {attempt}: {reason}", flush=True)
-                return attempts.NOT_ADMITTED_EXIT_CODE
+            admission = attempts.admit(run_dir, attempt, env)
+        else:  # the others go by rank 0's decision: none may start a program that rank 0 will not join
+            admission = attempts.admission_of(run_dir, attempt, env.get("SLURM_JOB_ID"))
+        if admission is not None and not admission.ok:
+            print(f"hpc-ddp: not running attempt {attempt}: {admission.reason}", flush=True)
+            return 0 if admission.done else attempts.NOT_ADMITTED_EXIT_CODE
         log_path = RunDir(run_dir).rank_log(env.get("HPC_DDP_JOB_ID", "unknown"), attempt, rank)
         log_path.parent.mkdir(parents=True, exist_ok=True)
         print(f"hpc-ddp: rank {rank} output goes to {log_path}", flush=True)
@@ -107,10 +109,12 @@ class RankTask:
         if rank == 0 and not self._handled_by_submitit:
             outcome = attempts.finish(run_dir, attempt, rc, {**env, "HPC_DDP_SHELL_SIGNAL": self._signalled})
             print(f"hpc-ddp: attempt {attempt} ended: {outcome.reason}", flush=True)
-            if outcome.requeue:
+            if outcome.requeue and not outcome.at_end:
                 if not outcome.by_slurm:
                     subprocess.run(["scontrol", "requeue", env.get("SLURM_JOB_ID", "")], check=False)
                 time.sleep(600)  # the requeue ends this task; returning now would mark the job done
+            # at_end: Slurm requeues the job itself once its batch script ends (a GraceTime preemption, Slurm
+            # 24.05 on): this task returns at once, so it ends well inside the GraceTime.
         if rc not in (0, REQUEUE_EXIT_CODE) and not self._signalled:
             raise RuntimeError(f"rank {rank} exited with code {rc}; see {log_path}")
         return rc
