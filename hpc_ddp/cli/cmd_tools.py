@@ -15,6 +15,7 @@ from hpc_ddp.common.errors import SpecError, UserError
 from hpc_ddp.common.terminal import printable
 from hpc_ddp.job.distenv import from_environ
 from hpc_ddp.launch.rundirs import usable_run_dir
+from hpc_ddp.launch.shellwords import bash_word
 
 
 @click.command(context_settings={"allow_interspersed_args": False})
@@ -80,20 +81,9 @@ def stage_cmd(src: str, dest: str | None, name: str | None, checksums: bool) -> 
 def inspect(checkpoint: str, as_json: bool) -> None:
     """Verify a checkpoint (a step-N dir, a checkpoints dir or a run dir; or the job id of a run submitted
     from here over ssh) and show step, epoch, model hash."""
-    from hpc_ddp.trainer.checkpoint import CheckpointError, inspect_checkpoint
+    from hpc_ddp.trainer.checkpoint import inspect_checkpoint
 
-    path = Path(checkpoint)
-    if not os.path.lexists(path):
-        raise UserError(f"{checkpoint!r} does not exist",
-                        hint="give a run dir, its checkpoints/ dir or one step-N dir in it")
-    try:
-        info = inspect_checkpoint(path)
-    except CheckpointError:
-        if _holds_checkpoints(path):  # a damaged checkpoint stays exit 1
-            raise
-        # A path that never held one (/etc, a file) is the user's slip.
-        raise UserError(f"{checkpoint!r} is not a checkpoint, a checkpoints dir or a run dir",
-                        hint="give a run dir, its checkpoints/ dir or one step-N dir in it") from None
+    info = _read_checkpoint(checkpoint, inspect_checkpoint)
     if as_json:
         click.echo(json.dumps(info, indent=2))
         return
@@ -102,6 +92,23 @@ def inspect(checkpoint: str, as_json: bool) -> None:
     click.echo(printable(f"{'code':15} {_code_of(info)}"))
     for name, meta in info["files"].items():
         click.echo(printable(f"  {name:20} {meta['size']:>12,} bytes  sha256 {meta['sha256'][:16]}..."))
+
+
+def _read_checkpoint(given: str, read):
+    """`read(path)` of the checkpoint, checkpoints dir or run dir the user named. A path that never held one
+    (/etc, a file) is the user's slip, exit 2; a damaged checkpoint stays exit 1."""
+    from hpc_ddp.trainer.checkpoint import CheckpointError
+
+    path = Path(given)
+    if not os.path.lexists(path):
+        raise UserError(f"{given!r} does not exist", hint="give a run dir, its checkpoints/ dir or one step-N dir in it")
+    try:
+        return read(path)
+    except CheckpointError:
+        if _holds_checkpoints(path):
+            raise
+        raise UserError(f"{given!r} is not a checkpoint, a checkpoints dir or a run dir",
+                        hint="give a run dir, its checkpoints/ dir or one step-N dir in it") from None
 
 
 def _code_of(info: dict) -> str:
@@ -123,11 +130,41 @@ def _holds_checkpoints(path: Path) -> bool:
                               RunDir(path).checkpoints.is_dir() or any(path.glob(f"{CHECKPOINT_PREFIX}*")))
 
 
+@click.command("export")
+@click.argument("run")
+@click.option("--to", "to", required=True, help="The file to write (it must not exist yet).")
+@click.option("--step", type=click.IntRange(min=0), help="The checkpoint of this step [default: the newest that verifies].")
+@click.option("--json", "as_json", is_flag=True)
+def export_cmd(run: str, to: str, step: int | None, as_json: bool) -> None:
+    """Write a checkpoint's model as one file that torch.load reads into the unsharded model (for inference or
+    to publish the weights): a sharded (FSDP) checkpoint's shards put together, or a DDP one's model.pt. RUN is
+    a run dir, its checkpoints dir or one step-N dir. CPU only; verified first; never replaces a file.
+
+    \b
+      hpc-ddp export runs/gpt-20261202-0940 --to gpt.pt
+      model = GPT(config); model.load_state_dict(torch.load("gpt.pt"))
+    """
+    from hpc_ddp.trainer.export import export_model
+
+    target = Path(to)
+    if os.path.lexists(target):
+        raise UserError(f"{to} exists; export never replaces a file", hint="give --to a new path, or move that one away")
+    if not target.parent.is_dir():
+        raise UserError(f"{target.parent} is not a directory", hint=f"mkdir -p {bash_word(str(target.parent))}")
+    info = _read_checkpoint(run, lambda source: export_model(source, target, step))
+    if as_json:
+        click.echo(json.dumps(info, indent=2))
+        return
+    click.echo(printable(f"wrote {info['path']}: the model of {info['checkpoint']} (step {info['step']}), "
+                         f"{info['tensors']} tensors, {info['bytes']:,} bytes, sha256 of its state "
+                         f"{info['model_sha256'][:16]}... (as hpc-ddp inspect shows it)"))
+
+
 @click.command("make-dataset")
-@click.argument("kind", type=click.Choice(["mnist", "imagefolder", "cifar10"]))
+@click.argument("kind", type=click.Choice(["mnist", "imagefolder", "cifar10", "tokens"]))
 @click.argument("root", type=click.Path(file_okay=False))
 @click.option("--train", "n_train", type=click.IntRange(1, 10_000_000),
-              help="Training samples (imagefolder: per class).")
+              help="Training samples (imagefolder: per class; tokens: tokens).")
 @click.option("--test", "n_test", type=click.IntRange(1, 10_000_000),
               help="Test/validation samples (imagefolder: per class).")
 @click.option("--seed", type=click.IntRange(0, 2**31 - 1), default=0, show_default=True)
@@ -136,7 +173,7 @@ def _holds_checkpoints(path: Path) -> bool:
 def make_dataset(kind: str, root: str, n_train: int | None, n_test: int | None, seed: int, size: int | None,
                  jpeg: bool) -> None:
     """Write a small learnable dataset in a real format (MNIST IDX, ImageFolder PNGs or JPEGs, CIFAR-10
-    batches)."""
+    batches, or nanoGPT's uint16 token files for the gpt model)."""
     from hpc_ddp.data.datagen import GENERATORS
 
     if kind != "imagefolder" and (size is not None or jpeg):
@@ -148,4 +185,4 @@ def make_dataset(kind: str, root: str, n_train: int | None, n_test: int | None, 
     click.echo(f"Wrote the {kind} dataset to {path}")
 
 
-COMMANDS = [train, env_cmd, stage_cmd, inspect, make_dataset]
+COMMANDS = [train, env_cmd, stage_cmd, inspect, export_cmd, make_dataset]

@@ -40,7 +40,7 @@ import numpy as np
 
 from hpc_ddp.common.errors import UserError
 
-__all__ = ["write_mnist", "write_imagefolder", "write_cifar10", "GENERATORS", "SyntheticCIFAR10",
+__all__ = ["write_mnist", "write_imagefolder", "write_cifar10", "write_tokens", "GENERATORS", "SyntheticCIFAR10",
            "MARKER"]
 
 MARKER = ".hpc_ddp_dataset.json"
@@ -367,8 +367,45 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+# --- tokens (nanoGPT's format) -----------------------------------------------------------------
+
+def write_tokens(root: str | os.PathLike[str], *, train: int = 200_000, test: int = 20_000, seed: int = 0,
+                 vocab: int = 256) -> Path:
+    """`root/train.bin` and `root/val.bin`: flat little-endian uint16 token ids, as nanoGPT's prepare.py
+    writes them (read with `np.memmap(path, dtype=np.uint16, mode="r")`), and `root/meta.json` with the
+    vocabulary size (JSON where nanoGPT has a pickle: nothing here unpickles a dataset). The text is a
+    Markov chain: each token has 4 likely successors, so a small decoder learns it (the loss falls from
+    ln(vocab) towards ln(4))."""
+    _check_count("train", train, 2)
+    _check_count("test", test, 2)
+    _check_count("vocab", vocab, 2)
+    if vocab > 65536:
+        raise UserError(f"vocab must be at most 65536 (uint16 tokens), not {vocab}")
+    root = Path(root)
+    want = {"format": "tokens", "version": FORMAT_VERSION, "train": train, "test": test, "seed": seed,
+            "vocab": vocab}
+
+    def build(tmp: Path) -> dict[str, str]:
+        chain = np.random.default_rng([seed, 7]).integers(0, vocab, size=(vocab, 4))
+        for name, count in (("train.bin", train), ("val.bin", test)):
+            rng = _rng(seed, name)
+            picks, noise = rng.integers(0, 4, size=count), rng.random(count) < 0.05
+            tokens = np.empty(count, dtype=np.uint16)
+            token = int(rng.integers(0, vocab))
+            for i in range(count):
+                token = int(rng.integers(0, vocab)) if noise[i] else int(chain[token, picks[i]])
+                tokens[i] = token
+            tokens.astype("<u2").tofile(tmp / name)
+        (tmp / "meta.json").write_text(json.dumps({"vocab_size": vocab, "dtype": "uint16"}) + "\n")
+        return {}
+
+    _publish(root, want, build)
+    return root
+
+
 GENERATORS: dict[str, Callable[..., Path]] = {
     "mnist": write_mnist,
     "imagefolder": write_imagefolder,
     "cifar10": write_cifar10,
+    "tokens": write_tokens,
 }

@@ -238,6 +238,11 @@ def _datasets(cfg: TrainConfig):
     import torchvision.datasets as D
 
     root = Path(_staged(cfg.data_dir)) if cfg.data_dir else None
+    if cfg.dataset == "tokens":  # the gpt model's: windows of block_size tokens (data.tokens)
+        from hpc_ddp.data.tokens import TokenWindows, vocab_size
+
+        splits = (TokenWindows(root / "train.bin", cfg.block_size), TokenWindows(root / "val.bin", cfg.block_size))
+        return splits, vocab_size(root, cfg.num_classes), 1, cfg.block_size
     if cfg.dataset == "mnist":
         size = cfg.image_size or 28
         make = lambda train: _images(D.MNIST(str(root), train=train, download=False),  # noqa: E731

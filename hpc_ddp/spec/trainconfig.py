@@ -15,13 +15,14 @@ from hpc_ddp.spec.values import choice as _choice
 from hpc_ddp.spec.values import count as _int
 from hpc_ddp.spec.values import number
 
-__all__ = ["TrainConfig", "parse_train", "FINGERPRINT_FIELDS", "SETTINGS"]
+__all__ = ["TrainConfig", "parse_train", "FINGERPRINT_FIELDS", "TOKEN_FINGERPRINT_FIELDS", "SETTINGS"]
 
-DATASETS = ("mnist", "cifar10", "imagefolder", "fake")
+DATASETS = ("mnist", "cifar10", "imagefolder", "fake", "tokens")
 OPTIMIZERS = ("sgd", "adamw")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")   # auto: bf16 where the GPU supports it, else fp32
 DATA_PATHS = ("auto", "cpu", "device")
-BUILTIN_MODELS = ("cnn", "mlp")
+BUILTIN_MODELS = ("cnn", "mlp", "gpt")
+STRATEGIES = ("ddp", "fsdp")     # fsdp: FSDP2 (fully_shard) on each block and the model; sharded checkpoints
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,12 +62,21 @@ class TrainConfig:
     data_path: str = "auto"            # "device": decode and augment on the GPU (data.devicebatches); "cpu"
     channels_last: bool | str = "auto" # NHWC memory format for conv nets (tensor cores' own layout)
     compile: bool | str = "auto"       # torch.compile, its cache kept in RUN_DIR/compile-cache across requeues
+    strategy: str = "ddp"              # "fsdp": the model sharded over the ranks (a model one GPU cannot hold)
+    # dataset = "tokens" and model = "gpt": a GPT-style decoder on windows of block_size tokens
+    block_size: int = 64
+    n_layer: int = 2
+    n_head: int = 2
+    n_embd: int = 64
 
 
 # Changing any of these between attempts would make a resumed run differ from an uninterrupted one.
 FINGERPRINT_FIELDS = ("dataset", "model", "num_classes", "image_size", "epochs", "max_steps", "batch_size",
                       "grad_accum", "optimizer", "lr", "momentum", "weight_decay", "warmup_steps", "schedule",
                       "precision", "sync_bn", "clip_grad", "seed", "augment", "fake_size")
+
+# The gpt model's and tokens' own; in a fingerprint only where dataset = "tokens" (older runs' stay as they were).
+TOKEN_FINGERPRINT_FIELDS = ("block_size", "n_layer", "n_head", "n_embd")
 
 _MODEL_RE = re.compile(r"^([a-z][a-z0-9_]*|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$")
 
@@ -131,6 +141,8 @@ _PARSERS = {
     "keep_checkpoints": _int(2, 10_000), "log_every": _int(1, MAX_STEPS), "fake_size": _int(1, 10**9),
     "stop_lead_seconds": number(0.0, maximum=86400.0 * 365), "async_checkpoint": _bool,
     "loggers": _loggers, "data_path": _choice(DATA_PATHS), "channels_last": _auto_bool, "compile": _auto_bool,
+    "strategy": _choice(STRATEGIES), "block_size": _int(2, 1 << 20), "n_layer": _int(1, 1024),
+    "n_head": _int(1, 1024), "n_embd": _int(1, 1 << 16),
 }
 assert set(_PARSERS) == {f.name for f in dataclasses.fields(TrainConfig)}
 SETTINGS: Mapping[str, Any] = _PARSERS   # key -> its parser (raises ValueError): what a sweep axis of it must pass
@@ -152,6 +164,12 @@ def parse_train(table: Any) -> TrainConfig:
         except ValueError as exc:
             raise ValueError(f"{key}: {exc}") from None
     config = TrainConfig(**values)
-    if config.dataset in ("mnist", "cifar10", "imagefolder") and not config.data_dir:
-        raise ValueError(f"dataset {config.dataset!r} needs data_dir (make one with `hpc-ddp make-dataset`)")
+    if config.dataset in ("mnist", "cifar10", "imagefolder", "tokens") and not config.data_dir:
+        kind = f" {config.dataset}" if config.dataset == "tokens" else ""
+        raise ValueError(f"dataset {config.dataset!r} needs data_dir (make one with `hpc-ddp make-dataset{kind}`)")
+    if (config.dataset == "tokens") != (config.model == "gpt"):
+        raise ValueError(f"model {config.model!r} with dataset {config.dataset!r}: the gpt model reads "
+                         "dataset = \"tokens\", and tokens are for the gpt model")
+    if config.n_embd % config.n_head:
+        raise ValueError(f"n_embd {config.n_embd} is not a multiple of n_head {config.n_head}")
     return config

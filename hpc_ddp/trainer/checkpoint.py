@@ -54,13 +54,10 @@ fallback to an older checkpoint: such a checkpoint means the run dir belongs to 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import errno
 import hashlib
-import io
 import json
 import os
-import pickle
 import re
 import shutil
 import stat
@@ -76,39 +73,26 @@ from hpc_ddp.common.durable import NotRegularFile, TooLarge, file_kind, read_reg
 from hpc_ddp.common.durable import fsync_dir as _fsync_dir
 from hpc_ddp.common.durable import stream_durable as _stream_durable
 from hpc_ddp.common.durable import write_durable as _write_durable
-from hpc_ddp.common.errors import HpcDdpError
 from hpc_ddp.common.rundir import CHECKPOINT_NAME as _NAME
 from hpc_ddp.common.rundir import LATEST, RunDir, checkpoint_name
+from hpc_ddp.trainer.checkpointread import (
+    MANIFEST,
+    BeyondSchedule,
+    CheckpointError,
+    Loaded,
+    _load,
+    _plain_name,
+    _shown,
+    load,
+    verify,
+)
 
 __all__ = ["CheckpointManager", "CheckpointError", "BeyondSchedule", "Loaded", "state_sha256", "verify",
            "inspect_checkpoint", "load", "resolve"]
 
-MANIFEST = "manifest.json"
 FORMAT = 1
-MANIFEST_MAX = 1 << 20  # bytes; a real manifest is a few KiB
 LATEST_MAX = 64         # bytes; "step-000000120-r1\n" is 18
 _TMP_NAME = re.compile(r"\.tmp-step-\d+(?:-r\d+)?-[0-9a-f]{8}")  # an unfinished save's directory
-_SHA256 = re.compile(r"[0-9a-f]{64}")
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-
-
-class CheckpointError(HpcDdpError):
-    """A checkpoint is damaged, incomplete or refused; the message names the file."""
-
-
-class BeyondSchedule(CheckpointError):
-    """A checkpoint that verifies, at a step beyond the caller's `max_step`."""
-
-
-@dataclasses.dataclass
-class Loaded:
-    path: Path
-    manifest: dict[str, Any]
-    payloads: dict[str, Any]
-
-    @property
-    def step(self) -> int:
-        return int(self.manifest["step"])
 
 
 def state_sha256(state_dict: Mapping[str, torch.Tensor]) -> str:
@@ -169,21 +153,6 @@ def _write_payload(path: Path, obj: Any, sink: _Sink) -> dict[str, Any]:
     return {"size": sink.size, "sha256": sink.digest.hexdigest()}
 
 
-def _plain_name(fname: object) -> bool:
-    """One plain file name inside a checkpoint directory: no path, no link out, not the manifest."""
-    if not isinstance(fname, str) or fname in ("", ".", "..", MANIFEST) or "/" in fname or "\0" in fname:
-        return False
-    try:
-        return len(fname.encode()) <= 255
-    except UnicodeEncodeError:
-        return False
-
-
-def _shown(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
 def _size(n: int) -> str:
     for unit in ("bytes", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
@@ -214,16 +183,32 @@ class CheckpointManager:
             if not _plain_name(fname):
                 raise ValueError(f"checkpoint file name {_shown(fname)} is not one plain file name "
                                  f"(no '/', NUL, '.', '..', empty or {MANIFEST!r})")
+        name, tmp = self.begin(step)
+        return self.commit(name, tmp, step, payloads, meta)
+
+    def begin(self, step: int) -> tuple[str, Path]:
+        """The name a checkpoint of `step` gets, and its new temporary directory (beside it): what a save
+        writes into before `commit`. A sharded save (trainer.sharded) has every rank write its shards there."""
         self._make_root()
         self._remove_unfinished()
         self._clear_latest_slot()
         name = self._free_name(step)
         tmp = self.root / f".tmp-{name}-{uuid.uuid4().hex[:8]}"
+        try:
+            tmp.mkdir(mode=0o700)
+        except OSError as exc:
+            raise self._save_failed(name, "its temporary directory", exc) from None
+        return name, tmp
+
+    def commit(self, name: str, tmp: Path, step: int, payloads: Mapping[str, Any], meta: Mapping[str, Any],
+               files: Mapping[str, Mapping[str, Any]] | None = None) -> Path:
+        """Write `payloads` into `tmp` beside the `files` already there (name -> size, sha256: durable,
+        written by the ranks), then the manifest listing them all; rename into place, point `latest`, prune.
+        On any error `tmp` is removed and `latest` names the previous checkpoint."""
         final = self.root / name
         writing, sink = "its temporary directory", None
         try:
-            tmp.mkdir(mode=0o700)
-            files = {}
+            files = dict(files or {})
             for fname, obj in payloads.items():
                 sink = _Sink()
                 writing = fname
@@ -394,16 +379,7 @@ class CheckpointManager:
 
         With `max_step`, a verified checkpoint whose step is beyond it raises BeyondSchedule (it is not
         skipped): the caller's schedule and the run dir disagree, and a person has to decide."""
-        candidates = list(reversed(self.checkpoints()))
-        latest, why = self._read_latest()
-        if latest and (self.root / latest) in candidates:
-            candidates.remove(self.root / latest)
-            candidates.insert(0, self.root / latest)
-        elif candidates:
-            self.log(f"hpc-ddp: {why}; using the newest checkpoint found")
-        if candidates:
-            for place in (self.root.parent, self.root):
-                self._warn_if_others_can_write(place)
+        candidates = self.candidates()
         for path in candidates:
             match = _NAME.fullmatch(path.name)
             try:
@@ -415,6 +391,21 @@ class CheckpointManager:
         if candidates:
             self.log(f"hpc-ddp: no valid checkpoint among {len(candidates)} in {self.root}; starting from scratch")
         return None
+
+    def candidates(self) -> list[Path]:
+        """The checkpoints a resume tries, in order: the one `latest` names, then the rest newest first
+        (saying why where `latest` is unusable, and warning where others could plant one)."""
+        candidates = list(reversed(self.checkpoints()))
+        latest, why = self._read_latest()
+        if latest and (self.root / latest) in candidates:
+            candidates.remove(self.root / latest)
+            candidates.insert(0, self.root / latest)
+        elif candidates:
+            self.log(f"hpc-ddp: {why}; using the newest checkpoint found")
+        if candidates:
+            for place in (self.root.parent, self.root):
+                self._warn_if_others_can_write(place)
+        return candidates
 
     def _warn_if_others_can_write(self, place: Path) -> None:
         try:
@@ -444,121 +435,6 @@ def others_can_write(st: os.stat_result, uid: int) -> str | None:
     return None
 
 
-def _open_dir(path: Path) -> int:
-    """A descriptor of the checkpoint directory `path` itself: a symlink there is refused, not followed."""
-    try:
-        return os.open(path, _DIR_FLAGS)
-    except FileNotFoundError:
-        raise CheckpointError(f"checkpoint {path} does not exist") from None
-    except OSError as exc:
-        try:
-            kind = file_kind(os.lstat(path).st_mode)
-        except OSError:
-            kind = "a directory"
-        if kind != "a directory":
-            raise CheckpointError(f"checkpoint {path} is {kind}, not a directory (not followed)") from None
-        raise CheckpointError(f"checkpoint {path} cannot be opened ({exc.strerror})") from None
-
-
-def verify(path: Path) -> dict[str, Any]:
-    """The manifest of the checkpoint at `path`, after checking every file's size and sha256."""
-    fd = _open_dir(path)
-    try:
-        manifest = _read_manifest(path, fd)
-        for fname, want in manifest["files"].items():
-            _read_verified(path, fname, want, fd)
-        return manifest
-    finally:
-        os.close(fd)
-
-
-def _read_manifest(path: Path, dir_fd: int) -> dict[str, Any]:
-    try:
-        raw = read_regular(MANIFEST, limit=MANIFEST_MAX, dir_fd=dir_fd)
-    except FileNotFoundError:
-        raise CheckpointError(f"checkpoint {path} has no {MANIFEST} (incomplete or not ours)") from None
-    except (NotRegularFile, TooLarge) as exc:
-        raise CheckpointError(f"checkpoint {path}: {MANIFEST} {exc.strerror}") from None
-    except OSError as exc:
-        raise CheckpointError(f"checkpoint {path}: {MANIFEST} is unreadable ({exc.strerror})") from None
-    try:
-        manifest = json.loads(raw.decode("utf-8"))
-    except (ValueError, RecursionError) as exc:  # RecursionError: "[[[[..." nested 100,000 deep
-        raise CheckpointError(f"checkpoint {path}: {MANIFEST} is unreadable ({_shown(str(exc))[1:-1]})") from None
-    files = manifest.get("files") if isinstance(manifest, dict) else None
-    step = manifest.get("step") if isinstance(manifest, dict) else None
-    if not isinstance(files, dict) or isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise CheckpointError(f"checkpoint {path}: {MANIFEST} is malformed (no files, or no step >= 0)")
-    for fname, entry in files.items():
-        if not _plain_name(fname):
-            raise CheckpointError(f"checkpoint {path}: {MANIFEST} is malformed: file name {_shown(fname)} is not "
-                                  f"one plain name in the checkpoint directory")
-        size = entry.get("size") if isinstance(entry, dict) else None
-        sha = entry.get("sha256") if isinstance(entry, dict) else None
-        if isinstance(size, bool) or not isinstance(size, int) or size < 0 or not isinstance(sha, str) \
-                or not _SHA256.fullmatch(sha):
-            raise CheckpointError(f"checkpoint {path}: {MANIFEST} is malformed: the entry of {fname} needs a "
-                                  f"size >= 0 and a sha256")
-    return manifest
-
-
-def _read_verified(path: Path, fname: str, want: Mapping[str, Any], dir_fd: int) -> bytes:
-    file = path / fname
-    try:
-        st = os.stat(fname, dir_fd=dir_fd, follow_symlinks=False)
-        if stat.S_ISREG(st.st_mode) and st.st_size != want["size"]:  # found without reading the file
-            raise CheckpointError(f"checkpoint file {file} is damaged: {st.st_size} bytes, "
-                                  f"manifest says {want['size']}")
-        data = read_regular(fname, dir_fd=dir_fd)
-    except NotRegularFile as exc:
-        raise CheckpointError(f"checkpoint file {file} {exc.strerror}") from None
-    except OSError as exc:
-        raise CheckpointError(f"checkpoint file {file} is unreadable ({exc.strerror})") from None
-    if len(data) != want["size"]:
-        raise CheckpointError(f"checkpoint file {file} is damaged: {len(data)} bytes, manifest says {want['size']}")
-    if hashlib.sha256(data).hexdigest() != want["sha256"]:
-        raise CheckpointError(f"checkpoint file {file} is damaged: sha256 does not match the manifest")
-    return data
-
-
-def load(path: Path, files: tuple[str, ...] | None = None, max_step: int | None = None) -> Loaded:
-    """Verify every file of one checkpoint and load (weights only) those named in `files` (None: all).
-    With `max_step`, a checkpoint beyond it raises BeyondSchedule (after it verified)."""
-    return _load(path, files, max_step)
-
-
-def _load(path: Path, files: tuple[str, ...] | None, max_step: int | None, name_step: int | None = None) -> Loaded:
-    fd = _open_dir(path)
-    try:
-        manifest = _read_manifest(path, fd)
-        step = manifest["step"]
-        if name_step is not None and step != name_step:
-            raise CheckpointError(f"checkpoint {path}: {MANIFEST} says step {step}, the directory's name says "
-                                  f"{name_step} (not saved by hpc-ddp as it is)")
-        beyond = max_step is not None and step > max_step
-        payloads = {}
-        for fname, want in manifest["files"].items():
-            data = _read_verified(path, fname, want, fd)  # every file is verified, even those not unpickled
-            if beyond or (files is not None and fname not in files):
-                continue
-            try:
-                payloads[fname] = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-            except pickle.UnpicklingError as exc:
-                first = str(exc).strip().splitlines()[0] if str(exc).strip() else "refused by the weights-only loader"
-                raise CheckpointError(f"checkpoint file {path / fname} was refused: it holds objects the weights-only "
-                                      f"loader does not allow (pickled code?): {first}") from None
-            except Exception as exc:  # corrupt zip structure etc., with a matching hash: not ours
-                raise CheckpointError(f"checkpoint file {path / fname} cannot be loaded: {exc}") from None
-    finally:
-        os.close(fd)
-    if beyond:
-        raise BeyondSchedule(f"checkpoint {path} is at step {step}, beyond this run's schedule of {max_step} steps: "
-                             f"resuming from it would end the run at once",
-                             hint="this run dir holds another schedule's checkpoints: start afresh with another "
-                                  "--run-dir, or restore the schedule they were saved under")
-    return Loaded(path, manifest, payloads)
-
-
 def resolve(path: Path) -> Path:
     """A checkpoint directory, or a checkpoint root / run dir -> the newest valid checkpoint in it.
     `path` itself may be a symlink (the user named it); nothing inside it is followed."""
@@ -577,16 +453,19 @@ def resolve(path: Path) -> Path:
 
 
 def inspect_checkpoint(path: Path) -> dict[str, Any]:
-    """What `hpc-ddp inspect` prints: step, epoch, model_sha256 (recomputed from model.pt), files."""
+    """What `hpc-ddp inspect` prints: step, epoch, model_sha256 (recomputed from model.pt, or from the model
+    consolidated out of a sharded checkpoint's shards: the hash its `hpc-ddp export` file has), files."""
+    from hpc_ddp.trainer.consolidate import model_state
+
     target = resolve(path)
-    loaded = load(target, files=("model.pt",))
-    if "model.pt" not in loaded.payloads:
-        raise CheckpointError(f"checkpoint {target} has no model.pt")
+    loaded = load(target, files=("model.pt",))  # every file verified
     manifest = loaded.manifest
+    model = model_state(loaded)
     return {
         "path": str(target), "step": manifest["step"], "epoch": manifest.get("epoch"),
         "batch_in_epoch": manifest.get("batch_in_epoch"),
-        "model_sha256": state_sha256(loaded.payloads["model.pt"]),
-        "files": manifest["files"], "verified": verify(target) is not None,
+        "model_sha256": state_sha256(model),
+        "files": manifest["files"], "verified": True,
         "fingerprint": manifest.get("fingerprint"), "code": manifest.get("code"),
+        "sharded": manifest.get("sharded"),
     }

@@ -20,6 +20,16 @@ from hpc_ddp.trainer import rendezvous
 from hpc_ddp.trainer.checkpoint import Loaded, state_sha256
 from hpc_ddp.trainer.rngstate import capture_rng, restore_rng
 from hpc_ddp.trainer.sessionbase import IncompatibleResume, Progress, UsageError, at_least_one
+from hpc_ddp.trainer.sharded import (
+    Sharded,
+    agree_on_sharding,
+    host_copy,
+    is_sharded_checkpoint,
+    is_sharded_module,
+    load_sharded,
+    refuse_unsupported,
+    save_sharded,
+)
 
 SESSION_FILE = "session.pt"   # progress + every rank's RNG streams, next to the tracked states
 _CALLS = {"final": "finish", "stop": "requeue"}   # a save's reason -> the call every rank must make with it
@@ -31,7 +41,8 @@ class SaveAndResume:
     def track(self, **objects: Any) -> None:
         """Name the states a checkpoint holds: modules (a DDP wrapper is unwrapped), optimizers,
         schedulers, scalers, anything with state_dict()/load_state_dict(), or a plain dict (updated in
-        place on resume). `model=` is the one `hpc-ddp inspect` hashes."""
+        place on resume). `model=` is the one `hpc-ddp inspect` hashes. A model sharded with FSDP2
+        (`fully_shard`) is tracked with its optimizer; then every rank writes its shards (trainer.sharded)."""
         if self._resume_called:
             raise UsageError(f"track({', '.join(objects)}=...) after resume(): the checkpoint was already loaded, so "
                              "these would train on from fresh weights while the step count goes on",
@@ -43,7 +54,9 @@ class SaveAndResume:
             if not (isinstance(obj, dict) or hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
                 raise UsageError(f"track(): {name}={type(obj).__name__} has no state_dict()/load_state_dict()",
                                  hint="track modules, optimizers, schedulers, or a dict of tensors and numbers")
+            refuse_unsupported(name, obj)
             self._tracked[name] = obj
+        self._sharded = None  # asked again (collectively) at the next save or resume
 
     def save(self, reason: str = "periodic", *, wait: bool = True) -> Path | None:
         """Write a checkpoint of the tracked states, progress and every rank's RNG. Collective: every rank
@@ -64,19 +77,25 @@ class SaveAndResume:
         if self.distributed:
             rng = [None] * self.world_size
             dist.all_gather_object(rng, capture_rng())
-        background = not wait and self._writer is not None
-        path = None
+        sharded = self._sharded_states()
+        # A sharded save in the background is proven on CPUs (gloo) only: on GPUs it blocks until it is.
+        background = not wait and self._writer is not None and (not sharded or self.device.type == "cpu")
+        path = payloads = None
         if self.is_main:
-            payloads = {f"{name}.pt": _state_of(obj) for name, obj in self._tracked.items()}
+            payloads = {f"{name}.pt": _state_of(obj) for name, obj in self._tracked.items()
+                        if name not in sharded.names}
             payloads[SESSION_FILE] = {"progress": dataclasses.asdict(self.progress), "rng": rng}
             for fname, payload in payloads.items():
                 _check_plain(payload, fname.removesuffix(".pt"))
+        if sharded:
+            path = self._save_sharded(sharded, payloads, reason, started, background)
+        elif self.is_main:
             if background:
                 self._save_in_background(payloads, reason, started)
             else:
                 path = self._save_now(payloads, reason, started)
-        if self.distributed and not background:
-            dist.barrier()  # nobody exits or goes on before the checkpoint is durable
+        if self.distributed and not background and not sharded:
+            dist.barrier()  # nobody exits or goes on before the checkpoint is durable (a sharded save's end agrees)
         self.last_save, self._due_sent = time.monotonic(), False
         return path
 
@@ -87,6 +106,51 @@ class SaveAndResume:
         path = self.checkpoints.save(self.progress.step, payloads, self._meta(payloads, reason))
         self._saved(path, reason, self.progress.step, self.progress.epoch, time.monotonic() - started)
         return path
+
+    def _save_sharded(self, sharded: Sharded, payloads: dict[str, Any] | None, reason: str, started: float,
+                      background: bool) -> Path | None:
+        """Every rank: its shards, with DCP; rank 0 also `payloads` and the manifest (trainer.sharded). In
+        the background: every rank copies its shards to host memory (what blocks the loop), and its writer
+        thread writes them, its collectives on a process group of their own; at most one in flight."""
+        self.wait_for_checkpoint()
+        step, epoch = self.progress.step, self.progress.epoch
+        meta = self._meta(payloads or {}, reason) if self.is_main else {}
+        if not background:
+            path = save_sharded(self.checkpoints, sharded, step, payloads, meta, self.rank, self.world_size)
+            if self.is_main:
+                self._saved(path, reason, step, epoch, time.monotonic() - started)
+            return path
+        group = self._checkpoint_group()
+        state = self._sharded_host = host_copy(sharded.state(), getattr(self, "_sharded_host", None))
+        payloads = host_copy(payloads)
+        blocked = time.monotonic() - started
+
+        def write() -> Path | None:
+            return save_sharded(self.checkpoints, sharded, step, payloads, meta, self.rank, self.world_size,
+                                state=state, group=group)
+
+        self._writer.start(write, done=(lambda path, seconds: self._saved(
+            path, reason, step, epoch, blocked + seconds, blocked=blocked)) if self.is_main else None)
+        return None
+
+    def _checkpoint_group(self) -> Any:
+        """The gloo group a background sharded save's collectives use (made once, by every rank at the same
+        save): on the loop's own group they would interleave with the training's collectives."""
+        if getattr(self, "_ckpt_group", None) is None:
+            from datetime import timedelta
+
+            self._ckpt_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.collective_timeout))
+        return self._ckpt_group
+
+    def _sharded_states(self) -> Sharded:
+        """The tracked states that are sharded (FSDP2), checked the same on every rank (collective, once
+        after each track())."""
+        if getattr(self, "_sharded", None) is None:
+            found = Sharded(self._tracked)
+            if self.distributed:
+                agree_on_sharding(bool(found), self.rank, self.world_size)
+            self._sharded = found
+        return self._sharded
 
     def _save_in_background(self, payloads: dict[str, Any], reason: str, started: float) -> None:
         """Rank 0: snapshot to host memory, hand the write to the background thread, return."""
@@ -154,6 +218,8 @@ class SaveAndResume:
             return
         self._saves += 1
         number, store, env = self._saves, self.store, self.env
+        sharded = any(is_sharded_module(obj) for obj in self._tracked.values())  # local: no collective here
+        writer = "every rank writes its shards of the checkpoint" if sharded else "rank 0 alone writes the checkpoint"
         last = [time.monotonic()]
 
         def check() -> None:
@@ -166,21 +232,21 @@ class SaveAndResume:
                     raise UsageError(
                         f"{what}() is collective, but {rendezvous.describe_ranks(env, there)} called {other}() "
                         f"where rank {env.rank} called {what}()",
-                        hint=f"call run.{what}() on every rank at the same point; rank 0 alone writes the checkpoint")
+                        hint=f"call run.{what}() on every rank at the same point; {writer}")
             gone = {r: why for r, why in rendezvous.left_ranks(store).items()
                     if not store.check([f"{what}/{number}/{r}"])}
             if gone:
                 why = next(iter(gone.values()))
                 raise UsageError(f"{what}() is collective, but {rendezvous.describe_ranks(env, list(gone))} left the "
                                  f"run ({why}) without calling it (rank {env.rank} did)",
-                                 hint=f"call run.{what}() on every rank; rank 0 alone writes the checkpoint")
+                                 hint=f"call run.{what}() on every rank; {writer}")
 
         missing = rendezvous.wait_for_all(store, env, f"{what}/{number}", self.collective_timeout, check)
         if missing:
             raise UsageError(
                 f"{what}() is collective, but {rendezvous.describe_ranks(self.env, missing)} did not call it "
                 f"within {self.collective_timeout:g} s (rank {self.rank} did)",
-                hint=f"call run.{what}() on every rank; rank 0 alone writes the checkpoint")
+                hint=f"call run.{what}() on every rank; {writer}")
 
     def resume(self, total_steps: int | None = None) -> bool:
         """Load the newest checkpoint that verifies into the tracked states, restore progress and this
@@ -188,7 +254,19 @@ class SaveAndResume:
         `status` shows progress against it, and a checkpoint beyond it is refused (BeyondSchedule)."""
         self.total_steps = total_steps or self.total_steps
         self._resume_called = True
-        loaded = self.checkpoints.load_latest(max_step=self.total_steps)  # one beyond the schedule: refused
+        sharded = self._sharded_states()
+        if sharded:
+            plain = tuple(f"{name}.pt" for name in self._tracked if name not in sharded.names) + (SESSION_FILE,)
+            loaded = load_sharded(self.checkpoints, sharded, plain, self.total_steps, self.rank, self.world_size,
+                                  self.log)
+        else:
+            if is_sharded_checkpoint(self.checkpoints.latest_manifest()):
+                raise IncompatibleResume(
+                    f"cannot resume from the checkpoints in {self.checkpoints.root}: they were saved from a sharded "
+                    "model (fully_shard), and this run's model is not sharded",
+                    hint="shard the model as the run that saved it did (fully_shard), or start from its weights: "
+                         "hpc-ddp export RUN --to model.pt writes them as one file")
+            loaded = self.checkpoints.load_latest(max_step=self.total_steps)  # beyond the schedule: refused
         if loaded is None:
             self.events.write({"event": "start", "step": 0, "total_steps": self.total_steps,
                                "world_size": self.world_size, "job_id": self.env.job_id, "device": str(self.device)})
@@ -200,6 +278,8 @@ class SaveAndResume:
             raise IncompatibleResume(f"cannot resume from {loaded.path}: it holds {held}, not {missing or ['session']}",
                                      hint="track() the same names as the run that saved it, or use another --run-dir")
         for name, obj in self._tracked.items():
+            if name in sharded.names:
+                continue  # loaded by load_sharded
             try:
                 _load_into(obj, loaded.payloads[f"{name}.pt"])
             except (RuntimeError, KeyError, ValueError, TypeError) as exc:

@@ -35,17 +35,19 @@ from hpc_ddp.common.errors import HpcDdpError, report
 from hpc_ddp.common.exitcodes import REQUEUE_EXIT_CODE
 from hpc_ddp.data.loaders import build_data, device_path_fits, shutdown_workers, worker_niceness
 from hpc_ddp.spec.jobspec import JobSpec
-from hpc_ddp.spec.trainconfig import FINGERPRINT_FIELDS, TrainConfig
+from hpc_ddp.spec.trainconfig import FINGERPRINT_FIELDS, TOKEN_FINGERPRINT_FIELDS, TrainConfig
 from hpc_ddp.trainer.models import build_model
 from hpc_ddp.trainer.reduce import StepFlags, flags_hook
 from hpc_ddp.trainer.session import IncompatibleResume, Progress, Session
+from hpc_ddp.trainer.sharded import shard_model, state_bytes
 from hpc_ddp.trainer.speed import COMPILE_CACHE, Speed, decide
 
 __all__ = ["run", "main", "Progress", "IncompatibleResume", "Trainer"]
 
 
 def fingerprint(cfg: TrainConfig) -> dict[str, Any]:
-    return {f: getattr(cfg, f) for f in FINGERPRINT_FIELDS}
+    extra = TOKEN_FINGERPRINT_FIELDS if cfg.dataset == "tokens" else ()
+    return {f: getattr(cfg, f) for f in (*FINGERPRINT_FIELDS, *extra)}
 
 
 def _schedule(cfg: TrainConfig, total_steps: int):
@@ -107,6 +109,7 @@ class Trainer:
         total = self.steps_per_epoch * cfg.epochs
         self.total_steps = min(total, cfg.max_steps) if cfg.max_steps else total
         self.flags: StepFlags | None = None   # set by _model when DDP carries the step's flags
+        self._measured = False                # the memory record, after the first backward
         self.model = self._model()
         convolutional = any(isinstance(m, nn.Conv2d) for m in self.model.modules())
         self.speed = self._speed(convolutional=convolutional, total_steps=self.total_steps, fits=fits)
@@ -147,7 +150,9 @@ class Trainer:
     def _model(self) -> nn.Module:
         cfg, session = self.cfg, self.session
         model = build_model(cfg.model, num_classes=self.data.num_classes, in_channels=self.data.in_channels,
-                            image_size=self.data.image_size).to(session.device)
+                            image_size=self.data.image_size,
+                            decoder={"n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_embd": cfg.n_embd}
+                            ).to(session.device)
         if session.device.type == "cuda" and cfg.channels_last is not False and \
                 any(isinstance(m, nn.Conv2d) for m in model.modules()):
             model = model.to(memory_format=torch.channels_last)  # "auto" or true: decided with the model below
@@ -156,6 +161,8 @@ class Trainer:
                 model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
             else:
                 session.log("hpc-ddp: sync_bn needs GPUs (SyncBatchNorm has no CPU kernel); using plain BatchNorm")
+        if cfg.strategy == "fsdp":  # sharded over the ranks (a world of one too): checkpoints by every rank
+            return shard_model(model)
         if session.distributed:
             # gradient_as_bucket_view=True (gradients as views of the all-reduce buckets, zeroed in place)
             # was tried for issue 16 and not kept: no gain measurable above this VM's noise (bench/README.md).
@@ -230,6 +237,8 @@ class Trainer:
             if self.speed.channels_last and x.dim() == 4:
                 x = x.contiguous(memory_format=torch.channels_last)  # a no-op for the device path's batches
             last = micro == self.grad_accum - 1
+            if self.cfg.strategy == "fsdp":  # reduce-scatter the gradients once, at the last micro-step
+                self.model.set_requires_gradient_sync(last)
             sync = contextlib.nullcontext() if last or not isinstance(self.model, DDP) else self.model.no_sync()
             with sync:
                 with torch.autocast(self.session.device.type, dtype=self.autocast_dtype or torch.float32,
@@ -249,6 +258,8 @@ class Trainer:
             nn.utils.clip_grad_norm_(self.model.parameters(), cfg.clip_grad)
         self.scaler.step(self.optimizer)
         self.scaler.update()
+        if not self._measured:
+            self._record_memory()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
 
@@ -260,21 +271,47 @@ class Trainer:
             self.session.log(f"hpc-ddp: epoch {self.progress.epoch + 1} eval loss {results['eval_loss']:.4f} "
                              f"accuracy {results['eval_acc']:.2%}")
 
+    def _record_memory(self) -> None:
+        """Once, after the first optimizer step (gradients and optimizer state exist then): what this rank holds,
+        in the log and as a `memory` record (`status` shows it)."""
+        self._measured = True
+        held = state_bytes(self.module, self.optimizer)
+        record = {"event": "memory", "strategy": self.cfg.strategy, "world_size": self.session.world_size,
+                  **{f"{k}_bytes": v for k, v in held.items()}}
+        if self.session.device.type == "cuda":
+            record["peak_gpu_bytes"] = torch.cuda.max_memory_allocated(self.session.device)
+        self.session.events.write(record)
+        how = f"sharded over {self.session.world_size} ranks" if self.cfg.strategy == "fsdp" else "a full copy"
+        self.session.log(f"hpc-ddp: memory per rank: {held['total'] / 2**20:,.1f} MiB of weights, gradients and "
+                         f"optimizer state ({how})")
+
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         module, device = self.module, self.session.device  # not DDP: ranks may see different eval batch counts
         module.eval()
         totals = torch.zeros(3, dtype=torch.float64, device=device)
-        for x, y in self.data.eval:
+        for x, y in self._eval_batches():
             x, y = x.to(device), y.to(device)
             out = module(x).float()
             totals += torch.tensor([nn.functional.cross_entropy(out, y, reduction="sum").item(),
-                                    (out.argmax(1) == y).sum().item(), len(y)], dtype=torch.float64, device=device)
+                                    (out.argmax(1) == y).sum().item(), y.numel()], dtype=torch.float64,
+                                   device=device)
         if self.session.distributed:
             torch.distributed.all_reduce(totals)
         module.train()
         loss, correct, count = totals.tolist()
         return {"eval_loss": loss / max(count, 1), "eval_acc": correct / max(count, 1), "eval_samples": int(count)}
+
+    def _eval_batches(self):
+        """The evaluation batches. A sharded model's forward is a collective (each block's weights are
+        gathered from every rank), so each rank takes as many batches as the rank with fewest has."""
+        if self.cfg.strategy != "fsdp" or not self.session.distributed:
+            yield from self.data.eval
+            return
+        count = torch.tensor([len(self.data.eval)], device=self.session.device)
+        torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MIN)
+        for _, batch in zip(range(int(count.item())), self.data.eval):
+            yield batch
 
     def close(self) -> None:
         shutdown_workers(self.data.train)

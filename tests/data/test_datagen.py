@@ -44,7 +44,7 @@ def test_import_does_not_import_torch():
 
 def test_generators_table():
     assert datagen.GENERATORS == {"mnist": datagen.write_mnist, "imagefolder": datagen.write_imagefolder,
-                                  "cifar10": datagen.write_cifar10}
+                                  "cifar10": datagen.write_cifar10, "tokens": datagen.write_tokens}
 
 
 # --- each format through torchvision's reader -----------------------------------------------------

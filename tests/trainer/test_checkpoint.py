@@ -317,7 +317,7 @@ DAMAGE_CASES = [
     ("truncate model.pt", 2, [f"{step_name(3)}/model.pt", "damaged"]),
     ("empty model.pt", 2, [f"{step_name(3)}/model.pt", "damaged"]),
     ("flip a bit in optimizer.pt", 2, [f"{step_name(3)}/optimizer.pt", "sha256"]),
-    ("delete train_state.pt", 2, [f"{step_name(3)}/train_state.pt", "unreadable"]),
+    ("delete train_state.pt", 2, [f"{step_name(3)}/train_state.pt", "is missing (the manifest lists it)"]),
     ("delete manifest.json", 2, [step_name(3), "manifest.json"]),
     ("manifest.json invalid JSON", 2, [step_name(3), "manifest.json", "unreadable"]),
     ("manifest.json not UTF-8", 2, [step_name(3), "manifest.json", "unreadable"]),
