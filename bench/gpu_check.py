@@ -140,10 +140,41 @@ def last_loss(run_dir: Path) -> tuple[int, float] | None:
     return (records[-1]["step"], float(records[-1]["loss"])) if records else None
 
 
+# The folders under --out that a part makes and replaces on the next run; recorded in MADE, so a run replaces
+# only what an earlier run made, never a folder of the user's of the same name.
+MADE = ".gpu-check-made"
+
+
+def made_here(out: Path) -> set[str]:
+    try:
+        names = json.loads((out / MADE).read_text())
+    except (OSError, ValueError):
+        return set()
+    return {n for n in names if isinstance(n, str)} if isinstance(names, list) else set()
+
+
+def replaceable(out: Path) -> list[str]:
+    """The folders a run would replace that it may not: there, and not made by gpu-check (MADE)."""
+    ours = made_here(out)
+    names = ["jpegs", *(f"trainer-{data_path}-{precision}" for data_path, precision in COMBOS)]
+    return [n for n in names if ((out / n).exists() or (out / n).is_symlink()) and n not in ours]
+
+
+def fresh(out: Path, name: str) -> Path:
+    """out/name, emptied: removed only where an earlier run made it (`replaceable` refused the rest up front);
+    recorded as made by this run before anything is written into it."""
+    target = out / name
+    if target.is_symlink() or (target.exists() and name not in made_here(out)):
+        raise RuntimeError(f"{target} is not gpu-check's own: not touched")
+    if target.exists():
+        shutil.rmtree(target)
+    (out / MADE).write_text(json.dumps(sorted(made_here(out) | {name})) + "\n")
+    return target
+
+
 def part_trainer(out: Path, env: dict[str, str], smoke: bool) -> dict:
     s = settings(smoke)
-    data = out / "jpegs"
-    shutil.rmtree(data, ignore_errors=True)
+    data = fresh(out, "jpegs")
     code, seconds = run([sys.executable, "-m", "hpc_ddp", "make-dataset", "imagefolder", str(data), "--jpeg",
                          "--size", str(s["size"]), "--train", str(s["per_class"]), "--test", "2"],
                         out / "make-dataset.log", env, timeout=300)
@@ -152,8 +183,7 @@ def part_trainer(out: Path, env: dict[str, str], smoke: bool) -> dict:
     rows = []
     for data_path, precision in COMBOS:
         name = f"trainer-{data_path}-{precision}"
-        job, run_dir = out / f"{name}.toml", out / name
-        shutil.rmtree(run_dir, ignore_errors=True)
+        job, run_dir = out / f"{name}.toml", fresh(out, name)
         job_file(job, str(data), s, data_path, precision)
         code, seconds = run([sys.executable, "-m", "hpc_ddp", "submit", "--executor", "local", "--run-dir",
                              str(run_dir), str(job)], out / f"{name}.log", env, timeout=420)
@@ -258,15 +288,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help="run small on the CPU (no GPU needed; not a proof)")
     p.add_argument("--parts", default="tests,trainer,bench", help="comma-separated: tests, trainer, bench")
     args = p.parse_args(argv)
+    parts = [part.strip() for part in args.parts.split(",") if part.strip()]
+    if not parts:  # a check that ran nothing must not say "passed"
+        p.error("--parts: name at least one of tests, trainer, bench")
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
+    theirs = replaceable(out) if "trainer" in parts else []
+    if theirs:
+        p.error(f"--out {out} holds {', '.join(theirs)}, which gpu-check did not make and would replace: "
+                "nothing was touched. HINT: give another --out (or move them away)")
     site = out / "site"
     wheels = unpack_wheels(Path(args.wheels), site)
     sys.path[:0] = [str(REPO), str(site)]
     env = child_env(site, args.smoke)
     start = time.monotonic()
     summary = {"smoke": args.smoke, "machine": machine(), "wheels": wheels, "parts": {}}
-    for part in [p.strip() for p in args.parts.split(",") if p.strip()]:
+    for part in parts:
         runner = {"tests": part_tests, "trainer": part_trainer, "bench": part_bench}.get(part)
         if runner is None:
             p.error(f"--parts: {part!r} is not one of tests, trainer, bench")

@@ -514,14 +514,20 @@ def device_findings(spec: JobSpec) -> list[Finding]:
     (checks/scriptcheck.py); its way of picking its GPU against the binding its ranks
     will get (job/devicescan.py), errors where it cannot give each rank its own GPU and warnings where it may
     not; and what a framework's script needs to resume after a preemption (checks/frameworks.py)."""
-    found = devicescan.source_of(spec.target.kind, spec.target.value, spec.workdir)
+    found = devicescan.source_bytes(spec.target.kind, spec.target.value, spec.workdir, limit=MAX_COMPILED)
     if found is None:
         return []
-    path, text = found
+    path, data = found
+    if len(data) > devicescan.MAX_SOURCE:  # compiled, as Python would; too big to be read for the rest
+        return script_findings(spec, path, data, None)
+    text = data.decode("utf-8", errors="replace")
     name = os.path.basename(path)
     exposure = exposure_of(spec)
     devices = [Finding(p.level, p.message, p.hint) for p in judge(scan(text), exposure, name)] if exposure else []
-    return script_findings(spec, path, text) + devices + [Finding(*note) for note in framework_notes(text, name)]
+    return script_findings(spec, path, data, text) + devices + [Finding(*note) for note in framework_notes(text, name)]
+
+
+MAX_COMPILED = 64 << 20  # a script bigger than this is not compiled before the queue (generated code, data)
 
 
 def gate_devices(spec: JobSpec, warn: Callable[[str], None], no_preflight: bool = False) -> None:

@@ -13,11 +13,16 @@ is compiled (`compile()`, as `python -m py_compile` does) and read.
 
 from __future__ import annotations
 
+import ast
+import io
 import os
 import re
+import tokenize
+import zipfile
 
 from hpc_ddp.checks.finding import Finding
 from hpc_ddp.job.devicescan import code_part
+from hpc_ddp.launch.shellwords import bash_word
 
 __all__ = ["compile_findings", "spawn_findings", "script_findings"]
 
@@ -30,22 +35,47 @@ _LOOKALIKES = {
 }
 
 
-def compile_findings(name: str, text: str) -> list[Finding]:
-    """An error where `text` (the script `name`) does not compile; nothing otherwise."""
+def compile_findings(name: str, source: bytes | str) -> list[Finding]:
+    """An error where `source` (the script `name`) does not compile; nothing otherwise. Given as bytes, it
+    is compiled as `python -m py_compile` compiles the file: a UTF-8 BOM and a coding cookie are honoured,
+    and a file in another encoding that declares none fails as it would on every rank."""
     try:
-        compile(text, name, "exec", dont_inherit=True)
+        compile(source, name, "exec", dont_inherit=True)
     except SyntaxError as exc:
+        if isinstance(source, bytes) and (exc.msg or "").startswith("(unicode error)") and "decode" in exc.msg:
+            return [_not_utf8(name, source, exc)]
+        text = source.decode("utf-8-sig", errors="replace") if isinstance(source, bytes) else source
         return [_syntax_error(name, text, exc)]
     except (ValueError, RecursionError, MemoryError) as exc:  # a NUL byte; nesting the compiler gives up on
         return [Finding("error", f"{name} does not compile: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
-                        hint=f"fix it, then check with: python -m py_compile {name}")]
+                        hint=f"fix it, then check with: python -m py_compile {bash_word(name)}")]
     return []
+
+
+def _not_utf8(name: str, source: bytes, exc: SyntaxError) -> Finding:
+    """A script that is not UTF-8 and names no other encoding (saved as latin-1 or cp1252 by an editor)."""
+    first = next((i for i, line in enumerate(source.splitlines(), 1) if _undecodable(line)), exc.lineno or 0)
+    return Finding("error", f"{name} line {first} does not compile: it is not UTF-8 (Python's encoding for "
+                            "source files) and names no other in a coding line",
+                   hint=f"save {bash_word(name)} as UTF-8 in your editor, or put `# -*- coding: latin-1 -*-` "
+                        f"(the encoding it is in) on its first line; then check with: "
+                        f"python -m py_compile {bash_word(name)}")
+
+
+def _undecodable(line: bytes) -> bool:
+    try:
+        line.decode("utf-8")
+    except UnicodeDecodeError:
+        return True
+    return False
 
 
 def _syntax_error(name: str, text: str, exc: SyntaxError) -> Finding:
     line = exc.lineno or 0
     message = (exc.msg or "invalid syntax").splitlines()[0]
-    odd = sorted({ch for ch in text if ch in _LOOKALIKES})
+    # Only a look-alike outside a string literal breaks the code; inside one it is part of the string.
+    outside, in_strings = _lookalikes(text)
+    odd = sorted(outside)
     if odd:
         lines = [n for n, raw in enumerate(text.splitlines(), 1) if any(ch in raw for ch in odd)]
         chars = ", ".join(f"U+{ord(ch):04X} ({_LOOKALIKES[ch][0]})" for ch in odd)
@@ -53,8 +83,10 @@ def _syntax_error(name: str, text: str, exc: SyntaxError) -> Finding:
         count = sum(text.count(ch) for ch in odd)
         quotes = any(_LOOKALIKES[ch][1] in ("'", '"') for ch in odd)  # no sed line that shell quoting spoils
         sed = "; ".join(f"s/{_sed_bytes(ch)}/{_LOOKALIKES[ch][1]}/g" for ch in odd)
+        # sed replaces every one in the file: offered only where none of these sits inside a string literal,
+        # whose meaning it would change
         fix = (f"replace {'it' if count == 1 else 'them'} with plain characters in your editor"
-               + ("" if quotes else f", or run: sed -i '{sed}' {name}"))
+               + ("" if quotes or set(odd) & in_strings else f", or run: sed -i {bash_word(sed)} {bash_word(name)}"))
         times = "once" if count == 1 else f"{count} times"
         return Finding("error", f"{name} line {line} does not compile ({message}): {chars}, pasted with the code "
                                 f"from a web page, {times} on {where}",
@@ -62,7 +94,31 @@ def _syntax_error(name: str, text: str, exc: SyntaxError) -> Finding:
     shown = (exc.text or "").strip()
     shown = f": {shown[:60]}" if shown and shown.isprintable() else ""
     return Finding("error", f"{name} line {line} does not compile: {message}{shown}",
-                   hint=f"fix line {line}, then check with: python -m py_compile {name}")
+                   hint=f"fix line {line}, then check with: python -m py_compile {bash_word(name)}")
+
+
+def _lookalikes(text: str) -> tuple[set[str], set[str]]:
+    """The look-alike characters of `text` outside string literals (comments count as outside: harmless,
+    but a fix there changes no meaning), and those inside string literals. Tokenized as far as the text
+    allows: past a point the tokenizer gives up at, every look-alike counts as outside."""
+    every = {ch for ch in text if ch in _LOOKALIKES}
+    if not every:
+        return set(), set()
+    in_strings: dict[str, int] = {}
+    try:
+        for token in tokenize.generate_tokens(io.StringIO(text).readline):
+            if token.type == tokenize.STRING or token.type in _FSTRING_PARTS:
+                for ch in token.string:
+                    if ch in _LOOKALIKES:
+                        in_strings[ch] = in_strings.get(ch, 0) + 1
+    except (tokenize.TokenError, SyntaxError, ValueError):
+        pass  # what was read up to there stands
+    return {ch for ch in every if text.count(ch) > in_strings.get(ch, 0)}, set(in_strings)
+
+
+_FSTRING_PARTS = {getattr(tokenize, name) for name in ("FSTRING_START", "FSTRING_MIDDLE", "FSTRING_END",
+                                                       "TSTRING_START", "TSTRING_MIDDLE", "TSTRING_END")
+                  if hasattr(tokenize, name)}
 
 
 def _sed_bytes(ch: str) -> str:
@@ -81,8 +137,62 @@ _SPAWN_CALL = re.compile(r"\b(?:mp|multiprocessing)\.spawn\s*\(|\bstart_processe
 _NPROCS = re.compile(r"\bnprocs\s*=\s*([A-Za-z_][\w.]*|\d+)")
 
 
+# A spawn under a test of these runs only where the launcher set none of them: hpc-ddp sets them all, so a
+# script that runs under torchrun and spawns its own ranks otherwise never spawns here.
+_LAUNCHED = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_LOCALID", "TORCHELASTIC_RUN_ID")
+
+
 def _spawn_call(text: str) -> tuple[int, str] | None:
-    """(line number, the call's text and the lines after it) of the first mp.spawn."""
+    """(line number, the call's text) of the first mp.spawn (or start_processes) the script calls, read from
+    its syntax tree: a mention in a comment, a docstring or a string is none, nor is a call of a function of
+    the script's own of that name, nor a spawn that runs only where no launcher set RANK or LOCAL_RANK
+    (`_LAUNCHED`). A script that does not parse (the compile check says so) is read line by line."""
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError):
+        return _spawn_call_in_lines(text)
+    own = {node.name for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    calls = sorted((node for node in ast.walk(tree) if isinstance(node, ast.Call) and _spawns(node.func, own)),
+                   key=lambda node: (node.lineno, node.col_offset))
+    for call in calls:
+        if not _only_unlaunched(call, parents):
+            return call.lineno, " ".join((ast.get_source_segment(text, call) or "").split())
+    return None
+
+
+def _spawns(func: ast.expr, own: set[str]) -> bool:
+    """mp.spawn, multiprocessing.spawn, torch.multiprocessing.spawn, start_processes (not the script's own)."""
+    if isinstance(func, ast.Name):
+        return func.id == "start_processes" and func.id not in own
+    if not isinstance(func, ast.Attribute):
+        return False
+    if func.attr == "start_processes":
+        return True
+    owner = func.value
+    name = owner.id if isinstance(owner, ast.Name) else owner.attr if isinstance(owner, ast.Attribute) else ""
+    return func.attr == "spawn" and name in ("mp", "multiprocessing")
+
+
+def _only_unlaunched(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> bool:
+    """Does `node` run only where no launcher set its variables (the else of `if "LOCAL_RANK" in os.environ`,
+    or the body of `if "RANK" not in os.environ`)? Only a test that names one of `_LAUNCHED` counts."""
+    child = node
+    while child in parents:
+        parent = parents[child]
+        if isinstance(parent, (ast.If, ast.IfExp)):
+            test = ast.unparse(parent.test)
+            named = any(re.search(rf"\b{name}\b", test) for name in _LAUNCHED)
+            in_else = child in (parent.orelse if isinstance(parent.orelse, list) else [parent.orelse])
+            negated = " not in " in test or test.startswith("not ") or " is None" in test or "== ''" in test \
+                or '== ""' in test
+            if named and in_else != negated:
+                return True
+        child = parent
+    return False
+
+
+def _spawn_call_in_lines(text: str) -> tuple[int, str] | None:
     lines = text.splitlines()
     for number, raw in enumerate(lines, 1):
         found = _SPAWN_CALL.search(code_part(raw[:1000]))
@@ -139,8 +249,11 @@ def is_spawn_finding(finding: Finding) -> bool:
     return finding.hint is not None and finding.hint.endswith(_SKIP)
 
 
-def script_findings(spec, path: str, text: str) -> list[Finding]:
-    """Everything above for the script at `path` (its text `text`)."""
+def script_findings(spec, path: str, data: bytes, text: str | None) -> list[Finding]:
+    """Everything above for the script at `path`: its bytes `data` compiled, and its text `text` read
+    (None: too big to be read, compiled only). A zipapp (`python app.pyz`) is Python's to open, not
+    compiled here."""
     name = os.path.basename(path)
-    problems = compile_findings(name, text) if path.endswith(".py") or spec.target.kind == "script" else []
-    return problems + spawn_findings(spec, name, text)
+    compiled = (path.endswith(".py") or spec.target.kind == "script") and not zipfile.is_zipfile(io.BytesIO(data))
+    problems = compile_findings(name, data) if compiled else []
+    return problems + (spawn_findings(spec, name, text) if text is not None else [])

@@ -35,13 +35,28 @@ class Cli(click.Group):
         except click.Abort:
             _fail("aborted", CANCELLED)
         except Exception as exc:  # noqa: BLE001 - ours: one line; a bug: one line naming it
-            sys.exit(report(missing_extra(exc) or exc))
+            words = sys.argv[1:] if args is None else list(args)
+            sys.exit(report(missing_extra(exc, next((w for w in words if not w.startswith("-")), None)) or exc))
         sys.exit(rv if isinstance(rv, int) else 0)
 
 
-def missing_extra(exc: BaseException) -> UserError | None:
-    """A command that needs an optional dependency which is not installed: one line naming the extra."""
+# What a laptop install without torch (docs/install.md) lacks on purpose: the commands that read checkpoints,
+# make datasets or train say so, and where they work instead.
+NOT_ON_A_LAPTOP = ("torch", "torchvision", "numpy", "submitit", "cloudpickle")
+
+
+def missing_extra(exc: BaseException, command: str | None = None) -> UserError | None:
+    """A command that needs an optional dependency which is not installed: one line naming the extra (or,
+    for torch and what comes with it, the install that has it)."""
     top = (getattr(exc, "name", None) or "").partition(".")[0]
+    if isinstance(exc, ModuleNotFoundError) and top in NOT_ON_A_LAPTOP:
+        name = command if command and command.isidentifier() or (command or "").replace("-", "").isalpha() \
+            else "COMMAND"
+        return UserError(f"{top} is not installed here, and `hpc-ddp {name}` needs it (an install without torch "
+                         "only submits and watches)",
+                         hint=f"run it where your training environment is (on the cluster: ssh there and run "
+                              f"hpc-ddp {name} ...), or install {top} here (pip install {top}; torch with its "
+                              "matched torchvision, docs/install.md)")
     if not isinstance(exc, ModuleNotFoundError) or top not in EXTRAS:
         return None
     extra = EXTRAS[top]

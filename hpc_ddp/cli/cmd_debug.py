@@ -7,8 +7,10 @@ rerun's `--json` prints {"rerun": the plan as rerun.json records it, "executor",
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
+import signal
 import sys
 
 import click
@@ -138,11 +140,27 @@ def attach(job: str | None, port: int | None) -> None:
     if event is None:
         raise UserError(f"no rank of job {run.job_id or run.run_dir} waits for a debugger now",
                         hint="submit with --debug-rank R; `hpc-ddp status` shows the rank once it waits")
+    python = _bridge_python(run, event)
     try:
-        serve(event, port=port, current=waiting, say=lambda m: click.echo(printable(m), err=True),
-              python=_bridge_python(run, event))
+        with _ends_like_ctrl_c(signal.SIGTERM, signal.SIGHUP):
+            serve(event, port=port, current=waiting, say=lambda m: click.echo(printable(m), err=True), python=python)
     except KeyboardInterrupt:
         click.echo("", err=True)
+
+
+@contextlib.contextmanager
+def _ends_like_ctrl_c(*signums: int):
+    """A `kill` or a closed terminal ends attach the way Ctrl-C does, through serve's cleanup: its socket
+    removed, not left for the next attach of the same job id to find."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    before = {s: signal.signal(s, interrupt) for s in signums}
+    try:
+        yield
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
 
 
 def _bridge_python(run, event: dict) -> str:

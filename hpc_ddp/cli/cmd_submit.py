@@ -389,7 +389,7 @@ def render(to_stdout: bool, **params) -> None:
     run_dir = write_run_dir(plan)
     script = RunDir(run_dir).script
     write_file(script, plan.script or "", 0o700)
-    click.echo(f"Wrote {script}; submit it with: cd {shlex.quote(str(run_dir))} && sbatch {script.name}")
+    click.echo(f"Wrote {script}; submit it with: cd {shlex.quote(str(run_dir))} && sbatch {shlex.quote(script.name)}")
 
 
 @click.command(context_settings={"allow_interspersed_args": False})

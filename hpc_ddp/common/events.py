@@ -41,7 +41,8 @@ MAX_RECORDS_BYTES = 1 << 30   # a records file bigger than this is refused, not 
 
 
 def read_jsonl(path: str | os.PathLike, limit: int = MAX_RECORDS_BYTES) -> list[dict[str, Any]]:
-    """Every complete record; a torn last line (a kill mid-write) is skipped. Only a regular file is read
+    """Every complete record (a JSON object); a torn last line (a kill mid-write) is skipped, and so is a
+    line that holds JSON of another kind. Only a regular file is read
     (through a link, as a dotfile manager makes them): a FIFO or a device in its place is refused at once,
     never waited on, and so is a file of more than `limit` bytes."""
     flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOCTTY", 0)
@@ -64,9 +65,11 @@ def read_jsonl(path: str | os.PathLike, limit: int = MAX_RECORDS_BYTES) -> list[
             if read > limit:  # it grew while read: what was there is enough
                 break
             try:
-                records.append(json.loads(line))
+                record = json.loads(line)
             except ValueError:
                 continue
+            if isinstance(record, dict):  # a line that is JSON but no object ([1], "x", 3) is no record of ours
+                records.append(record)
     return records
 
 

@@ -134,7 +134,10 @@ class RunDir:
     def rank_logs(self, rank: int | None = None) -> list[tuple[int, int, Path]]:
         """(attempt, rank, path) of every per-rank log, in attempt then rank order."""
         found = []
-        for path in self.path.glob(RANK_LOGS_GLOB):
+        # One rank's: the literal name is looked up in each attempt's folder, which is not listed (a folder
+        # of thousands of ranks' logs, for every attempt, is what `status` must not read).
+        pattern = RANK_LOGS_GLOB if rank is None else f"{LOGS}/job-*/attempt-*/{RANK_LOG.format(rank=int(rank))}"
+        for path in self.path.glob(pattern):
             try:
                 attempt = int(path.parent.name.removeprefix("attempt-"))
                 r = int(path.stem.removeprefix("rank-"))

@@ -27,7 +27,7 @@ from hpc_ddp.job.gpubind import effective_mode
 
 __all__ = ["Pick", "Exposure", "Problem", "scan", "judge", "exposure_of", "slurm_binds_per_task", "code_part",
            "code_only", "python_lines",
-           "source_of", "runtime_exposure", "MAX_SOURCE"]
+           "source_of", "source_bytes", "runtime_exposure", "MAX_SOURCE"]
 
 MAX_SOURCE = 4 * 1024 * 1024  # bytes: a larger script is not scanned
 # characters of a line that are scanned: no device pick is longer, and the local_rank pattern rescans a line
@@ -274,7 +274,13 @@ def runtime_exposure(how: str, visible: int, per_rank: int, local_world_size: in
 def source_of(kind: str, value: str, workdir: str) -> tuple[str, str] | None:
     """(path, text) of a script target, or of a module target's file found under `workdir` without
     importing anything (`pkg.train` -> pkg/train.py or pkg/train/__main__.py); None where there is none
-    to read (the built-in trainer, a module installed elsewhere, an unreadable file)."""
+    to read (the built-in trainer, a module installed elsewhere, an unreadable file, more than MAX_SOURCE)."""
+    found = source_bytes(kind, value, workdir)
+    return None if found is None else (found[0], found[1].decode("utf-8", errors="replace"))
+
+
+def source_bytes(kind: str, value: str, workdir: str, limit: int = MAX_SOURCE) -> tuple[str, bytes] | None:
+    """source_of's file as bytes, up to `limit` (the compile check reads bigger scripts than the scans)."""
     import os
 
     if kind == "script":
@@ -288,8 +294,8 @@ def source_of(kind: str, value: str, workdir: str) -> tuple[str, str] | None:
 
     for path in candidates:
         try:  # a regular file only (no FIFO or device is opened); a link is read where it points
-            data = read_regular(os.path.realpath(path), limit=MAX_SOURCE)
+            data = read_regular(os.path.realpath(path), limit=limit)
         except (OSError, ValueError):
             continue
-        return path, data.decode("utf-8", errors="replace")
+        return path, data
     return None

@@ -6,8 +6,9 @@ with nothing in it, until its time limit (measured on the test Slurm: `Killing J
 failed node hpcn1`, then `R ... 1 hpcn2` for as long as we watched, the node back in service included).
 So the batch script starts, beside each srun step of the ranks, this guard as a one-task step on another
 node of the step (`--overlap --gres=none`: it takes nothing from the ranks); it asks Slurm every few
-seconds whether the batch host is lost (`attempts.down_nodes`), and if so requeues the job, as Slurm
-itself would have without `--no-kill`. The next attempt's `begin` records the lost node (node_failure,
+seconds whether the batch host is lost (`attempts.down_nodes`: Slurm holds it DOWN or FAIL, or it has
+not responded for SILENT_S in a row: one missed ping, `mixed*`, is not a lost node), and if so requeues the
+job, as Slurm itself would have without `--no-kill`. The next attempt's `begin` records the lost node (node_failure,
 within max_requeues). The batch script kills the guard when the ranks' step ends.
 
     python -m hpc_ddp.job.hostguard pick NODES BATCH_HOST   -> prints a node of NODES (a hostlist or
@@ -34,6 +35,13 @@ __all__ = ["pick", "watch", "INTERVAL_S"]
 
 INTERVAL_S = 5.0
 REQUEUE_TRIES = 24  # two minutes at INTERVAL_S
+# A batch host that does not respond (sinfo's "*") this long, look after look, is lost though Slurm has not
+# marked it DOWN yet (it does after SlurmdTimeout, 300 s by default): long past a missed ping or a busy node.
+SILENT_S = 60.0
+
+
+def _silent(node: str) -> list[str]:
+    return down_nodes(node, silent=True)
 
 
 def pick(nodes: str, batch_host: str) -> str | None:
@@ -58,15 +66,24 @@ def _target(env: Mapping[str, str]) -> str:
 
 
 def watch(run_dir: Path, attempt: int, batch_host: str, env: Mapping[str, str] | None = None, *,
-          lost: Callable[[str], list[str]] = down_nodes, run=subprocess.run, sleep=time.sleep,
-          interval: float = INTERVAL_S, rounds: int | None = None) -> bool:
-    """Wait until the batch host is lost, then requeue the job (True). `rounds`: give up after that many
-    looks (tests); otherwise the batch script ends the guard."""
+          lost: Callable[[str], list[str]] = down_nodes, silent: Callable[[str], list[str]] = _silent,
+          run=subprocess.run, sleep=time.sleep, clock=time.monotonic, interval: float = INTERVAL_S,
+          silent_s: float = SILENT_S, rounds: int | None = None) -> bool:
+    """Wait until the batch host is lost (DOWN or FAIL, or not responding at every look for `silent_s`), then
+    requeue the job (True). `rounds`: give up after that many looks (tests); otherwise the batch script ends
+    the guard."""
     env = dict(os.environ if env is None else env)
     n = 0
+    quiet_since: float | None = None
     while rounds is None or n < rounds:
         n += 1
-        if lost(batch_host):
+        gone = bool(lost(batch_host))
+        if not gone and silent(batch_host):
+            quiet_since = clock() if quiet_since is None else quiet_since
+            gone = clock() - quiet_since >= silent_s
+        elif not gone:
+            quiet_since = None  # it answered again: a missed ping, not a lost node
+        if gone:
             target = _target(env)
             JsonLines(RunDir(run_dir).events).write(
                 {"event": "batch_host_lost", "attempt": attempt, "node": batch_host, "job_id": env.get("SLURM_JOB_ID"),

@@ -12,6 +12,7 @@ from pathlib import Path
 from hpc_ddp.common.errors import UserError
 from hpc_ddp.common.procs import CommandRunner, read_pid_file
 from hpc_ddp.common.rundir import RunDir, is_sweep_dir
+from hpc_ddp.launch.shellwords import bash_word
 from hpc_ddp.spec.jobspec import JobSpec
 
 __all__ = ["new_run_dir", "usable_run_dir", "existing_run_dir", "on_kernel_fs", "check_kind", "check_not_live"]
@@ -94,7 +95,7 @@ def check_not_live(path: str, commands: CommandRunner | None) -> None:
     paths = RunDir(path)
     if not paths.spec.is_file():
         return
-    hint = f"wait for it to end, or `hpc-ddp cancel {path}` first; or give a new --run-dir"
+    hint = f"wait for it to end, or `hpc-ddp cancel {bash_word(str(path))}` first; or give a new --run-dir"
     for pid_file in (paths.local_pid, paths.srun_pid):
         who, tag, _ = read_pid_file(pid_file)
         if who is not None:

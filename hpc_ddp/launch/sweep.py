@@ -24,6 +24,7 @@ from hpc_ddp.common.errors import SpecError, UserError
 from hpc_ddp.common.events import read_jsonl
 from hpc_ddp.common.rundir import RunDir
 from hpc_ddp.launch.executors.base import Plan, Run, Submission
+from hpc_ddp.launch.shellwords import bash_word
 from hpc_ddp.slurm.jobstate import array_states
 from hpc_ddp.spec.jobspec import JobSpec
 from hpc_ddp.spec.sweep import Sweep, describe
@@ -146,7 +147,7 @@ def check_resubmission(plan: SweepPlan, executor=None) -> None:
     queued = _queued_jobs(Path(plan.sweep_dir), executor) if old and executor is not None else []
     if queued:
         raise UserError(f"{plan.sweep_dir}: job(s) {', '.join(queued[:4])} of this sweep are still queued or running",
-                        hint=f"wait for them, or `hpc-ddp cancel {plan.sweep_dir}` first")
+                        hint=f"wait for them, or `hpc-ddp cancel {bash_word(str(plan.sweep_dir))}` first")
 
 
 def _queued_jobs(sweep_dir: Path, executor) -> list[str]:

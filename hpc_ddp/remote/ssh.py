@@ -9,9 +9,11 @@ point it at a real sshd on a loopback port (HPC_DDP_SSH_CONFIG: an ssh_config fi
 
 Every call that waits on the cluster has a bound, set here and nowhere else (`Ssh.bounded`, `Ssh.stream`):
 ssh gives up a connection not made within ConnectTimeout and one that stops answering after
-ServerAliveInterval x ServerAliveCountMax; and each call (ssh, rsync or tar through it) is ended after
-`timeout_s` of wall clock whatever it waits on (a remote command that hangs, a pipe that never closes),
-and said in one line: the connection was lost. HPC_DDP_SSH_TIMEOUT_S sets that bound (default 900 s).
+ServerAliveInterval x ServerAliveCountMax; each call (ssh, rsync or tar through it) is ended after
+`timeout_s` of wall clock whatever it waits on (a remote command that hangs, a pipe that never closes);
+and a control call (the probe, status, cancel, list, ...) after `silence_s` without a byte of output,
+the cluster's submit after SUBMIT_SILENCE_S. Each is said in one line: the connection was lost.
+HPC_DDP_SSH_TIMEOUT_S sets the first bound (default 900 s), HPC_DDP_SSH_SILENCE_S the second (90 s).
 
 A remote command is a POSIX sh script sent on ssh's standard input to `sh -s`, so the cluster account's
 login shell (bash, zsh, tcsh) never parses our quoting.
@@ -26,6 +28,7 @@ import shlex
 import stat
 import subprocess
 import threading
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -38,9 +41,14 @@ SSH_FAILED = 255           # ssh's own exit code: it could not connect (or the r
 PERSIST_S = 600            # the shared connection stays this long after its last command
 CONNECT_S = 30             # ssh's ConnectTimeout: a connection not made by then fails
 CALL_S = 900.0             # the wall-clock bound of one call over ssh (HPC_DDP_SSH_TIMEOUT_S overrides)
+SILENCE_S = 90.0           # a control call (probe, status, cancel, ...) silent this long is lost (HPC_DDP_SSH_SILENCE_S)
+SUBMIT_SILENCE_S = 300.0   # the cluster's own submit, which may import torch from a cold filesystem first
 # `bounded(..., timeout=SELF_BOUNDED)`: no wall clock, for a command that bounds its own waits: rsync with
 # --timeout (no data moved for that long) copies a big project over a slow link for as long as data moves.
+# With `silence=S` too, it is ended after S seconds without a byte of output (rsync's --info=progress2
+# prints as data moves): an rsync whose own timeout fired but which waits on its remote shell forever.
 SELF_BOUNDED = -1.0
+DRAIN_S = 2.0              # once a call's process has ended: how long its output may still take to be read
 # [user@]host, where host is a name (an alias of ~/.ssh/config, a DNS name, an IPv4 address) or an IPv6
 # address in brackets. No ':' outside brackets: rsync reads HOST:PATH at the first colon (and HOST::MODULE as
 # its daemon), so "login:/tmp" or "::1" would send the project somewhere else than ssh connects to.
@@ -112,6 +120,7 @@ class Ssh:
         self.config = env.get("HPC_DDP_SSH_CONFIG") or None
         self.sockets = control_dir(env)
         self.timeout_s = call_bound(env)
+        self.silence_s = call_bound(env, "HPC_DDP_SSH_SILENCE_S", SILENCE_S)
 
     def options(self) -> list[str]:
         """ssh's options, also for rsync's -e: the shared connection; a connection not made within
@@ -128,31 +137,50 @@ class Ssh:
         """rsync's -e: the same ssh, the same connection."""
         return shlex.join(["ssh", *self.options()])
 
-    def lost(self, timeout: float) -> UserError:
-        """The one line for a call that outlived its bound."""
-        return UserError(f"the connection to {self.host} was lost: no answer within {timeout:g} s",
+    def lost(self, timeout: float, silent: bool = False) -> UserError:
+        """The one line for a call that outlived its bound (`silent`: its bound of silence)."""
+        said, name = ("said nothing for", "HPC_DDP_SSH_SILENCE_S") if silent else ("no answer within", "HPC_DDP_SSH_TIMEOUT_S")
+        return UserError(f"the connection to {self.host} was lost: {said} {timeout:g} s",
                          hint=f"check that ssh {self.host} works by hand, then run the command again "
-                              "(HPC_DDP_SSH_TIMEOUT_S sets the bound)")
+                              f"({name} sets the bound)")
 
     def bounded(self, argv: list[str], *, input: bytes | None = None, stdin=None,
-                timeout: float | None = None) -> Done:
+                timeout: float | None = None, silence: float | None = None) -> Done:
         """Run a command that waits on the cluster (ssh, or rsync and tar through it), its output captured,
-        ended after `timeout` (default: this host's bound) with a UserError that says the connection was lost."""
+        ended after `timeout` (default: this host's bound) with a UserError that says the connection was lost.
+        The bound is on the process, never on its pipes: a child it leaves behind holding them (a
+        ProxyCommand's, rsync's remote shell) cannot hold the call past it (`_Captured`)."""
         limit = timeout if timeout is not None else self.timeout_s
         try:
-            done = subprocess.run(argv, input=input, stdin=stdin, capture_output=True,
-                                  timeout=None if limit == SELF_BOUNDED else limit, check=False)
+            proc = subprocess.Popen(argv, stdin=subprocess.PIPE if input is not None else stdin,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         except FileNotFoundError:
             raise UserError(f"there is no {os.path.basename(argv[0])} on this machine",
                             hint="install OpenSSH's client" if argv[0] == "ssh" else f"install {argv[0]}") from None
-        except subprocess.TimeoutExpired:
-            raise self.lost(limit) from None
-        return Done(done.returncode, done.stdout, done.stderr)
+        captured = _Captured(proc, input)
+        deadline = None if limit == SELF_BOUNDED else time.monotonic() + limit
+        while True:
+            try:
+                code = proc.wait(timeout=1.0 if silence else None if deadline is None
+                                 else max(0.0, deadline - time.monotonic()))
+                break
+            except subprocess.TimeoutExpired:
+                quiet = silence is not None and time.monotonic() - captured.last > silence
+                if quiet or (deadline is not None and time.monotonic() >= deadline):
+                    proc.kill()
+                    proc.wait()
+                    captured.finish()
+                    raise self.lost(silence if quiet else limit, silent=quiet) from None
+        out, err = captured.finish()
+        return Done(code, out, err)
 
-    def run(self, script: str, *, check: bool = True, timeout: float | None = None) -> Done:
-        """Run a POSIX sh script on the host; its output, captured, within `timeout` (`bounded`). A failure
-        to connect is one line (`classify`); with `check`, so is a script that fails."""
-        done = result = self.bounded(self.argv(), input=script.encode(errors="surrogateescape"), timeout=timeout)
+    def run(self, script: str, *, check: bool = True, timeout: float | None = None,
+            silence: float | None = None) -> Done:
+        """Run a POSIX sh script on the host; its output, captured, within `timeout` and ended after
+        `silence` (default: this host's silence_s) without a byte of output (`bounded`). A failure to connect
+        is one line (`classify`); with `check`, so is a script that fails."""
+        done = result = self.bounded(self.argv(), input=script.encode(errors="surrogateescape"), timeout=timeout,
+                                     silence=self.silence_s if silence is None else silence)
         if done.returncode == SSH_FAILED:
             raise classify(self.host, done.stderr.decode(errors="replace"))
         if check and done.returncode != 0:
@@ -188,6 +216,44 @@ class Ssh:
             pass  # the master is gone or hangs: it ends by itself after ControlPersist
 
 
+class _Captured:
+    """A process's stdout and stderr read by threads of their own (and its input written by one), so that
+    the caller waits on the process, not on pipes. `finish`, once it has ended: what was read, after at
+    most DRAIN_S more for what is still in the pipes; a pipe a leftover child keeps open is left to it."""
+
+    def __init__(self, proc: subprocess.Popen, input: bytes | None) -> None:
+        self.parts: dict[str, list[bytes]] = {"out": [], "err": []}
+        self.last = time.monotonic()  # when the last output came
+        self.threads = [threading.Thread(target=self._read, args=(proc.stdout, self.parts["out"]), daemon=True),
+                        threading.Thread(target=self._read, args=(proc.stderr, self.parts["err"]), daemon=True)]
+        if input is not None:
+            self.threads.append(threading.Thread(target=_write_all, args=(proc.stdin, input), daemon=True))
+        for thread in self.threads:
+            thread.start()
+
+    def finish(self) -> tuple[bytes, bytes]:
+        deadline = time.monotonic() + DRAIN_S
+        for thread in self.threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        return b"".join(self.parts["out"]), b"".join(self.parts["err"])
+
+    def _read(self, stream, into: list[bytes]) -> None:
+        try:
+            for chunk in iter(lambda: stream.read1(65536), b""):
+                into.append(chunk)
+                self.last = time.monotonic()
+        except (OSError, ValueError):
+            pass
+
+
+def _write_all(stream, data: bytes) -> None:
+    try:
+        stream.write(data)
+        stream.close()
+    except (OSError, ValueError):
+        pass  # the process is gone, or stopped reading: its exit code says why
+
+
 def _overrun(proc: subprocess.Popen, lost: UserError) -> None:
     if proc.poll() is None:
         proc.hpc_ddp_lost = lost  # type: ignore[attr-defined]
@@ -209,18 +275,20 @@ def raise_if_lost(proc: Any) -> None:
         raise lost
 
 
-def call_bound(env: Mapping[str, str] = os.environ) -> float:
-    """The wall-clock bound of one call over ssh: HPC_DDP_SSH_TIMEOUT_S (seconds), default CALL_S."""
-    raw = env.get("HPC_DDP_SSH_TIMEOUT_S")
+def call_bound(env: Mapping[str, str] = os.environ, name: str = "HPC_DDP_SSH_TIMEOUT_S",
+               default: float = CALL_S) -> float:
+    """A bound of the calls over ssh in seconds: `name` from the environment, else `default` (the wall-clock
+    bound of one call: HPC_DDP_SSH_TIMEOUT_S, CALL_S)."""
+    raw = env.get(name)
     if not raw:
-        return CALL_S
+        return default
     try:
         value = float(raw)
         if not 0 < value < 1e7:
             raise ValueError
     except ValueError:
-        raise UserError(f"HPC_DDP_SSH_TIMEOUT_S={raw!r} is not a number of seconds",
-                        hint="give a positive number, e.g. HPC_DDP_SSH_TIMEOUT_S=900") from None
+        raise UserError(f"{name}={raw!r} is not a number of seconds",
+                        hint=f"give a positive number, e.g. {name}={default:g}") from None
     return value
 
 

@@ -40,7 +40,7 @@ from hpc_ddp.common.registryfile import register
 from hpc_ddp.common.terminal import printable
 from hpc_ddp.common.units import MB, human_bytes
 from hpc_ddp.remote.site import Site, command_words, profile_toml, remote_dir_for, shell_words
-from hpc_ddp.remote.ssh import SELF_BOUNDED, SSH_FAILED, Ssh, classify
+from hpc_ddp.remote.ssh import SELF_BOUNDED, SSH_FAILED, SUBMIT_SILENCE_S, Ssh, classify
 from hpc_ddp.snapshot import shipped, snapshot
 from hpc_ddp.snapshot.gitinfo import Git
 from hpc_ddp.snapshot.listing import Listing, check_limits, list_project, parents, project_root
@@ -304,7 +304,7 @@ if [ -d "$P" ] && [ -w "$P" ] && [ -x "$P" ]; then echo writable=yes; else print
     version = said.get("version", "missing")
     if version == "missing" or not version.strip():
         raise UserError(f"there is no hpc-ddp on {ssh.host} (tried {site.hpc_ddp!r})",
-                        hint=f"install it there (pip install hpc-ddp=={__version__}), or name it with "
+                        hint=f"install hpc-ddp {__version__} there (pip install of a clone, or the wheel make dist builds), or name it with "
                              "remote_hpc_ddp = \"/path/to/venv/bin/hpc-ddp\" in the profile")
     theirs = version.strip().rsplit(" ", 1)[-1]
     if theirs != __version__:
@@ -359,10 +359,15 @@ def _decoded_origin(text: str) -> str:
         return text
 
 
-def _rsync_3(version_line: str | None) -> bool:
-    """rsync 3 or later (not macOS's 2.6.9, nor openrsync): what -s and --from0 need."""
-    found = re.match(r"rsync\s+version\s+v?(\d+)\.", version_line or "")
-    return bool(found) and int(found.group(1)) >= 3 and "openrsync" not in (version_line or "")
+RSYNC_GRACE_S = 30  # an rsync silent this much longer than its own --timeout is ended
+
+
+def _rsync_3(version_line: str | None, minor: int = 0) -> bool:
+    """rsync 3 (3.`minor`) or later (not macOS's 2.6.9, nor openrsync): what -s and --from0 need (and
+    --info=progress2, 3.1)."""
+    found = re.match(r"rsync\s+version\s+v?(\d+)\.(\d+)", version_line or "")
+    return bool(found) and (int(found.group(1)), int(found.group(2))) >= (3, minor) \
+        and "openrsync" not in (version_line or "")
 
 
 def _local_rsync() -> str | None:
@@ -384,9 +389,14 @@ def _ship(ssh: Ssh, hello: dict[str, str], project: Path, listing: Listing, orig
     if _rsync_3(hello.get("rsync")) and _rsync_3(_local_rsync()):
         # Bounded by what moves, not by the clock: a big first copy over a slow link may take longer than
         # any one call should, while an rsync that moves nothing for the bound is a lost connection (30).
+        # rsync 3.1 on both sides prints its progress as data moves: an rsync silent for well past its own
+        # --timeout waits on its remote shell, and is ended (Ssh.bounded's silence).
+        progress = _rsync_3(hello.get("rsync"), minor=1) and _rsync_3(_local_rsync(), minor=1)
         argv = ["rsync", "-a", "-s", *(["--checksum"] if checksum else []), "--from0", "--files-from=-",
+                *(["--info=progress2"] if progress else []),
                 f"--timeout={max(1, int(ssh.timeout_s))}", "-e", ssh.rsh(), f"{project}/", f"{ssh.host}:{hello['dir']}/"]
-        done = ssh.bounded(argv, input=names, timeout=SELF_BOUNDED)
+        done = ssh.bounded(argv, input=names, timeout=SELF_BOUNDED,
+                           silence=max(1, int(ssh.timeout_s)) + RSYNC_GRACE_S if progress else None)
     else:
         tar = subprocess.Popen(["tar", "-C", str(project), "--null", "--no-recursion", "-T", "-", "-cf", "-"],
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
@@ -447,7 +457,7 @@ def _submit(ssh: Ssh, site: Site, mirror: str, where: str, manifest: dict[str, A
               f"{command_words(site.hpc_ddp)} submit --json --shipped {path} {shlex.join(args)} > {answer}.tmp",
               "rc=$?", f"mv -f {answer}.tmp {answer}", f"cat {answer}", "exit $rc"]
     try:
-        return ssh.run("\n".join(lines) + "\n", check=False)
+        return ssh.run("\n".join(lines) + "\n", check=False, silence=max(ssh.silence_s, SUBMIT_SILENCE_S))
     except UserError:
         # the connection dropped: the job may be queued all the same; its answer says
         done = ssh.run(f"cat {answer} 2>/dev/null || cat {answer}.tmp 2>/dev/null || true\n", check=False)

@@ -15,7 +15,9 @@ infinity):
   PREEMPTED or NODE_FAIL, over the node-hours all its jobs ran (`sacct`, once per attempt, on rank 0 only,
   bounded by SACCT_TIMEOUT_S; where it is missing or fails, the record says so and the others serve).
 
-The interval is clamped to at least MIN_FACTOR x w and MIN_S, and to at most the time the job has left.
+The interval is clamped to at least MIN_FACTOR x w and MIN_S, and to at most MAX_S and the time the job
+has left. What a record says is checked where it is read (`_time`, `parse_sacct`): a damaged one is left
+out, counted in its source's note, and never reaches the arithmetic.
 It is chosen when an attempt starts (and again once its first save is measured, and when sacct answers);
 each choice is one `checkpoint_interval` event, which `status` shows. The arithmetic here is pure; the
 sacct call takes its runner as an argument.
@@ -42,6 +44,13 @@ PRIOR_NODE_HOURS = 24.0      # ... per 24 node-hours
 SACCT_DAYS = 7
 SACCT_TIMEOUT_S = 10.0
 INTERRUPTED = ("preempted", "node_failure", "killed")
+# Nor less often than every 6 hours: the rate is an estimate (a quiet week of the partition, a history of
+# long clean attempts), and an interruption that comes anyway should never cost more than that.
+MAX_S = 6 * 3600.0
+# What a record may say, read at the edge: an attempt or a sacct job longer than a year, or on more nodes
+# than any job has, is a damaged record, left out (and counted in the source's note), never summed in.
+MAX_RECORD_S = 365 * 86400.0
+MAX_RECORD_NODES = 100_000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +95,8 @@ def choose(*, save_s: float | None, nodes: int, evidence: Sequence[Evidence],
     floor = max(MIN_FACTOR * w, MIN_S)
     if seconds < floor:
         seconds, clamped = floor, f"at least {MIN_FACTOR:g} x the save and {MIN_S:g} s"
+    if seconds > MAX_S:
+        seconds, clamped = MAX_S, f"at most {MAX_S / 3600:g} h"
     if time_left_s is not None and time_left_s > 0 and seconds > time_left_s:
         seconds, clamped = time_left_s, "at most the time the job has left"
     why = (f"Young: sqrt(2 x {w:.3g} s save{'' if measured else ' (estimate)'} / "
@@ -103,11 +114,12 @@ def choose(*, save_s: float | None, nodes: int, evidence: Sequence[Evidence],
 def _node_count(nodes: str | None, default: int) -> int:
     if not nodes:
         return default
+    from hpc_ddp.common.errors import HpcDdpError
     from hpc_ddp.slurm.nodelist import expand_hostlist
 
-    try:
+    try:  # a damaged record's hostlist (one that is not Slurm's, or past expand_hostlist's bound) says nothing
         return max(1, len(expand_hostlist(nodes)))
-    except ValueError:
+    except (ValueError, HpcDdpError):
         return default
 
 
@@ -117,40 +129,57 @@ def from_history(events: Sequence[Mapping[str, Any]], *, nodes: int, now: float)
     time limit without saving at its stop. The attempt running now is not counted (it has not ended)."""
     from hpc_ddp.job.attempts import attempts_from_events
 
-    count, hours = 0, 0.0
+    count, hours, dropped = 0, 0.0, 0
     attempts = attempts_from_events(list(events))
     for attempt in attempts:
-        if attempt.started_at is None:
+        if attempt.started_at is None or attempt.ended_at is None:
+            continue  # never started, or this attempt, still running
+        started, ended = _time(attempt.started_at), _time(attempt.ended_at)
+        if started is None or ended is None or not 0 <= ended - started <= MAX_RECORD_S or ended > now + 86400:
+            dropped += 1  # a damaged record: a time that is no number, or a span no attempt had
             continue
-        ended = attempt.ended_at
-        if ended is None:
-            continue  # this attempt, still running
-        hours += max(0.0, ended - attempt.started_at) / 3600.0 * _node_count(attempt.nodes, nodes)
+        hours += (ended - started) / 3600.0 * _node_count(attempt.nodes, nodes)
         cause = attempt.ended_cause
         if cause in INTERRUPTED or (cause == "time_limit" and not attempt.checkpointed):
             count += 1
-    return Evidence("history", count, hours, f"{len(attempts)} attempts")
+    return Evidence("history", count, hours, f"{len(attempts)} attempts" + _dropped(dropped, "attempt"))
+
+
+def _time(value: Any) -> float | None:
+    """A record's time: a finite number of seconds, else None (a string, a bool, nan, 1e308's overflow)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+def _dropped(count: int, what: str) -> str:
+    return f"; {count} damaged {what}{'s' if count != 1 else ''} left out" if count else ""
 
 
 # ---- Slurm's accounting ----
 
 def parse_sacct(text: str, partition: str) -> Evidence:
     """`sacct -X -n -P -o State,NNodes,ElapsedRaw` lines -> PREEMPTED and NODE_FAIL endings over node-hours."""
-    count, hours, jobs = 0, 0.0, 0
+    count, hours, jobs, dropped = 0, 0.0, 0, 0
     for line in text.splitlines():
         parts = line.strip().split("|")
         if len(parts) < 3:
             continue
-        state, nnodes, elapsed = parts[0].split()[0] if parts[0].strip() else "", parts[1], parts[2]
-        try:
-            n, seconds = int(nnodes), int(elapsed)
-        except ValueError:
+        state, nnodes, elapsed = parts[0].split()[0] if parts[0].strip() else "", parts[1].strip(), parts[2].strip()
+        if not (nnodes.isascii() and nnodes.isdigit() and elapsed.isascii() and elapsed.isdigit()) \
+                or len(nnodes) > 7 or len(elapsed) > 12:
+            dropped += bool(nnodes or elapsed)  # a header or an empty field is no job; a damaged one is counted
+            continue
+        n, seconds = int(nnodes), int(elapsed)
+        if not 1 <= n <= MAX_RECORD_NODES or seconds > MAX_RECORD_S:
+            dropped += 1
             continue
         jobs += 1
         hours += n * seconds / 3600.0
         if state in ("PREEMPTED", "NODE_FAIL"):
             count += 1
-    return Evidence("sacct", count, hours, f"partition {partition}, {jobs} jobs in {SACCT_DAYS} days")
+    return Evidence("sacct", count, hours,
+                    f"partition {partition}, {jobs} jobs in {SACCT_DAYS} days" + _dropped(dropped, "line"))
 
 
 def from_sacct(partition: str | None, run: Callable[..., Any] = subprocess.run,
@@ -161,7 +190,7 @@ def from_sacct(partition: str | None, run: Callable[..., Any] = subprocess.run,
     command = ["sacct", "-X", "-n", "-P", "-a", "-r", partition, "-S", f"now-{SACCT_DAYS}days", "-E", "now",
                "-o", "State,NNodes,ElapsedRaw"]
     try:
-        done = run(command, capture_output=True, text=True, timeout=timeout)
+        done = run(command, capture_output=True, text=True, errors="replace", timeout=timeout)
     except FileNotFoundError:
         return Evidence("sacct", 0, 0.0, "sacct not found: the run's history and the prior only")
     except subprocess.TimeoutExpired:

@@ -84,8 +84,10 @@ from hpc_ddp.trainer.loggers import Loggers
 from hpc_ddp.trainer.sessionbase import Diverged, IncompatibleResume, Progress, UsageError
 from hpc_ddp.trainer.sessionsave import SaveAndResume
 from hpc_ddp.trainer.sessionstep import StepAndStop
+from hpc_ddp.trainer.settings import check_settings, count_setting
 from hpc_ddp.trainer.stallwatch import STORE_ANSWER_S, StallWatch
 from hpc_ddp.trainer.stopping import StopFlag
+from hpc_ddp.trainer.writerlock import WriterLock
 
 __all__ = ["Session", "start", "Progress", "UsageError", "IncompatibleResume", "Diverged"]
 
@@ -99,7 +101,7 @@ def start(run_dir: str | os.PathLike | None = None, **settings: Any) -> "Session
                          f"{_ACTIVE[0].world_size}): one process is one rank of one run",
                          hint="use the run the first start() returned, or close it (leave its `with` block) "
                               "before starting another")
-    return Session(run_dir, **settings).setup()
+    return Session(run_dir, **check_settings(settings)).setup()
 
 
 _ACTIVE: list["Session"] = []   # the session start() made in this process, while it is open
@@ -107,6 +109,23 @@ _ACTIVE: list["Session"] = []   # the session start() made in this process, whil
 
 class Session(StepAndStop, SaveAndResume):
     """One rank's handle on a preemption-safe run. Build it with `hpc_ddp.start()`."""
+
+    # A loop may change these mid-run (run.checkpoint_every_steps = 100): checked as start() checks them.
+    @property
+    def checkpoint_every_steps(self) -> int:
+        return self._checkpoint_every_steps
+
+    @checkpoint_every_steps.setter
+    def checkpoint_every_steps(self, value: int) -> None:
+        self._checkpoint_every_steps = count_setting("checkpoint_every_steps", value, 0)
+
+    @property
+    def log_every(self) -> int:
+        return self._log_every
+
+    @log_every.setter
+    def log_every(self, value: int) -> None:
+        self._log_every = count_setting("log_every", value, 1)
 
     def __init__(self, run_dir: str | os.PathLike | None = None, *, checkpoint_every_steps: int = 0,
                  checkpoint_every_minutes: float | str = 30.0, keep: int = 3, log_every: int = 10,
@@ -131,7 +150,7 @@ class Session(StepAndStop, SaveAndResume):
         self.checkpoint_every_minutes = 0.0 if self.auto_interval else float(checkpoint_every_minutes)
         self._interval_inputs: dict[str, Any] = {}   # auto: the evidence and save cost the interval was chosen from
         self._interval_dirty = False
-        self.log_every, self.stop_lead_seconds = max(1, log_every), stop_lead_seconds
+        self.log_every, self.stop_lead_seconds = log_every, stop_lead_seconds
         self.stop_on_nonfinite, self.exit_on_stop = stop_on_nonfinite, exit_on_stop
         self.fingerprint = {**(fingerprint or {}), "world_size": self.env.world_size}
         # A node range (--nodes MIN-MAX) lets a resume run on another world size; a fixed size refuses one.
@@ -145,6 +164,7 @@ class Session(StepAndStop, SaveAndResume):
         self._batch_size: int | None = None
         self._split: Split | None = None      # how the ranks share each step's global batch (data.elastic)
         self._finished = False
+        self._writer_lock: WriterLock | None = None  # rank 0's, while it writes the run dir (writerlock.py)
         self._resume_called = False
         self._batch_asked = False             # batch_size() was asked: the loop's loaders follow an uneven split
         self._loaders: list[Any] = []         # the DataLoaders loader() made (their batch follows the split)
@@ -223,10 +243,25 @@ class Session(StepAndStop, SaveAndResume):
         """Install the stop signals, pick the device, meet the other ranks (bounded, naming the missing
         ones), build the process group and check it with one all-reduce. Called by `start()`."""
         _stall_floor()   # a bad HPC_DDP_STALL_MIN_S is one line now, not a ValueError on every rank later
+        if self.is_main:
+            self._writer_lock = WriterLock(str(self.run_dir))
+            holder = self._writer_lock.acquire()
+            if holder is not None:
+                raise UsageError(
+                    f"another process{f' (pid {holder})' if holder else ''} on this node is rank 0 of the run in "
+                    f"{self.run_dir} already: two writers would interleave its checkpoints and records",
+                    hint="one hpc_ddp.start() per rank: a script's own mp.spawn children that each call it under "
+                         "one task all become rank 0 of 1; drop mp.spawn and let hpc-ddp start one task per GPU "
+                         "(--tasks-per-node), or give each run its own --run-dir")
         self.stop.install()
         shield_loader_workers()
         backend = self._pick_device()
         if self.distributed:
+            if dist.is_initialized():  # its store holds MASTER_PORT: ours would be told the port is in use
+                raise UsageError("the script made its own process group (dist.init_process_group) before "
+                                 "hpc_ddp.start(), which makes the group itself",
+                                 hint="remove the script's own init_process_group: start() builds the default "
+                                      "group, and dist.get_rank() and the collectives work after it")
             _fault_before_join(self.env)
             self.store = rendezvous.join(self.env, timeout_s=self.rendezvous_timeout)
             group = dict(backend=backend, store=dist.PrefixStore("pg", self.store), rank=self.rank,
@@ -290,6 +325,8 @@ class Session(StepAndStop, SaveAndResume):
         # Rank 0's store outlives the others' exits (bounded): they read why it left rather than dump C++ frames.
         rendezvous.outlive_peers(self.store, self.env, 5.0 if why == "finished" else min(15.0, self.collective_timeout))
         self.stop.uninstall()
+        if self._writer_lock is not None:
+            self._writer_lock.release()
 
     def _drain_writer(self) -> None:
         """Leaving with a background write in flight (an error, or no finish()): let it become durable,

@@ -44,3 +44,44 @@ def test_a_visit_proves_only_what_trained_on_the_gpu():
     nan = {**every, ("device", "bf16"): False}        # issue 40's first row
     assert proved(_summary(nan, passed=False)) == []
     assert proved(_summary(every, gpu=None)) == [] and proved(_summary(every, smoke=True)) == []
+
+
+# ---- issue 53: gpu-check replaces only what it made, and a run of nothing does not pass ----
+
+def _gpu_check(*args):
+    return subprocess.run([sys.executable, "bench/gpu_check.py", "--smoke", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_a_folder_of_the_users_under_out_is_never_replaced(tmp_path):
+    out = tmp_path / "out"
+    (out / "jpegs").mkdir(parents=True)
+    (out / "jpegs" / "mine.jpg").write_bytes(b"the user's")
+    (out / "trainer-cpu-fp32").mkdir()
+    done = _gpu_check("--out", str(out), "--parts", "trainer")
+    assert done.returncode == 2 and "jpegs, trainer-cpu-fp32" in done.stderr and "nothing was touched" in done.stderr
+    assert (out / "jpegs" / "mine.jpg").read_bytes() == b"the user's" and (out / "trainer-cpu-fp32").is_dir()
+
+
+def test_what_an_earlier_run_made_is_replaced_and_nothing_else(tmp_path):
+    from bench.gpu_check import MADE, fresh, replaceable
+
+    out = tmp_path / "out"
+    out.mkdir()
+    made = fresh(out, "jpegs")
+    made.mkdir()
+    (made / "old.jpg").write_bytes(b"x")
+    assert json.loads((out / MADE).read_text()) == ["jpegs"] and replaceable(out) == []
+    assert not fresh(out, "jpegs").exists()     # an earlier run's: replaced
+    (out / "trainer-device-bf16").symlink_to(tmp_path)
+    assert replaceable(out) == ["trainer-device-bf16"]
+    with pytest.raises(RuntimeError, match="not gpu-check's own"):
+        fresh(out, "trainer-device-bf16")
+    assert (out / "trainer-device-bf16").is_symlink()
+
+
+@pytest.mark.parametrize("parts", ["", " , "])
+def test_no_parts_is_refused_not_passed(tmp_path, parts):
+    done = _gpu_check("--out", str(tmp_path / "out"), "--parts", parts)
+    assert done.returncode == 2 and "name at least one" in done.stderr
+    assert not (tmp_path / "out" / "gpu-check.json").exists()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from hpc_ddp.checks.scriptcheck import compile_findings, spawn_findings
+from hpc_ddp.checks.scriptcheck import compile_findings, script_findings, spawn_findings
 
 SEEDS = Path(__file__).resolve().parents[3] / "shared" / "seeds"
 
@@ -146,3 +146,128 @@ def test_no_preflight_submits_an_mp_spawn_script_with_a_warning(tmp_path):
                       "spawn_mnist.py")
     assert done.returncode == 0, done.stderr
     assert "warning: spawn_mnist.py line 85 starts its own ranks with mp.spawn" in done.stderr
+
+
+# ---- issue 53: what the refusal prints is safe to paste, and blames only what breaks the code ----
+
+def test_the_py_compile_hint_quotes_the_name_so_pasting_it_runs_nothing_else(tmp_path):
+    name = "x;touch hint;.py"
+    (finding,) = compile_findings(name, "def f(:\n    pass\n")
+    assert "python -m py_compile 'x;touch hint;.py'" in finding.hint
+    command = finding.hint.split("check with: ", 1)[1]
+    subprocess.run(["bash", "-c", command.replace("python", sys.executable, 1)], cwd=tmp_path, capture_output=True)
+    assert not (tmp_path / "hint").exists()
+
+
+def test_a_look_alike_inside_a_string_is_not_blamed_for_another_syntax_error():
+    (finding,) = compile_findings("train.py", "greeting = 'caf\u00a0\u2019s'\ndef f(:\n    pass\n")
+    assert "line 2 does not compile: invalid syntax" in finding.message and "U+00A0" not in finding.message
+    assert "py_compile train.py" in finding.hint
+
+
+def test_no_sed_is_offered_that_would_rewrite_a_string_literal():
+    text = "label = 'a\u00a0b'\nif True:\n\u00a0   print(label)\n"
+    (finding,) = compile_findings("train.py", text)
+    assert "U+00A0" in finding.message and "sed" not in finding.hint and "editor" in finding.hint
+    # where every look-alike is outside the strings, the sed line is right, and quoted as one word per part
+    (plain,) = compile_findings("my train.py", "if True:\n\u00a0   print(1)\n")
+    assert "sed -i 's/\\xc2\\xa0/ /g' 'my train.py'" in plain.hint
+
+
+DUAL_MODE = '''import os
+import torch.multiprocessing as mp
+
+def main(rank, world):
+    print(rank, world)
+
+if __name__ == "__main__":
+    if "LOCAL_RANK" in os.environ:  # torchrun (or hpc-ddp) started this process
+        main(int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"]))
+    else:
+        mp.spawn(main, args=(4,), nprocs=4)
+'''
+
+
+@pytest.mark.parametrize("text", [
+    DUAL_MODE,
+    DUAL_MODE.replace('if "LOCAL_RANK" in os.environ:', 'if os.environ.get("RANK") is not None:'),
+    "import os, torch.multiprocessing as mp\nif 'RANK' not in os.environ:\n    mp.spawn(print, nprocs=8)\n",
+    "import os, torch.multiprocessing as mp\nif not os.environ.get('LOCAL_RANK'):\n    mp.spawn(print, nprocs=8)\n",
+    '"""Run with mp.spawn(main, nprocs=8) or torchrun."""\nprint("no spawn here")\n',
+    "HELP = 'use mp.spawn(fn, nprocs=4) to test locally'\n",
+    "x = '''\nmp.spawn(fn, nprocs=4)\n'''\n",
+    "def start_processes(n):\n    return n\n\nstart_processes(8)\n",
+], ids=["torchrun-or-spawn", "rank-is-not-none", "rank-not-in-environ", "not-local-rank", "docstring",
+        "string", "multi-line-string", "own-start-processes"])
+def test_what_is_not_a_spawn_under_hpc_ddp_is_left_alone(text):
+    """Issue 53: a dual-mode script, a spawn named in a string, and a function of the script's own were
+    refused as mp.spawn."""
+    assert spawn_findings(_spec(4, 4), "s.py", text) == []
+
+
+@pytest.mark.parametrize("text", [
+    DUAL_MODE.replace('    if "LOCAL_RANK" in os.environ:  # torchrun (or hpc-ddp) started this process\n'
+                      '        main(int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"]))\n    else:\n', "    if True:\n"),
+    "from torch.multiprocessing import start_processes\nstart_processes(print, nprocs=4)\n",
+    "import torch\ntorch.multiprocessing.spawn(print, nprocs=4)\n",
+    "import os, torch.multiprocessing as mp\nif 'LOCAL_RANK' in os.environ:\n    mp.spawn(print, nprocs=4)\n",
+], ids=["under-main-only", "start-processes", "torch-multiprocessing", "spawn-under-a-launcher"])
+def test_a_spawn_that_runs_under_hpc_ddp_is_still_refused(text):
+    (finding,) = spawn_findings(_spec(4, 4), "s.py", text)
+    assert "starts its own ranks" in finding.message
+
+
+def _zipapp(tmp_path, shebang: bool) -> bytes:
+    import zipapp
+
+    src = tmp_path / "app"
+    src.mkdir(exist_ok=True)
+    (src / "__main__.py").write_text("print('from the zip')\n")
+    target = tmp_path / "app.pyz"
+    zipapp.create_archive(src, target, interpreter="/usr/bin/env python3" if shebang else None)
+    return target.read_bytes()
+
+
+@pytest.mark.parametrize("case", ["bom", "latin-1-with-cookie", "cp1252-with-cookie", "zipapp", "zipapp-shebang",
+                                  "nbsp-in-a-string", "bidi-in-a-comment", "big"])
+def test_the_compile_check_agrees_with_python_on_what_runs(tmp_path, case):
+    """Issue 53: a UTF-8 BOM script (which Windows editors write and Python runs) was refused, a .pyz
+    zipapp was refused, and a script over 4 MB was not checked at all."""
+    data = {
+        "bom": b"\xef\xbb\xbfprint('hi')\n",
+        "latin-1-with-cookie": b"# -*- coding: latin-1 -*-\nname = 'caf\xe9'\nprint(name)\n",
+        "cp1252-with-cookie": b"# coding: cp1252\nquote = '\x93hi\x94'\n",
+        "nbsp-in-a-string": "x = 'a\u00a0b'\n".encode(),
+        "bidi-in-a-comment": "x = 1  # \u202e comment\n".encode(),
+        "big": b"x = 1\n" * (1 << 20),  # 6 MB
+    }.get(case) or _zipapp(tmp_path, shebang=case == "zipapp-shebang")
+    path = tmp_path / ("app.pyz" if case.startswith("zipapp") else "s.py")
+    path.write_bytes(data)
+    ran = subprocess.run([sys.executable, str(path)], capture_output=True)
+    assert ran.returncode == 0, ran.stderr  # Python runs it
+    assert script_findings(_spec(0, 1), str(path), data, None) == []
+
+
+@pytest.mark.parametrize("data", [b"x = 'caf\xe9'\nprint(x)\n", b"# ok\nx = 1\ny = '\xe9t\xe9'\n"])
+def test_a_script_in_another_encoding_that_names_none_is_refused_as_python_refuses_it(tmp_path, data):
+    """Issue 53: a latin-1 script without a coding line passed the check (decoded with errors=replace)
+    and would fail on every rank."""
+    path = tmp_path / "s.py"
+    path.write_bytes(data)
+    assert subprocess.run([sys.executable, str(path)], capture_output=True).returncode != 0
+    (finding,) = script_findings(_spec(0, 1), str(path), data, None)
+    line = 1 if data.startswith(b"x") else 3
+    assert finding.message == f"s.py line {line} does not compile: it is not UTF-8 (Python's encoding for source files) " \
+                              "and names no other in a coding line"
+    assert "coding: latin-1" in finding.hint and "python -m py_compile s.py" in finding.hint
+
+
+@pytest.mark.skipif(not SEEDS.is_dir(), reason="needs ../shared/seeds")
+def test_a_big_script_that_does_not_compile_is_refused_at_submit(tmp_path):
+    from hpc_ddp.checks.preflight import MAX_COMPILED
+    from hpc_ddp.job.devicescan import MAX_SOURCE
+
+    (tmp_path / "big.py").write_bytes(b"x = 1\n" * (MAX_SOURCE // 6 + 10) + b"def broken(:\n")
+    assert MAX_SOURCE < (tmp_path / "big.py").stat().st_size < MAX_COMPILED
+    done, _ = _submit(tmp_path, "submit", "--executor", "sbatch", "--dry-run", str(tmp_path / "big.py"))
+    assert done.returncode == 2 and "big.py line" in done.stderr and "does not compile" in done.stderr, done.stderr

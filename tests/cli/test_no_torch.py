@@ -9,7 +9,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from pathlib import Path
 
 import pytest
 
@@ -20,7 +19,7 @@ import sys
 class _NotInstalled:
     def find_spec(self, name, path=None, target=None):
         if name.split(".")[0] in {BLOCKED!r}:
-            raise ModuleNotFoundError(f"No module named {{name!r}} (not installed on this laptop)")
+            raise ModuleNotFoundError(f"No module named {{name!r}} (not installed on this laptop)", name=name)
         return None
 
 sys.meta_path.insert(0, _NotInstalled())
@@ -85,3 +84,19 @@ def test_submit_over_ssh_gets_to_the_connection_without_torch(laptop, dry):
 def test_status_and_logs_of_a_run_dir_without_torch(laptop, tmp_path):
     done = _run(laptop, "status", str(tmp_path / "nowhere"))
     assert done.returncode == 2 and "not installed on this laptop" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("command", [["inspect", "runs/x"], ["export", "runs/x", "--to", "model.pt"],
+                                     ["submit", "--executor", "submitit", "train.py"]])
+def test_a_command_that_needs_torch_says_so_in_one_line_not_an_internal_error(laptop, command):
+    """Issue 53: on the laptop install, inspect, export and the submitit executor gave `internal error:
+    ModuleNotFoundError`."""
+    project, _ = laptop
+    run = project / "runs" / "x"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "spec.json").write_text("{}")
+    done = _run(laptop, *command)
+    assert done.returncode == 2, done.stderr
+    line = done.stderr.strip().splitlines()[-1]
+    assert "internal error" not in line and f"`hpc-ddp {command[0]}` needs it" in line and "HINT:" in line, line
+    assert line.split(" is not installed here")[0].rsplit(" ", 1)[-1] in ("torch", "submitit", "numpy", "cloudpickle")

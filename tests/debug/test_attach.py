@@ -83,3 +83,39 @@ def _wait_connect(path: str) -> socket.socket:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.05)
+
+
+def test_a_sigterm_or_a_closed_terminal_ends_attach_with_its_socket_removed(tmp_path):
+    """A killed attach used to leave its socket; the next attach of the same job id (job ids restart on a
+    fresh controller) then looked served to anything that checked for the file."""
+    import signal
+    import subprocess
+
+    from e2e.helpers import unix_listening
+
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        job = f"attach-term-{uuid.uuid4().hex[:8]}"
+        path = debugrelay.login_socket_path(job, 0)
+        child = subprocess.Popen([sys.executable, "-c", f"""
+from hpc_ddp.cli.cmd_debug import _ends_like_ctrl_c
+from hpc_ddp.debug import attach
+import signal
+event = {{"job_id": {job!r}, "rank": 0, "node": "here", "socket": "/nonexistent", "loopback": True}}
+try:
+    with _ends_like_ctrl_c(signal.SIGTERM, signal.SIGHUP):
+        attach.serve(event, port=None, current=lambda: event, say=print, poll_s=0.2)
+except KeyboardInterrupt:
+    print("ended like ctrl-c")
+"""], stdout=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 60
+            while not unix_listening(path) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert unix_listening(path)
+            child.send_signal(signum)
+            out, _ = child.communicate(timeout=30)
+        finally:
+            if child.poll() is None:
+                child.kill()
+        assert child.returncode == 0 and "ended like ctrl-c" in out, out
+        assert not os.path.exists(path)

@@ -315,7 +315,7 @@ RECORDS = {
     "run-dir-with-colon-by-host": ({"job_id": "7", "run_dir": "/r/a:b", "host": "c"}, "c:/r/a:b", "c"),
     "ref-empty-host": ({"job_id": "7", "run_dir": "/r/a", "host": "c"}, ":7", None),
     "ref-only-colon": ({"job_id": "7", "run_dir": "/r/a", "host": "c"}, ":", None),
-    "ref-other-host": ({"job_id": "7", "run_dir": "/r/a", "host": "c"}, "d:7", None),
+    "ref-other-host": ({"job_id": "7", "run_dir": "/r/a", "host": "c"}, "d:7", "d"),  # job 7 of d, asked of d
     "not-a-table": ([1, 2], "7", None),
     "remote-hpc-ddp-a-list": ({"job_id": "7", "run_dir": "/r/a", "host": "c", "remote_hpc_ddp": ["x"]}, "7", "refused"),
 }
@@ -447,8 +447,7 @@ def test_hostile_debugger_answers_open_no_tunnel_and_are_one_line(monkeypatch, c
     fake = FakeSsh(answer if isinstance(answer, str) else json.dumps(answer))
     fake.options = lambda: []
     opened = []
-    monkeypatch.setattr(ssh.subprocess, "run", lambda argv, **kw: opened.append(argv) or
-                        subprocess.CompletedProcess(argv, 0, b"", b""))
+    fake.bounded = lambda argv, **kw: opened.append(argv) or ssh.Done(0, b"", b"")  # ssh -O forward
     try:
         forward._tunnel(fake, "hpc-ddp", {"run_dir": "/r/x", "job_id": "1"})
     except UserError as exc:

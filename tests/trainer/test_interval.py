@@ -128,3 +128,57 @@ def test_the_train_table_takes_auto_or_minutes():
     assert parse_train({}).checkpoint_every_minutes == 30.0   # not the default: see docs/preemption.md
     with pytest.raises(ValueError, match='checkpoint_every_minutes: .often. is not a number .minutes, or "auto"'):
         parse_train({"checkpoint_every_minutes": "often"})
+
+
+def test_a_damaged_hostlist_in_the_history_counts_as_the_jobs_own_nodes():
+    """Issue 53: a record whose nodes are `n[1-20000000]` (or not a hostlist) is neither expanded nor fatal."""
+    from hpc_ddp.trainer.interval import _node_count
+
+    assert _node_count("n[1-20000000]", 4) == 4 and _node_count("n[", 2) == 2 and _node_count("n[1-3]", 9) == 3
+
+
+@pytest.mark.parametrize(("start", "end"), [(0.0, 1e308), (-1e308, 1e308), ("0", "3600"), (0.0, float("nan")),
+                                            (True, 3600.0), (5000.0, 1000.0), (0.0, 400 * 86400.0), (0.0, 1e12)])
+def test_a_damaged_attempt_in_the_history_is_left_out_and_said(start, end):
+    """Issue 53: one record spanning +-1e308 s, or with string times, killed every "auto" run at rank 0's
+    start (ZeroDivisionError, TypeError). Each is left out now, the note says so, and the interval is the
+    prior's and the good attempt's."""
+    good = ({"event": "attempt_start", "attempt": 1, "job_id": "7", "nodes": "n1", "time": 0.0},
+            {"event": "attempt_end", "attempt": 1, "exit_code": 143, "cause": "preempted", "time": 3600.0})
+    bad = ({"event": "attempt_start", "attempt": 2, "job_id": "7", "nodes": "n1", "time": start},
+           {"event": "attempt_end", "attempt": 2, "exit_code": 143, "cause": "preempted", "time": end})
+    found = from_history(_events(*good, *bad), nodes=1, now=2e6)
+    assert (found.interruptions, found.node_hours) == (1, pytest.approx(1.0))
+    assert found.note == "2 attempts; 1 damaged attempt left out"
+    record = choose(save_s=5.0, nodes=1, evidence=[found])
+    assert math.isfinite(record["seconds"]) and record["seconds"] <= interval.MAX_S
+    json.dumps(record, allow_nan=False)  # a record hpc-ddp writes, whole
+
+
+def test_sacct_lines_no_job_could_have_are_left_out_and_said():
+    """Issue 53: ElapsedRaw 1e17, a negative or zero NNodes, a 400-digit number and non-UTF-8 bytes (read with
+    errors=replace) were summed in (node_hours -29.98) or raised in the sacct thread."""
+    lines = ["COMPLETED|2|3600", "PREEMPTED|1|7200", "COMPLETED|1|100000000000000000", "COMPLETED|-3|3600",
+             "COMPLETED|0|3600", "COMPLETED|" + "9" * 400 + "|60", "COMPLETED|2|1e5", "COMPLETED|\ufffd|60",
+             "COMPLETED|200000|60", ""]
+    found = parse_sacct("\n".join(lines), "gpu")
+    assert (found.interruptions, found.node_hours) == (1, pytest.approx(4.0))
+    assert found.note == "partition gpu, 2 jobs in 7 days; 7 damaged lines left out"
+
+
+def test_a_quiet_history_never_stretches_the_interval_past_six_hours():
+    """Issue 53: one in-range record of a long clean attempt drove the interval to 82 days."""
+    quiet = Evidence("history", 0, 300 * 24 * 1000.0)
+    record = choose(save_s=30.0, nodes=1, evidence=[quiet])
+    assert record["seconds"] == interval.MAX_S and record["clamped"] == "at most 6 h"
+    assert record["young_s"] > interval.MAX_S  # what Young alone would have said, still recorded
+
+
+def test_sacct_is_read_with_undecodable_bytes_replaced():
+    seen = {}
+
+    def run(command, **kwargs):
+        seen.update(kwargs)
+        return subprocess.CompletedProcess(command, 0, "PREEMPTED|1|3600\n", "")
+
+    assert from_sacct("gpu", run=run).interruptions == 1 and seen.get("errors") == "replace"
