@@ -9,7 +9,7 @@ bench/results.png and prints the table.
     python bench/run.py --only gpu --set gpu_repeats=2 --set gpu_steps=80   # other settings (recorded)
 
 Sections: training, startup, resume, checkpoint, async_checkpoint, staging, snapshot, gpu and gpu_data (skipped
-without a GPU).
+without a GPU), goodput, fsdp.
 A section that fails becomes an error row; the others still run, and the exit code is 1.
 """
 
@@ -31,6 +31,7 @@ if __package__ in (None, ""):  # `python bench/run.py`: make `bench` importable 
 from bench import (
     async_ckpt_bench,
     ckpt_bench,
+    fsdp_bench,
     gpu_bench,
     gpu_data_bench,
     goodput_bench,
@@ -46,7 +47,7 @@ from bench.common import REPO, Row, Settings, Workspace, say, settings
 SECTIONS = {"training": train_bench.run, "startup": startup_bench.run, "resume": resume_bench.run,
             "checkpoint": ckpt_bench.run, "async_checkpoint": async_ckpt_bench.run, "staging": stage_bench.run,
             "snapshot": snapshot_bench.run, "gpu": gpu_bench.run, "gpu_data": gpu_data_bench.run,
-            "goodput": goodput_bench.run}
+            "goodput": goodput_bench.run, "fsdp": fsdp_bench.run}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
