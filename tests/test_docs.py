@@ -136,6 +136,20 @@ def test_the_session_api_script_shown_is_the_example_file_whole(page):
     assert shown.strip() == code
 
 
+def test_the_fsdp_diff_shown_is_the_two_example_files():
+    """docs/session-api.md's "Sharded models" diff is examples/preemptible.py -> fsdp_preemptible.py, as they
+    are (tests/e2e/test_user_scripts.py stops and resumes the FSDP one bitwise)."""
+    import difflib
+
+    def code(name: str) -> list[str]:
+        return [line for line in (REPO / "examples" / name).read_text().splitlines() if not line.startswith("#")]
+
+    shown = next(body for lang, body, _ in _blocks((REPO / "docs" / "session-api.md").read_text()) if lang == "diff")
+    made = difflib.unified_diff(code("preemptible.py"), code("fsdp_preemptible.py"), "examples/preemptible.py",
+                                "examples/fsdp_preemptible.py", n=1, lineterm="")
+    assert shown.strip() == "\n".join(made).strip()
+
+
 @pytest.mark.parametrize("doc", USER_DOCS, ids=lambda p: str(p.relative_to(REPO)))
 def test_user_docs_show_placeholders_not_this_machine(doc):
     text = doc.read_text()

@@ -43,21 +43,9 @@ def test_make_install_installs_what_make_demo_and_make_test_need():
 def test_the_wheel_ships_the_templates_and_the_exit_guard(tmp_path):
     """The sbatch templates and the runner's exitsite/sitecustomize.py are files, not modules anyone imports:
     a packages list that forgets them builds a wheel whose jobs cannot render (or lose the exit guard)."""
-    import shutil
-    import subprocess
     import zipfile
 
-    # From a copy: setuptools leaves build/ where it builds, and a stale build/ in the checkout ships stale files.
-    source = tmp_path / "src"
-    for name in ("hpc_ddp", "templates"):
-        shutil.copytree(REPO / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy(REPO / name, source / name)
-    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                            "-w", str(tmp_path), str(source)], capture_output=True, text=True, timeout=300,
-                           cwd=tmp_path)
-    assert built.returncode == 0, built.stderr
-    (wheel,) = tmp_path.glob("hpc_ddp-*.whl")
+    wheel = _wheel(tmp_path)
     names = set(zipfile.ZipFile(wheel).namelist())
     for name in ("hpc_ddp/templates/sbatch.sh.j2", "hpc_ddp/templates/sweep.sh.j2",
                  "hpc_ddp/job/exitsite/sitecustomize.py"):
@@ -66,3 +54,76 @@ def test_the_wheel_ships_the_templates_and_the_exit_guard(tmp_path):
     for init in sorted((REPO / "hpc_ddp").rglob("__init__.py")):
         name = init.relative_to(REPO).as_posix()
         assert name in names, f"{name}: add its package to pyproject.toml's packages"
+
+
+def _wheel(tmp_path: Path) -> Path:
+    """The wheel `make dist` builds (the same pip command), from a copy of the sources: setuptools leaves
+    build/ where it builds, and a stale build/ in the checkout would ship stale files."""
+    import shutil
+    import subprocess
+
+    source = tmp_path / "src"
+    for name in ("hpc_ddp", "templates"):
+        shutil.copytree(REPO / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, source / name)
+    out = tmp_path / "dist"
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                            str(out), str(source)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert built.returncode == 0, built.stderr
+    (wheel,) = out.glob("hpc_ddp-*.whl")
+    return wheel
+
+
+def _recipe(page: str, marker: str) -> list[tuple[str, list[str]]]:
+    """The console block after `marker` in docs/`page`: (command, the output lines after it)."""
+    text = (REPO / "docs" / page).read_text()
+    block = text[text.index(marker):].split("```console\n", 1)[1].split("```", 1)[0]
+    steps: list[tuple[str, list[str]]] = []
+    for line in block.splitlines():
+        if line.startswith("$ "):
+            steps.append((line[2:], []))
+        elif steps:
+            steps[-1][1].append(line)
+    return steps
+
+
+def test_the_laptop_recipe_runs_as_written_from_the_wheel_without_torch(tmp_path):
+    """docs/install.md's laptop install, command by command as the page prints them (the wheel `make dist`
+    builds, in the folder the commands run in; a home with no ~/.local/bin yet), in a fresh venv whose Python
+    cannot import torch even if it tried. Needs PyPI for click and jinja2, as the laptop does."""
+    import subprocess
+
+    wheel = _wheel(tmp_path)
+    here = wheel.parent
+    assert wheel.name == "hpc_ddp-0.1.0-py3-none-any.whl"  # the name the page uses
+    home = tmp_path / "home"
+    home.mkdir()
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import sys\nclass _No:\n    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('torch', 'torchvision', 'numpy', 'submitit'):\n"
+        "            raise ModuleNotFoundError(name)\nsys.meta_path.insert(0, _No())\n")
+    base = Path(sys.base_prefix) / "bin"
+    env = {"HOME": str(home), "PATH": f"{home}/.local/bin:{base}:/usr/bin:/bin", "PYTHONPATH": str(site),
+           "PIP_DISABLE_PIP_VERSION_CHECK": "1", "LANG": "C.UTF-8"}
+    steps = _recipe("install.md", "<!-- run as written by tests/test_install.py")
+    assert [c.split()[0] for c, _ in steps] == ["python3", "~/.local/share/hpc-ddp/bin/pip",
+                                                "~/.local/share/hpc-ddp/bin/pip", "mkdir", "hpc-ddp"]
+    for command, expected in steps:
+        done = subprocess.run(["bash", "-c", command.split("   #", 1)[0]], cwd=here, env=env, capture_output=True,
+                              text=True, timeout=300)
+        assert done.returncode == 0, (command, done.stdout, done.stderr)
+        said = [line for line in done.stderr.splitlines() if "torch" in line]
+        if "install click" in command:  # what the page says pip prints there, and nothing else of torch
+            assert said == ["hpc-ddp 0.1.0 requires torch>=2.10, which is not installed.",
+                            "hpc-ddp 0.1.0 requires torchvision>=0.25, which is not installed."], done.stderr
+            assert "dependency resolver does not currently take into account" in done.stderr
+        else:
+            assert not said, (command, done.stderr)
+        if expected:
+            assert done.stdout.splitlines() == expected, (command, done.stdout)
+    probe = subprocess.run([str(home / ".local/share/hpc-ddp/bin/python"), "-c", "import torch"], env=env,
+                           capture_output=True, text=True)
+    assert probe.returncode != 0   # torch is not there: what the laptop runs never needed it

@@ -153,7 +153,8 @@ def _unusable(python: str, workdir: str, environ: Mapping[str, str]) -> str | No
 
 
 def _judge(result: Probe, python: str, who: str) -> Any:
-    fix = f"install hpc-ddp into that environment ({shlex.quote(python)} -m pip install hpc-ddp), or give --python"
+    fix = (f"install hpc-ddp into that environment ({shlex.quote(python)} -m pip install PATH, PATH a clone of "
+           "hpc-ddp or the wheel its make dist builds), or give --python")
     if result.timed_out:
         return Finding("warning", f"python {python} ({who}) {result.problem} to `import hpc_ddp`: not checked",
                        hint="if the ranks cannot import hpc_ddp they fail at once; " + fix)

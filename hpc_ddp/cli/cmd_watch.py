@@ -202,6 +202,10 @@ def timeline(job: str | None, output: str | None) -> None:
     except OSError as exc:
         raise UserError(f"cannot write {str(out)!r}: {exc.strerror or exc}") from None
     click.echo(printable(line))
+    from hpc_ddp.watch.status import start_over_lines_of
+
+    for over in start_over_lines_of(run_dir, tl):
+        click.echo(printable(over))
     click.echo(printable(f"Wrote {out}"))
 
 

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -26,12 +28,15 @@ from hpc_ddp.common.errors import UserError
 from hpc_ddp.common.events import read_jsonl
 from hpc_ddp.common.registryfile import registry_path
 from hpc_ddp.common.terminal import printable
+from hpc_ddp.launch.shellwords import bash_word
 from hpc_ddp.remote.argv import words_of
 from hpc_ddp.remote.site import command_words
-from hpc_ddp.remote.ssh import SSH_FAILED, Ssh, check_host, classify, raise_if_lost, unbounded
+from hpc_ddp.remote.ssh import DRAIN_S, SSH_FAILED, Ssh, check_host, classify, raise_if_lost, unbounded
+from hpc_ddp.spec.config import profiles_path, read_toml
 
 __all__ = ["remote_run", "forward", "with_remote_accounting", "RECONNECTS"]
 
+_JOB_ID = re.compile(r"\d+(_\d+)?")  # HOST:JOB of a run not submitted from here
 RECONNECTS = 30        # logs -f: tries to reconnect before giving up (a few seconds apart)
 _RECONNECT_S = 2.0
 
@@ -40,7 +45,8 @@ def remote_run(ref: str | None, env: Mapping[str, str] = os.environ) -> dict[str
     """The registry's record of a run submitted over ssh that `ref` names (a job id, a sweep's array job
     id, the remote run dir, HOST:RUN_DIR; None: the most recent run, if that one is remote); None where
     `ref` names no such run, or a local run names it more recently. A bare job id that runs of two hosts
-    have is refused: HOST:JOB says which."""
+    have is refused: HOST:JOB says which. HOST:/RUN_DIR and HOST:JOB of a run not submitted from here stand
+    for themselves (`_elsewhere`)."""
     records = [r for r in read_jsonl(registry_path(env)) if isinstance(r, dict) and r.get("run_dir")]
     if ref is None:
         last = records[-1] if records else {}
@@ -52,7 +58,9 @@ def remote_run(ref: str | None, env: Mapping[str, str] = os.environ) -> dict[str
         host = record.get("host")
         if not host:
             if ref in names:
-                break  # a local run of that name, more recent
+                if not found:
+                    return None  # a local run of that name, more recent
+                break
             continue
         if ref in names and not (ref == record.get("run_dir") and os.path.isdir(ref)):
             found.append(record)
@@ -63,16 +71,66 @@ def remote_run(ref: str | None, env: Mapping[str, str] = os.environ) -> dict[str
     if len(hosts) > 1:
         raise UserError(f"{ref} names runs on {len(hosts)} clusters ({', '.join(hosts)})",
                         hint=f"say which: {hosts[0]}:{ref}")
-    return _checked(_as_run(found[0], ref)) if found else None
+    return _checked(_as_run(found[0], ref)) if found else _elsewhere(ref, records, env)
+
+
+def _elsewhere(ref: str, records: list[dict[str, Any]], env: Mapping[str, str]) -> dict[str, Any] | None:
+    """HOST:/RUN_DIR or HOST:JOB of a run this laptop did not submit (started on the cluster, or by a
+    colleague whose run dir one can read): the cluster's hpc-ddp is asked, as for a run from here. HOST is
+    what ssh takes, or the name of a profile with `ssh = ...`; the cluster's hpc-ddp is the one the last run
+    submitted there used, else a profile's `remote_hpc_ddp` for that host, else `hpc-ddp` on its PATH. None
+    for anything else, and for a path that exists here (a local run dir named with a colon)."""
+    host, colon, where = ref.partition(":/") if ":/" in ref else ref.rpartition(":")
+    if not colon or not host or os.path.exists(ref):
+        return None
+    host, profiled = _profile_for(host, env)
+    try:
+        check_host(host)
+    except UserError:
+        return None  # not a host: the local commands say what they make of it
+    if colon == ":/":
+        where = "/" + where
+    elif not _JOB_ID.fullmatch(where):
+        if not any(r.get("host") == host for r in records):
+            return None  # a local name with a colon, most likely
+        raise UserError(f"{ref}: a run on {host} is named by its absolute run dir or its job id",
+                        hint=f"{host}:/path/to/run (the run dir as the cluster shows it: realpath RUN_DIR there), "
+                             f"or {host}:JOB_ID")
+    if not where.isprintable():
+        raise UserError(f"{ref!r} holds a control character", hint="give the run dir as `ls` on the cluster shows it")
+    known = [r.get("remote_hpc_ddp") for r in records if r.get("host") == host and r.get("remote_hpc_ddp")]
+    record = {"host": host, "run_dir": where, "job_id": None, "remote_hpc_ddp": known[-1] if known else profiled}
+    return _checked(record)  # a job id goes as it is: the cluster's own registry or queue knows it
+
+
+def _profile_for(host: str, env: Mapping[str, str]) -> tuple[str, str | None]:
+    """(the ssh host, its remote_hpc_ddp) that the profiles file gives for HOST: the profile named HOST, or
+    one whose `ssh` is HOST; (HOST, None) where none does, or the file cannot be read."""
+    try:
+        path = profiles_path(env)
+        tables = read_toml(path, "profiles file") if path.is_file() else {}
+    except (UserError, OSError):
+        return host, None
+    tables = {k: v for k, v in tables.items() if isinstance(v, dict)}
+    named = tables.get(host, {})
+    if isinstance(named.get("ssh"), str):
+        hpc_ddp = named.get("remote_hpc_ddp")
+        return named["ssh"], hpc_ddp if isinstance(hpc_ddp, str) else None
+    for table in tables.values():
+        if table.get("ssh") == host and isinstance(table.get("remote_hpc_ddp"), str):
+            return host, table["remote_hpc_ddp"]
+    return host, None
 
 
 def _checked(record: dict[str, Any]) -> dict[str, Any]:
     """A remote run's record as the commands forwarded for it use it: its host one ssh takes, its run dir
     absolute and printable (the cluster's hpc-ddp gets it as an argument: one that began with '-' would be an
-    option there), remote_hpc_ddp a string. A damaged registry line is one line here, never a traceback."""
+    option there; or HOST:JOB's job id), remote_hpc_ddp a string. A damaged registry line is one line here,
+    never a traceback."""
     check_host(record.get("host"))
     run_dir, hpc_ddp = record.get("run_dir"), record.get("remote_hpc_ddp")
-    if not (isinstance(run_dir, str) and run_dir.startswith("/") and run_dir.isprintable()) or not (
+    if not (isinstance(run_dir, str) and (run_dir.startswith("/") or _JOB_ID.fullmatch(run_dir))
+            and run_dir.isprintable()) or not (
             hpc_ddp is None or (isinstance(hpc_ddp, str) and hpc_ddp.isprintable())):
         raise UserError(f"the registry's record of job {record.get('job_id')!r} on {record.get('host')} is damaged "
                         f"(run dir {run_dir!r}, remote_hpc_ddp {hpc_ddp!r})",
@@ -109,17 +167,24 @@ def _pass_through(ssh: Ssh, script: str, raw: bool = False) -> int:
     `logs` passes it on)."""
     proc = ssh.stream(script)
     said = _Tee(proc.stderr)
-    assert proc.stdout is not None
+    shown = _Tee(proc.stdout, sys.stdout, keep=False, clean=None if raw else printable)
     try:
-        for line in proc.stdout:
-            text = line.decode(errors="replace")
-            sys.stdout.write(text if raw else printable(text))
-            sys.stdout.flush()
+        while True:  # ended at the call's bound (Ssh.stream), or after its silence: never a wait on a pipe
+            try:
+                code = proc.wait(timeout=1.0)
+                break
+            except subprocess.TimeoutExpired:
+                if time.monotonic() - max(shown.last, said.last) > ssh.silence_s:
+                    proc.kill()
+                    proc.wait()
+                    unbounded(proc)
+                    raise ssh.lost(ssh.silence_s, silent=True) from None
     except KeyboardInterrupt:
         proc.terminate()
         raise
-    code = proc.wait()
-    said.join()
+    deadline = time.monotonic() + DRAIN_S  # what is still in the pipes; one a child left behind holds is left to it
+    for tee in (shown, said):
+        tee.join(max(0.0, deadline - time.monotonic()))
     raise_if_lost(proc)
     if code == SSH_FAILED:  # hpc-ddp never exits 255: ssh could not connect, or the connection dropped
         raise classify(ssh.host, said.text())
@@ -127,20 +192,29 @@ def _pass_through(ssh: Ssh, script: str, raw: bool = False) -> int:
 
 
 class _Tee(threading.Thread):
-    """The remote stderr, shown as it comes and kept (ssh's own words among it tell why it failed)."""
+    """A remote stream shown here as it comes: stderr (the default) kept too, since ssh's own words among
+    it tell why it failed, and shown without them; stdout passed on through `clean` (None: as it is)."""
 
-    def __init__(self, stream) -> None:
+    def __init__(self, stream, to=None, keep: bool = True, clean=printable) -> None:
         super().__init__(daemon=True)
-        self.stream, self.lines = stream, []
+        self.stream, self.lines, self.to, self.keep, self.clean = stream, [], to, keep, clean
+        self.last = time.monotonic()  # when the last line came
         self.start()
 
     def run(self) -> None:
-        for raw in self.stream:
-            line = raw.decode(errors="replace")
-            self.lines.append(line)
-            if not _is_ssh_noise(line):
-                sys.stderr.write(printable(line))
-                sys.stderr.flush()
+        to = self.to or sys.stderr
+        try:
+            for raw in self.stream:
+                self.last = time.monotonic()
+                line = raw.decode(errors="replace")
+                if self.keep:
+                    self.lines.append(line)
+                if self.to is None and _is_ssh_noise(line):
+                    continue
+                to.write(self.clean(line) if self.clean else line)
+                to.flush()
+        except (OSError, ValueError):
+            pass  # the pipe closed under us: the call is over
 
     def text(self) -> str:
         return "".join(self.lines)
@@ -277,8 +351,8 @@ def _tunnel(ssh: Ssh, hpc_ddp: str, record: dict[str, Any]) -> int:
     if opened.returncode != 0:
         raise UserError(f"could not open the tunnel to {sock} on {ssh.host}: "
                         f"{opened.stderr.decode(errors='replace').strip() or opened.returncode}",
-                        hint=f"run `hpc-ddp attach {record.get('job_id')}` on {ssh.host}, then: "
-                             f"ssh -N -L {local}:{sock} {ssh.host}")
+                        hint=f"run `hpc-ddp attach {bash_word(str(record.get('job_id')))}` on {ssh.host}, then: "
+                             f"ssh -N -L {local}:{bash_word(sock)} {ssh.host}")
     click.echo(f"tunnel open: localhost:{local} -> {node}: rank {debug.get('rank')} waits there, reached through "
                f"`hpc-ddp attach` on {ssh.host}, for you alone; attach VS Code or PyCharm to localhost:{local}; "
                "your project's paths are mapped to the run's copy")

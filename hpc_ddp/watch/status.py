@@ -33,6 +33,7 @@ from hpc_ddp.launch.executors.base import Run
 from hpc_ddp.slurm.jobstate import ENDED, accounting
 from hpc_ddp.spec.sweep import describe
 from hpc_ddp.watch.classify import classify_failure
+from hpc_ddp.watch.startover import start_overs
 
 __all__ = ["run_status", "log_files", "new_log_lines", "format_status", "Eta", "estimate_eta",
            "recent_step_seconds", "progress_line", "LIVE",
@@ -184,6 +185,7 @@ def run_status(run_dir: Path, job_id: str | None, executor: str | None, commands
         "time_used": line, "eta": dataclasses.asdict(eta) if eta and state in LIVE else None, **goodput,
         "debugger": _debugger(current) if state in LIVE else None,
         "checkpoint_interval": _checkpoint_interval(current),
+        "memory": next((e for e in reversed(current) if e.get("event") == "memory"), None),
     }
     # events.jsonl is masked as written; this also covers records written before masking existed.
     return secrets.current().deep(status)
@@ -259,6 +261,16 @@ def _debugger(events: list[dict[str, Any]]) -> dict[str, Any] | None:
     return next((e for e in reversed(events[start:]) if e.get("event") == "debugger"), None)
 
 
+def memory_line(m: dict[str, Any]) -> str:
+    """The trainer's `memory` record: what one rank holds of weights, gradients and optimizer state."""
+    total = m.get("total_bytes")
+    shown = f"{total / 2**20:,.1f} MiB" if isinstance(total, (int, float)) and not isinstance(total, bool) else "?"
+    peak = m.get("peak_gpu_bytes")
+    gpu = f"; GPU peak {peak / 2**30:,.2f} GiB" if isinstance(peak, (int, float)) and not isinstance(peak, bool) else ""
+    return (f"memory per rank  {shown} of weights, gradients and optimizer state ({m.get('strategy', '?')}, "
+            f"{m.get('world_size', '?')} ranks){gpu}")
+
+
 def debugger_lines(d: dict[str, Any]) -> list[str]:
     timeouts = (f"(timeouts stretched: rendezvous {d.get('rendezvous_timeout')} s, "
                 f"collective {d.get('collective_timeout')} s)")
@@ -321,11 +333,22 @@ def _time_accounting(run_dir: Path, events: list[dict[str, Any]], metrics: list[
         startup_left_s=max(restart - (time.time() - current.start), 0.0)
         if current and current.train_start is None and restarts else 0.0)
     g = goodput(timeline)
-    extra = {"goodput": round(g.ratio, 4) if g.ratio is not None else None,
-             "goodput_text": goodput_line(g, getattr(spec, "gpus", 0) or 0),
+    measured = summary.measured  # a script that reports no steps: no goodput to speak of, not "0%"
+
+    extra = {"goodput": round(g.ratio, 4) if g.ratio is not None and measured else None,
+             "goodput_text": goodput_line(g, getattr(spec, "gpus", 0) or 0) if measured else None,
              "restarted_in_place": summary.restarted_in_place,
-             "restarted_in_place_text": in_place_line(summary) if summary.restarted_in_place else None}
+             "restarted_in_place_text": in_place_line(summary) if summary.restarted_in_place else None,
+             "start_overs": start_over_lines_of(run_dir, timeline)}
     return summary_line(summary), eta, extra
+
+
+def start_over_lines_of(run_dir: Path, timeline: Any) -> list[str]:
+    """`watch.startover`'s lines for this run dir: from its records, and the head of rank 0's log of each
+    later attempt (what a framework prints as it begins: Lightning's "no last checkpoint", HF's banner)."""
+    heads = {attempt: read_tail(path, 200_000, head=True).decode(errors="replace")
+             for attempt, _, path in log_files(run_dir, rank=0) if attempt > 0}
+    return [over.line() for over in start_overs(timeline, heads)]
 
 
 def _after(record: dict[str, Any], t: float) -> bool:
@@ -484,7 +507,10 @@ def format_status(s: dict[str, Any]) -> Iterator[str]:
     if every:
         clamped = f"; {every['clamped']}" if every.get("clamped") else ""
         yield f"checkpoints      every {every['seconds'] / 60:.1f} min (auto: {every['why']}{clamped})"
-    yield f"restarts         {s['restarts']}"
+    # requeues (a new attempt each) and restarts inside an allocation are both restarts: one line says both
+    in_place = s.get("restarted_in_place") or 0
+    yield (f"restarts         {s['restarts']} requeued, {in_place} in place" if in_place
+           else f"restarts         {s['restarts']}")
     # Slurm numbers attempts per job: a chain's (or a requeue fallback's) next job starts at 0 again.
     several_jobs = len({a.get("job_id") for a in s["attempts"]}) > 1
     snapshots = s.get("code") or {}
@@ -507,6 +533,10 @@ def format_status(s: dict[str, Any]) -> Iterator[str]:
                 yield f"    ! environment changed since the attempt before: {change}"
     for r in s["resumes"]:
         yield f"  resumed at step {r['step']} from {r['from']}"
+    for line in s.get("start_overs") or ():
+        yield line
+    if s.get("memory"):
+        yield memory_line(s["memory"])
     if s.get("debugger"):
         yield from debugger_lines(s["debugger"])
     if s["gave_up"]:

@@ -128,6 +128,7 @@ class Summary:
     step_seconds: float | None
     restarted_in_place: int = 0     # restarts inside the allocation (new srun steps of an attempt)
     in_place_s: float = 0.0         # what they cost: untrained time to each resume, plus steps redone x step time
+    measured: bool = True           # some attempt reported its training (a start/resume record, or steps)
 
     @property
     def trained_fraction(self) -> float | None:
@@ -307,7 +308,8 @@ def summarize(timeline: Timeline) -> Summary:
     return Summary(allocated_s=sum(s.allocated_s for s in spans), trained_s=sum(s.trained_s for s in spans),
                    queued_s=sum(b - a for a, b in timeline.waits), interruptions=interruptions,
                    restart_s=max(restart, 0.0), redone_steps=redone, redo_s=redone * (step_s or 0.0),
-                   step_seconds=step_s, restarted_in_place=len(in_place), in_place_s=in_place_s)
+                   step_seconds=step_s, restarted_in_place=len(in_place), in_place_s=in_place_s,
+                   measured=any(s.train_start is not None for s in spans))
 
 
 def duration(seconds: float) -> str:
@@ -335,6 +337,9 @@ def summary_line(s: Summary) -> str | None:
     restarting, 10 min redoing 120 steps)'. None when nothing ran yet."""
     if not s.allocated_s:
         return None
+    if not s.measured:  # a script that reports no steps: hpc-ddp cannot tell trained time from the rest
+        return (f"{duration(s.allocated_s)} allocated; time trained not measured: the script reports no steps "
+                f"(hpc_ddp.start()'s run.step(), or a framework hpc-ddp reads, measure it: docs/session-api.md)")
     head = f"{s.trained_fraction:.0%} of {duration(s.allocated_s)} allocated time trained"
     if s.queued_s >= 1:
         head += f", {duration(s.queued_s)} queued"

@@ -55,7 +55,8 @@ def test_a_python_without_hpc_ddp_is_an_error_naming_the_fix(tmp_path):
     assert found.level == "error"
     assert found.message == f"python {python} (the active venv, $VIRTUAL_ENV) cannot import hpc_ddp, which every " \
                             "rank runs"
-    assert found.hint == f"install hpc-ddp into that environment ({python} -m pip install hpc-ddp), or give --python"
+    assert found.hint == (f"install hpc-ddp into that environment ({python} -m pip install PATH, PATH a clone of "
+                          "hpc-ddp or the wheel its make dist builds), or give --python")
 
 
 @pytest.mark.parametrize("result,level,says", [
@@ -176,7 +177,8 @@ def test_submit_refuses_a_python_that_cannot_import_hpc_ddp(project, monkeypatch
     errors = [line for line in result.output.splitlines() if "error" in line]
     assert errors == [f"hpc-ddp: error: python {bare} (the active venv, $VIRTUAL_ENV) cannot import hpc_ddp, which "
                       f"every rank runs; nothing was submitted HINT: install hpc-ddp into that environment ({bare} -m "
-                      "pip install hpc-ddp), or give --python; or skip these checks with --no-preflight"]
+                      "pip install PATH, PATH a clone of hpc-ddp or the wheel its make dist builds), or give --python; "
+                      "or skip these checks with --no-preflight"]
     assert not (project / "sbatch-calls").exists() and not (project / "runs").exists()
     # The fix the hint names works: the Python running these tests has hpc_ddp.
     result = CliRunner().invoke(cli, ["submit", "--json", "--python", sys.executable, "train.py"])

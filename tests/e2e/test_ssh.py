@@ -137,6 +137,7 @@ def _their_jobs(cluster) -> list[str]:
                           text=True).stdout.split()
 
 
+@pytest.mark.slurm_core
 def test_submit_from_the_laptop_survives_a_real_preemption_and_is_watched_from_there(cluster):
     project = _project(cluster["laptop"] / "proj", {"train.py": TRAIN, "consts.py": "VALUE = 1\n",
                                                     ".gitignore": "runs/\nout/\n"})
@@ -174,6 +175,15 @@ def test_submit_from_the_laptop_survives_a_real_preemption_and_is_watched_from_t
     listed = _laptop(cluster, "list", cwd=cluster["laptop"])
     assert f"cluster:{run_dir}" in listed.stdout and "COMPLETED" in listed.stdout, listed.stdout
     assert _logins(cluster) == logins + 1, "one ssh login for the whole session"
+
+    # another laptop, or the same after its registry is gone, which never submitted it: HOST:RUN_DIR (issue 54)
+    # (a bare job id would be asked of this machine's Slurm, which here is the cluster's too)
+    elsewhere = {"HPC_DDP_REGISTRY": str(cluster["laptop"] / "another-laptop.jsonl")}
+    status = _laptop(cluster, "status", "--json", f"cluster:{run_dir}", cwd=project, env=elsewhere)
+    assert status.returncode == 0, status.stdout + status.stderr
+    assert json.loads(status.stdout)["state"] == "COMPLETED"
+    logs = _laptop(cluster, "logs", f"cluster:{run_dir}", cwd=project, env=elsewhere)
+    assert "[attempt 1 rank 0] start at step" in logs.stdout, logs.stdout + logs.stderr
 
 
 def test_logs_follow_across_a_killed_connection_then_cancel(cluster):

@@ -380,3 +380,40 @@ def test_the_profile_is_chosen_as_the_cluster_s_submit_would(tmp_path):
     assert chosen_profile(("job.toml",), None, None, tmp_path, {})[0] == "fromjob"
     assert chosen_profile(("job.toml",), None, "flag", tmp_path, {})[0] == "flag"
     assert chosen_profile(("t.py",), None, None, tmp_path, {"HPC_DDP_PROFILE": "env"}) == ("env", {})
+
+
+def test_a_run_this_laptop_did_not_submit_is_asked_of_the_cluster_by_host_path_or_host_job(tmp_path):
+    """Issue 54: status, logs and cancel of HOST:RUN_DIR for a run started on the cluster itself (or by a
+    colleague): the cluster's hpc-ddp is asked, the one the last run submitted there used."""
+    registry = tmp_path / "runs.jsonl"
+    registry.write_text(json.dumps({"job_id": "7", "run_dir": "/r/a", "host": "c", "remote_hpc_ddp": "~/env/bin/hpc-ddp"}) + "\n")
+    env = {"HPC_DDP_REGISTRY": str(registry)}
+    made = forward.remote_run("c:/scratch/me/run 2", env)
+    assert (made["host"], made["run_dir"], made["remote_hpc_ddp"]) == ("c", "/scratch/me/run 2", "~/env/bin/hpc-ddp")
+    assert forward.remote_run("other@login.example.org:/r/b", env)["remote_hpc_ddp"] is None  # hpc-ddp on its PATH
+    assert forward.remote_run("c:4242", env)["run_dir"] == "4242" and forward.remote_run("c:99_3", env)["run_dir"] == "99_3"
+    assert forward.remote_run("c:/r/a", env)["job_id"] == "7"  # the registry's own record, as before
+    with pytest.raises(UserError, match="absolute run dir or its job id"):
+        forward.remote_run("c:runs/x", env)
+    for not_remote in ("run:x/../y", "-oProxyCommand=x:/y", "a b:/y", "plain", "/abs/path"):
+        assert forward.remote_run(not_remote, env) is None, not_remote
+    local = tmp_path / "odd:/dir"
+    local.mkdir(parents=True)
+    assert forward.remote_run(str(local), env) is None  # a path that exists here is a local run dir
+    with pytest.raises(UserError, match="control character"):
+        forward.remote_run("c:/r/\x1b[31m", env)
+
+
+def test_a_profile_names_the_cluster_s_hpc_ddp_for_a_run_not_submitted_from_here(tmp_path):
+    """HOST:/RUN_DIR with no run of that host in the registry: the profile for that host (by its ssh, or by
+    its own name) says where the cluster's hpc-ddp is."""
+    (tmp_path / "profiles.toml").write_text('[mycluster]\nssh = "login.example.org"\n'
+                                            'remote_hpc_ddp = "~/venv/bin/hpc-ddp"\npartition = "gpu"\n')
+    env = {"HPC_DDP_REGISTRY": str(tmp_path / "none.jsonl"), "HPC_DDP_PROFILES": str(tmp_path / "profiles.toml")}
+    by_host = forward.remote_run("login.example.org:/scratch/run", env)
+    by_name = forward.remote_run("mycluster:/scratch/run", env)
+    for found in (by_host, by_name):
+        assert (found["host"], found["remote_hpc_ddp"]) == ("login.example.org", "~/venv/bin/hpc-ddp")
+    assert forward.remote_run("other:/scratch/run", env)["remote_hpc_ddp"] is None
+    (tmp_path / "profiles.toml").write_text("not toml [")
+    assert forward.remote_run("mycluster:/x", env)["host"] == "mycluster"  # a damaged profiles file: the host as given

@@ -104,3 +104,17 @@ def test_the_log_line_the_trainer_docs_show_is_the_one_decide_gives():
                    bf16_supported=True, convolutional=True, total_steps=40, native_size=False, jpegs=True)
     line = f"hpc-ddp: {speed.describe()} ({'; '.join(speed.notes)})"   # as trainer/train.py logs it
     assert line in (Path(__file__).resolve().parents[2] / "docs" / "trainer.md").read_text()
+
+
+def test_the_readme_says_of_each_gpu_default_what_proven_allows():
+    """Issue 54: the README said JPEGs were decoded on the GPU by default after "auto" stopped doing that. A
+    setting with no proof is named opt-in there; one with a proof is not."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    paragraph = readme[readme.index("The built-in trainer (a job file's `[train]` table)"):]
+    paragraph = paragraph[:paragraph.index("\n\n")]
+    assert ('opt-in (`data_path = "device"`)' in paragraph) == (not PROVEN["data_path"])
+    for name, words in (("precision", "bf16 autocast"), ("channels_last", "channels_last"),
+                        ("compile", "torch.compile")):
+        assert (words in paragraph) == bool(PROVEN[name]), name

@@ -282,3 +282,32 @@ def test_list_shows_how_a_finished_local_run_ended(tmp_path, monkeypatch):
     result = invoke("list")
     assert result.exit_code == 0, result.output
     assert result.output.splitlines()[1].split()[:3] == ["local-1-2", "local", "CANCELLED"]
+
+
+def test_the_restarts_line_counts_restarts_in_place_too(tmp_path):
+    """Issue 53: `restarts 0` stood beside `restarted in place 1 time`."""
+    from hpc_ddp.common.procs import FakeCommands
+    from hpc_ddp.watch.status import format_status, run_status
+
+    records = [{"time": T0, "event": "attempt_start", "attempt": 0, "job_id": "7", "nodes": "hpcn[1-2]"},
+               {"time": T0 + 1, "event": "start", "step": 0},
+               {"time": T0 + 50, "event": "restarted", "attempt": 0, "restart": 1, "cause": "failed",
+                "nodes": "hpcn1,hpcn2", "node_count": 2, "checkpoint_step": 10, "seconds_lost": 5.0},
+               {"time": T0 + 100, "event": "attempt_end", "attempt": 0, "exit_code": 0, "cause": "completed"}]
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    lines = list(format_status(run_status(tmp_path, "7", "sbatch", FakeCommands({}, installed=()))))
+    assert "restarts         0 requeued, 1 in place" in lines, lines
+
+
+def test_a_script_that_reports_no_steps_is_not_measured_rather_than_0_percent(tmp_path):
+    """Issue 54: a plain script's status read '0% of 11 s allocated time trained; goodput 0%'."""
+    from hpc_ddp.common.procs import FakeCommands
+    from hpc_ddp.watch.status import format_status, run_status
+
+    records = [{"time": T0, "event": "attempt_start", "attempt": 0, "job_id": "7", "nodes": "hpcn[1-2]"},
+               {"time": T0 + 11, "event": "attempt_end", "attempt": 0, "exit_code": 0, "cause": "completed"}]
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    info = run_status(tmp_path, "7", "sbatch", FakeCommands({}, installed=()))
+    text = "\n".join(format_status(info))
+    assert "not measured: the script reports no steps" in text and "hpc_ddp.start()" in text
+    assert "0%" not in text and "goodput  " not in text and info["goodput"] is None

@@ -71,8 +71,11 @@ def test_summary_names_mixed_causes_and_no_interruption():
     # attempt 1 has no end record before attempt 2 started: killed from outside
     assert s.interruptions == {"time_limit": 1, "killed": 1}
     assert "2 interruptions (1 killed, 1 time limit) cost" in summary_line(s)
-    clean = summarize(build_timeline(events[:1] + events[-2:], [], {}))
+    clean = summarize(build_timeline(events[:2] + events[-2:], [], {}))
     assert summary_line(clean).endswith("; no interruptions")
+    # no start, resume or step recorded at all: the time trained is not measured, and not said to be 0%
+    unmeasured = summary_line(summarize(build_timeline(events[:1] + events[-2:], [], {})))
+    assert "time trained not measured" in unmeasured and "%" not in unmeasured
     assert summary_line(summarize(build_timeline([], [], {}))) is None
 
 
