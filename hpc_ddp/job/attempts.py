@@ -72,7 +72,6 @@ import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 from hpc_ddp.common.durable import read_regular
 from hpc_ddp.common.errors import HpcDdpError, SubmitError, report

@@ -5,8 +5,8 @@ import json
 import pytest
 
 from hpc_ddp.job import attempts
-from hpc_ddp.slurm import jobview
 from hpc_ddp.job.attempts import Attempt, Limits, attempts_from_events, decide_begin, decide_end
+from hpc_ddp.slurm import jobview
 
 LIMITS = Limits(max_requeues=2, max_preemptions=3)
 

@@ -2,7 +2,6 @@
 damaged last record, --watch) and `timeline` (its PNG, and bad input as one line, exit 2)."""
 
 import json
-import os
 
 import pytest
 from click.testing import CliRunner
