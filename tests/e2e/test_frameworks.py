@@ -5,6 +5,10 @@ save and exit 0 too. Neither is a completion: hpc-ddp asks Slurm what happened a
 per stop, and the script resumes from its own checkpoint. Jobs run side by side (2 nodes x 1 task each)
 and one urgent job preempts them all, so the suite pays for one preemption, not one per case. A script
 that leaves with exit 0 at the time-limit warning runs under the local executor, which emulates the limit.
+
+Each script's first attempt waits at step 40 for its preemption (the test's pacing, like its sleeps): jobs
+start at different speeds (Lightning imports for tens of seconds), and on CI a plain script once trained all
+its steps and completed while the test still waited for Lightning to reach its step, so it was never preempted.
 """
 
 import json
@@ -17,7 +21,7 @@ import pytest
 
 from hpc_ddp.common.events import read_jsonl
 
-from .helpers import CREDENTIAL_SECOND_S, hpc_ddp, job_field, start_now, submit_json, wait_until
+from .helpers import CREDENTIAL_SECOND_S, explain_job, hpc_ddp, job_field, start_now, submit_json, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -32,6 +36,7 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 out = sys.argv[1]
+FIRST, HOLD = os.environ.get("SLURM_RESTART_COUNT", "0") == "0", 40
 
 
 class Model(pl.LightningModule):
@@ -40,6 +45,8 @@ class Model(pl.LightningModule):
         self.layer = torch.nn.Linear(8, 1)
 
     def training_step(self, batch, _index):
+        while FIRST and self.global_step >= HOLD and not self.trainer.received_sigterm:
+            time.sleep(0.1)  # the test's pacing: the first attempt waits here for its preemption
         time.sleep(0.25)
         with open(os.path.join(out, f"steps-{self.global_rank}.txt"), "a") as fh:
             fh.write(f"{os.environ.get('SLURM_RESTART_COUNT', '0')} {self.global_step}\\n")
@@ -62,8 +69,9 @@ with open(os.path.join(out, f"done-{trainer.global_rank}.txt"), "w") as fh:
 """
 
 HF_TRAINER = """
-# An unmodified Hugging Face Trainer script: a tiny BERT built from a config (no download), its own
-# checkpoints every 5 steps, and resume from the newest one.
+# A Hugging Face Trainer script: a tiny BERT built from a config (no download), its own checkpoints
+# every 5 steps, and resume from the newest complete one. The Trainer writes checkpoint-N in place, and
+# trainer_state.json last: get_last_checkpoint alone would pick a folder a preemption cut short.
 import os, sys, time
 import torch
 from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainerCallback, TrainingArguments
@@ -86,6 +94,8 @@ class Steps(TrainerCallback):
         time.sleep(0.25)
         with open(os.path.join(out, f"steps-{args.process_index}.txt"), "a") as fh:
             fh.write(f"{os.environ.get('SLURM_RESTART_COUNT', '0')} {state.global_step - 1}\\n")
+        while os.environ.get("SLURM_RESTART_COUNT", "0") == "0" and state.global_step >= 40:
+            time.sleep(0.1)  # the test's pacing: the first attempt waits here for its preemption (dies of it)
 
 
 torch.manual_seed(0)
@@ -97,6 +107,10 @@ args = TrainingArguments(output_dir=os.path.join(out, "hf"), max_steps=60, per_d
 trainer = Trainer(model=BertForSequenceClassification(config), args=args, train_dataset=Tokens(),
                   callbacks=[Steps()])
 last = get_last_checkpoint(args.output_dir) if os.path.isdir(args.output_dir) else None
+if last and not os.path.exists(os.path.join(last, "trainer_state.json")):
+    done = [d for d in os.listdir(args.output_dir)
+            if os.path.exists(os.path.join(args.output_dir, d, "trainer_state.json"))]
+    last = os.path.join(args.output_dir, max(done, key=lambda d: int(d.split("-")[-1]))) if done else None
 trainer.train(resume_from_checkpoint=last)
 if trainer.is_world_process_zero():
     with open(os.path.join(out, "done.txt"), "w") as fh:
@@ -104,22 +118,25 @@ if trainer.is_world_process_zero():
 """
 
 ACCELERATE = """
-# An accelerate loop of one's own: save_state every 5 steps, load_state at start when it exists.
-import os, sys, time
+# An accelerate loop of one's own: save_state every 5 steps, load_state at start when one was saved.
+# save_state writes its files in place, so a save cut short by a preemption would leave a torn folder
+# (seen here: optimizer.bin empty, and every later attempt fails at load_state): each save goes to a new
+# folder, and `latest` names it once every rank has written its part (os.replace is atomic).
+import os, shutil, sys, time
 import torch
 from accelerate import Accelerator
 
 out = sys.argv[1]
-state = os.path.join(out, "state")
+latest = os.path.join(out, "latest")
 accelerator = Accelerator(cpu=True)
 torch.manual_seed(0)
 model = torch.nn.Linear(8, 1)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 model, opt = accelerator.prepare(model, opt)
 start = 0
-if os.path.exists(os.path.join(state, "step.txt")):
-    accelerator.load_state(state)
-    start = int(open(os.path.join(state, "step.txt")).read())
+if os.path.exists(latest):
+    start = int(open(latest).read())
+    accelerator.load_state(os.path.join(out, f"state-{start}"))
 for step in range(start, 60):
     x = torch.randn(8, 8, generator=torch.Generator().manual_seed(step))
     loss = model(x).pow(2).mean()
@@ -129,12 +146,16 @@ for step in range(start, 60):
     time.sleep(0.25)
     with open(os.path.join(out, f"steps-{accelerator.process_index}.txt"), "a") as fh:
         fh.write(f"{os.environ.get('SLURM_RESTART_COUNT', '0')} {step}\\n")
+    while os.environ.get("SLURM_RESTART_COUNT", "0") == "0" and step + 1 >= 40:
+        time.sleep(0.1)  # the test's pacing: the first attempt waits here for its preemption (dies of it)
     if (step + 1) % 5 == 0:
-        accelerator.save_state(state)
-        if accelerator.is_main_process:
-            with open(os.path.join(state, "step.txt"), "w") as fh:
-                fh.write(str(step + 1))
+        accelerator.save_state(os.path.join(out, f"state-{step + 1}"))
         accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            with open(latest + ".tmp", "w") as fh:
+                fh.write(str(step + 1))
+            os.replace(latest + ".tmp", latest)
+            shutil.rmtree(os.path.join(out, f"state-{step + 1 - 5}"), ignore_errors=True)
 if accelerator.is_main_process:
     with open(os.path.join(out, "done.txt"), "w") as fh:
         fh.write(str(step + 1))
@@ -142,6 +163,7 @@ if accelerator.is_main_process:
 
 FABRIC = """
 # A Lightning Fabric loop: fabric.save every 5 steps, fabric.load at start when the checkpoint exists.
+# fabric.save is atomic (Lightning writes a temporary file and moves it into place), so as it stands.
 import os, sys, time
 import torch
 import lightning as L
@@ -166,6 +188,8 @@ for step in range(state["step"], 60):
     time.sleep(0.25)
     with open(os.path.join(out, f"steps-{fabric.global_rank}.txt"), "a") as fh:
         fh.write(f"{os.environ.get('SLURM_RESTART_COUNT', '0')} {step}\\n")
+    while os.environ.get("SLURM_RESTART_COUNT", "0") == "0" and step + 1 >= 40:
+        time.sleep(0.1)  # the test's pacing: the first attempt waits here for its preemption (dies of it)
     if (step + 1) % 5 == 0:
         state["step"] = step + 1
         fabric.save(ckpt, state)
@@ -224,6 +248,8 @@ for step in range(start, 60):
     dist.all_reduce(t)
     time.sleep(0.25)
     save(step + 1)
+    while os.environ.get("SLURM_RESTART_COUNT", "0") == "0" and step + 1 >= 40 and not stop:
+        time.sleep(0.1)  # the test's pacing: the first attempt waits here for its preemption
     if stop:
         print(f"rank {dist.get_rank()}: SIGTERM: saved at step {step + 1}, leaving with exit code 0", flush=True)
         sys.exit(0)
@@ -245,7 +271,8 @@ def _preempt_all(jobs: list[str]) -> None:
     urgent = subprocess.run(["sbatch", "--parsable", "-p", "urgent", "-N2", "--exclusive", "-o", "/dev/null",
                              "--wrap", "sleep 1"], capture_output=True, text=True, check=True).stdout.strip()
     for job in jobs:
-        wait_until(lambda j=job: int(job_field(j, "Restarts") or 0) > restarts[j], 120, f"job {job} to be requeued")
+        wait_until(lambda j=job: int(job_field(j, "Restarts") or 0) > restarts[j], 120, f"job {job} to be requeued",
+                   explain=lambda j=job: explain_job(j))
     wait_until(lambda: job_field(urgent, "JobState") in ("COMPLETED", "FAILED", "CANCELLED", None), 60, "urgent job")
     time.sleep(CREDENTIAL_SECOND_S)
     for job in jobs:
@@ -254,7 +281,7 @@ def _preempt_all(jobs: list[str]) -> None:
 
 def _wait_done(job: str, timeout: float = 400) -> str:
     return wait_until(lambda: (job_field(job, "JobState") or "") in ENDED and job_field(job, "JobState"),
-                      timeout, f"job {job} to end")
+                      timeout, f"job {job} to end", explain=lambda: explain_job(job))
 
 
 def _steps(out: Path, rank: int) -> list[tuple[int, int]]:
