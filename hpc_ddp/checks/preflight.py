@@ -31,7 +31,7 @@ from typing import Any
 
 from hpc_ddp.checks.finding import Finding
 from hpc_ddp.checks.frameworks import framework_notes
-from hpc_ddp.checks.scriptcheck import is_spawn_finding, script_findings
+from hpc_ddp.checks.scriptcheck import is_compile_finding, is_spawn_finding, script_findings
 from hpc_ddp.common.errors import HpcDdpError, UserError
 from hpc_ddp.common.procs import CommandRunner, slurm_unreachable
 from hpc_ddp.common.rundir import SCRIPT
@@ -469,7 +469,8 @@ def doctor_report(spec: JobSpec, queues: bool, commands: CommandRunner, host: Ho
         from hpc_ddp.launch.executors import probe_machine
 
         here = [] if spec.executor else check_fallback(spec, probe_machine())
-        return Report(None, tuple(here + check(spec, None, host) + ranks_python(spec, host) + device_findings(spec)))
+        return Report(None, tuple(here + check(spec, None, host) + ranks_python(spec, host)
+                                  + device_findings(spec, ask_ranks=True, environ=host.environ)))
     from hpc_ddp.launch.render import render_sbatch
 
     script = render_sbatch(spec, run_dir, generated_at="", command_line="hpc-ddp doctor")
@@ -481,7 +482,7 @@ def doctor_report(spec: JobSpec, queues: bool, commands: CommandRunner, host: Ho
         from hpc_ddp.checks.hostcheck import master_addr_check
 
         extra += [f for f in [master_addr_check(spec, report.cluster)] if f is not None]
-    return Report(report.cluster, report.findings + tuple(extra + device_findings(spec)))
+    return Report(report.cluster, report.findings + tuple(extra + device_findings(spec, ask_ranks=True, environ=host.environ)))
 
 
 def ranks_python(spec: JobSpec, host: Host) -> list[Finding]:
@@ -509,31 +510,55 @@ def gate_ranks_python(spec: JobSpec, warn: Callable[[str], None], dry_run: bool 
 
 # ---- what the script's text says (submit and doctor) ----
 
-def device_findings(spec: JobSpec) -> list[Finding]:
+def device_findings(spec: JobSpec, ask_ranks: bool = False,
+                    environ: Mapping[str, str] | None = None) -> list[Finding]:
     """The script read as text (nothing imported): that it compiles and what its own mp.spawn would start
     (checks/scriptcheck.py); its way of picking its GPU against the binding its ranks
     will get (job/devicescan.py), errors where it cannot give each rank its own GPU and warnings where it may
-    not; and what a framework's script needs to resume after a preemption (checks/frameworks.py)."""
+    not; and what a framework's script needs to resume after a preemption (checks/frameworks.py).
+    `ask_ranks` (not in a dry run, which runs nothing): where the ranks run another Python than this one,
+    its verdict on the script's bytes is the compile check's (checks/rankcompile.py)."""
     found = devicescan.source_bytes(spec.target.kind, spec.target.value, spec.workdir, limit=MAX_COMPILED)
     if found is None:
         return []
     path, data = found
+    ranks = _ranks_verdict(spec, path, data, os.environ if environ is None else environ) if ask_ranks else None
     if len(data) > devicescan.MAX_SOURCE:  # compiled, as Python would; too big to be read for the rest
-        return script_findings(spec, path, data, None)
+        return script_findings(spec, path, data, None, ranks)
     text = data.decode("utf-8", errors="replace")
     name = os.path.basename(path)
     exposure = exposure_of(spec)
     devices = [Finding(p.level, p.message, p.hint) for p in judge(scan(text), exposure, name)] if exposure else []
-    return script_findings(spec, path, data, text) + devices + [Finding(*note) for note in framework_notes(text, name)]
+    return (script_findings(spec, path, data, text, ranks) + devices
+            + [Finding(*note) for note in framework_notes(text, name)])
+
+
+def _other_ranks_python(spec: JobSpec) -> bool:
+    from hpc_ddp.checks.rankcompile import ranks_python_path
+
+    return ranks_python_path(spec, os.environ) is not None
+
+
+def _ranks_verdict(spec: JobSpec, path: str, data: bytes, environ: Mapping[str, str]):
+    from hpc_ddp.checks import rankcompile
+
+    python = rankcompile.ranks_python_path(spec, environ)
+    return None if python is None else rankcompile.ask(python, os.path.basename(path), data, spec.workdir, environ)
 
 
 MAX_COMPILED = 64 << 20  # a script bigger than this is not compiled before the queue (generated code, data)
 
 
-def gate_devices(spec: JobSpec, warn: Callable[[str], None], no_preflight: bool = False) -> None:
-    """Before a submission (and its dry run): warnings go to `warn`; an error stops it, nothing queued.
-    `no_preflight`: a refused mp.spawn is only a warning (its processes may not be ranks at all)."""
-    found = [f for f in device_findings(spec) if f.level != "ok"]
+def gate_devices(spec: JobSpec, warn: Callable[[str], None], no_preflight: bool = False,
+                 dry_run: bool = False) -> None:
+    """Before a submission (and its dry run, which runs nothing: the compile check is this Python's there):
+    warnings go to `warn`; an error stops it, nothing queued. `no_preflight`: a refused mp.spawn is only a
+    warning (its processes may not be ranks at all)."""
+    found = [f for f in device_findings(spec, ask_ranks=not dry_run) if f.level != "ok"]
+    if dry_run and _other_ranks_python(spec):  # this Python's verdict only; the submission asks theirs
+        found = [Finding("warning", f"{f.message} (with this python; the ranks' {spec.python} is asked when it is "
+                                    "submitted)", f.hint) if f.level == "error" and is_compile_finding(f) else f
+                 for f in found]
     if no_preflight:
         found = [Finding("warning", f.message, f.hint) if is_spawn_finding(f) else f for f in found]
     gate(Report(None, tuple(found)), warn, skip_hint=None)

@@ -21,10 +21,11 @@ import tokenize
 import zipfile
 
 from hpc_ddp.checks.finding import Finding
+from hpc_ddp.checks.rankcompile import RanksVerdict
 from hpc_ddp.job.devicescan import code_part
 from hpc_ddp.launch.shellwords import bash_word
 
-__all__ = ["compile_findings", "spawn_findings", "script_findings"]
+__all__ = ["compile_findings", "spawn_findings", "script_findings", "is_compile_finding", "is_spawn_finding"]
 
 # Characters a copy from a web page or a word processor brings along, by name, with the plain one to use.
 _LOOKALIKES = {
@@ -35,31 +36,46 @@ _LOOKALIKES = {
 }
 
 
-def compile_findings(name: str, source: bytes | str) -> list[Finding]:
+def compile_findings(name: str, source: bytes | str, ranks: RanksVerdict | None = None) -> list[Finding]:
     """An error where `source` (the script `name`) does not compile; nothing otherwise. Given as bytes, it
     is compiled as `python -m py_compile` compiles the file: a UTF-8 BOM and a coding cookie are honoured,
-    and a file in another encoding that declares none fails as it would on every rank."""
+    and a file in another encoding that declares none fails as it would on every rank. With `ranks` (the
+    verdict of the ranks' own Python, where it is another interpreter: checks/rankcompile.py), that verdict
+    is the one said, in this Python's words."""
+    if ranks is not None:
+        exc = ranks.error
+        by = f" with the ranks' python {ranks.python} ({ranks.version})"
+    else:
+        exc, by = _compile_here(name, source), ""
+    if exc is None:
+        return []
+    python = "python" if ranks is None else ranks.python
+    if isinstance(exc, SyntaxError):
+        if isinstance(source, bytes) and (exc.msg or "").startswith("(unicode error)") and "decode" in exc.msg:
+            return [_not_utf8(name, source, exc, by, python)]
+        text = source.decode("utf-8-sig", errors="replace") if isinstance(source, bytes) else source
+        return [_syntax_error(name, text, exc, by, python)]
+    return [Finding("error", f"{name} does not compile{by}: "
+                             f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
+                    hint=f"fix it, then check with: {bash_word(python)} -m py_compile {bash_word(name)}")]
+
+
+def _compile_here(name: str, source: bytes | str) -> BaseException | None:
     try:
         compile(source, name, "exec", dont_inherit=True)
-    except SyntaxError as exc:
-        if isinstance(source, bytes) and (exc.msg or "").startswith("(unicode error)") and "decode" in exc.msg:
-            return [_not_utf8(name, source, exc)]
-        text = source.decode("utf-8-sig", errors="replace") if isinstance(source, bytes) else source
-        return [_syntax_error(name, text, exc)]
-    except (ValueError, RecursionError, MemoryError) as exc:  # a NUL byte; nesting the compiler gives up on
-        return [Finding("error", f"{name} does not compile: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
-                        hint=f"fix it, then check with: python -m py_compile {bash_word(name)}")]
-    return []
+    except (SyntaxError, ValueError, RecursionError, MemoryError) as exc:  # a NUL byte; nesting it gives up on
+        return exc
+    return None
 
 
-def _not_utf8(name: str, source: bytes, exc: SyntaxError) -> Finding:
+def _not_utf8(name: str, source: bytes, exc: SyntaxError, by: str = "", python: str = "python") -> Finding:
     """A script that is not UTF-8 and names no other encoding (saved as latin-1 or cp1252 by an editor)."""
     first = next((i for i, line in enumerate(source.splitlines(), 1) if _undecodable(line)), exc.lineno or 0)
-    return Finding("error", f"{name} line {first} does not compile: it is not UTF-8 (Python's encoding for "
+    return Finding("error", f"{name} line {first} does not compile{by}: it is not UTF-8 (Python's encoding for "
                             "source files) and names no other in a coding line",
                    hint=f"save {bash_word(name)} as UTF-8 in your editor, or put `# -*- coding: latin-1 -*-` "
                         f"(the encoding it is in) on its first line; then check with: "
-                        f"python -m py_compile {bash_word(name)}")
+                        f"{bash_word(python)} -m py_compile {bash_word(name)}")
 
 
 def _undecodable(line: bytes) -> bool:
@@ -70,7 +86,7 @@ def _undecodable(line: bytes) -> bool:
     return False
 
 
-def _syntax_error(name: str, text: str, exc: SyntaxError) -> Finding:
+def _syntax_error(name: str, text: str, exc: SyntaxError, by: str = "", python: str = "python") -> Finding:
     line = exc.lineno or 0
     message = (exc.msg or "invalid syntax").splitlines()[0]
     # Only a look-alike outside a string literal breaks the code; inside one it is part of the string.
@@ -88,13 +104,13 @@ def _syntax_error(name: str, text: str, exc: SyntaxError) -> Finding:
         fix = (f"replace {'it' if count == 1 else 'them'} with plain characters in your editor"
                + ("" if quotes or set(odd) & in_strings else f", or run: sed -i {bash_word(sed)} {bash_word(name)}"))
         times = "once" if count == 1 else f"{count} times"
-        return Finding("error", f"{name} line {line} does not compile ({message}): {chars}, pasted with the code "
+        return Finding("error", f"{name} line {line} does not compile{by} ({message}): {chars}, pasted with the code "
                                 f"from a web page, {times} on {where}",
                        hint=fix)
     shown = (exc.text or "").strip()
     shown = f": {shown[:60]}" if shown and shown.isprintable() else ""
-    return Finding("error", f"{name} line {line} does not compile: {message}{shown}",
-                   hint=f"fix line {line}, then check with: python -m py_compile {bash_word(name)}")
+    return Finding("error", f"{name} line {line} does not compile{by}: {message}{shown}",
+                   hint=f"fix line {line}, then check with: {bash_word(python)} -m py_compile {bash_word(name)}")
 
 
 def _lookalikes(text: str) -> tuple[set[str], set[str]]:
@@ -244,16 +260,22 @@ def spawn_findings(spec, name: str, text: str) -> list[Finding]:
     return []
 
 
+def is_compile_finding(finding: Finding) -> bool:
+    """One of compile_findings'."""
+    return " does not compile" in finding.message
+
+
 def is_spawn_finding(finding: Finding) -> bool:
     """One of spawn_findings' (submit --no-preflight makes them warnings)."""
     return finding.hint is not None and finding.hint.endswith(_SKIP)
 
 
-def script_findings(spec, path: str, data: bytes, text: str | None) -> list[Finding]:
-    """Everything above for the script at `path`: its bytes `data` compiled, and its text `text` read
-    (None: too big to be read, compiled only). A zipapp (`python app.pyz`) is Python's to open, not
-    compiled here."""
+def script_findings(spec, path: str, data: bytes, text: str | None,
+                    ranks: RanksVerdict | None = None) -> list[Finding]:
+    """Everything above for the script at `path`: its bytes `data` compiled (`ranks`: the ranks' own
+    Python's verdict, where it was asked), and its text `text` read (None: too big to be read, compiled
+    only). A zipapp (`python app.pyz`) is Python's to open, not compiled here."""
     name = os.path.basename(path)
     compiled = (path.endswith(".py") or spec.target.kind == "script") and not zipfile.is_zipfile(io.BytesIO(data))
-    problems = compile_findings(name, data) if compiled else []
+    problems = compile_findings(name, data, ranks) if compiled else []
     return problems + (spawn_findings(spec, name, text) if text is not None else [])

@@ -77,7 +77,7 @@ def submit(ctx: click.Context, **params) -> None:
     if not params["as_json"] or not spec.executor:
         warn(which)
         warn(explain(spec))
-    _devices(plan.spec, params["no_preflight"])
+    _devices(plan.spec, params["no_preflight"], params["dry_run"])
     if params["dry_run"]:
         _ranks_python(plan.spec, executor, dry_run=True)
         _say_snapshot_plan(spec, snap)
@@ -152,7 +152,7 @@ def _submit_sweep(params: dict, spec, sweep) -> None:
             task_spec(spec, values, index, lambda extra: build(params, extra=extra)), snap))
     plan = planned(snap)
     check_resubmission(plan, executor)  # --dry-run says what the submission would
-    _devices(plan.tasks[0].plan.spec, params["no_preflight"])
+    _devices(plan.tasks[0].plan.spec, params["no_preflight"], params["dry_run"])
     if plan.script is not None:
         from hpc_ddp.checks.preflight import read_slurm_config
         from hpc_ddp.launch.sweep import check_array_size
@@ -280,12 +280,13 @@ def _code_json(spec) -> dict | None:
     return dataclasses.asdict(spec.code) if spec.code is not None else None
 
 
-def _devices(spec, no_preflight: bool = False) -> None:
-    """The script's way of picking its GPU against the job's binding: a warning, or exit 2 where it
-    cannot work (before the dry run too: it shows what would be submitted)."""
+def _devices(spec, no_preflight: bool = False, dry_run: bool = False) -> None:
+    """The script's way of picking its GPU against the job's binding, and that it compiles (with the ranks'
+    own Python where it is another, except in a dry run): a warning, or exit 2 where it cannot work (before
+    the dry run too: it shows what would be submitted)."""
     from hpc_ddp.checks.preflight import gate_devices
 
-    gate_devices(spec, warn, no_preflight)
+    gate_devices(spec, warn, no_preflight, dry_run)
 
 
 def _ranks_python(spec, executor, dry_run: bool) -> None:
