@@ -195,3 +195,14 @@ def test_the_weighted_rank_gradients_averaged_are_the_global_batchs_gradient(wor
         per_rank.append(w.grad.clone())
         w.grad = None
     assert torch.allclose(sum(per_rank) / world, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_where_no_split_keeps_every_rank_within_its_batch_the_smallest_ones_are_taken_as_the_docs_say():
+    """Issue 53's doc mismatch: 4 ranks x 1 resumed on 3 cannot keep every rank at 1 (4 has no divisor that
+    gives 3 ranks one each), so batches of 2 or 1, said in the log line docs/preemption.md quotes."""
+    from pathlib import Path
+
+    done = resize(saved_world=4, world=3, batch_size=1, grad_accum=1, batch_in_epoch=0, policy="keep_global_batch")
+    assert "per-rank batches 2 or 1 (was 1)" in done.note
+    doc = " ".join((Path(__file__).resolve().parents[2] / "docs" / "preemption.md").read_text().split())
+    assert "`per-rank batches 2 or 1 (was 1)`" in doc
