@@ -276,6 +276,10 @@ class Session(StepAndStop, SaveAndResume):
             # so a script written for N ranks runs unchanged on 1. Nothing to meet: a store of its own.
             dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
             self._own_group = True
+        if not self.distributed and self._watch_stalls and os.environ.get("HPC_DDP_STALL_MIN_S") != "off":
+            # One rank has no peer to hold up, but a hang (a deadlock, a filesystem or data loader that never
+            # answers) holds its GPU until the time limit all the same: watched as on N ranks.
+            self.stallwatch = StallWatch(self, self._stalled, cap_s=None).start()
         self.deadline = job_deadline(os.environ) if self.is_main else None
         if self.auto_interval and self.is_main:
             self._start_interval()

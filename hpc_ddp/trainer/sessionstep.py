@@ -277,14 +277,19 @@ class StepAndStop:
                   f"{limit:.0f} s), then the run went on: not a stall", file=sys.stderr, flush=True)
             return
         # The store lives in rank 0's process: a rank 0 that hangs cannot answer for the others.
-        who = answer[0] if answer else None if self.rank == 0 else (
+        alone = self.store is None  # a world of one: no store, no peer; the hang is this process's own
+        who = ("the run's only rank is alive but its loop made no progress (a deadlock, or a wait on a "
+               "filesystem or data loader that does not answer)") if alone else \
+            answer[0] if answer else None if self.rank == 0 else (
             f"{rendezvous.describe_ranks(self.env, [0])} does not answer (it holds the rendezvous store): it died "
             "or hung")
         line = (f"no step completed for {quiet:.0f} s (the limit is {limit:.0f} s: {FACTOR:g} x the "
                 f"{self.step_seconds or 0:.2f} s step, at least {self.stallwatch.min_s:g} s); "
                 f"{who or 'every rank still answers, so one may be deadlocked'}; ending the attempt")
         print(f"hpc-ddp: error: rank {self.rank}: {line}", file=sys.stderr, flush=True)
-        if answer:  # the store answers: the first rank to claim writes the record
+        if alone:
+            first = True
+        elif answer:  # the store answers: the first rank to claim writes the record
             first = False
             with contextlib.suppress(Exception):
                 first = int(self.store.add("stalled/claim", 1)) == 1

@@ -33,6 +33,23 @@ def test_a_stopped_rank_ends_the_attempt_naming_it(tmp_path):
     assert "rank 1 (localhost) stopped responding" in status.stdout
 
 
+def test_the_only_rank_of_a_run_that_deadlocks_ends_its_attempt_too(tmp_path):
+    """Issue 53: a world of one had no stall watch, so a single-GPU job that deadlocked held its GPU until
+    the time limit. Now it ends, named, within the limit."""
+    shutil.copy(Path(__file__).with_name("stall_probe.py"), tmp_path)
+    started = time.monotonic()
+    done = hpc_ddp("submit", "--executor", "local", "--nodes", "1", "--run-dir", "run", "stall_probe.py",
+                   cwd=tmp_path, env={"HPC_DDP_STALL_MIN_S": "3", "STALL_RANK": "0", "STALL_HOW": "wait"},
+                   timeout=240)
+    out = done.stdout + done.stderr
+    assert done.returncode == 1, out[-3000:]
+    assert "rank 0: no step completed for" in out and "the run's only rank is alive but its loop made no progress" in out
+    assert time.monotonic() - started < 120
+    events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
+    stalled = [e for e in events if e["event"] == "stalled"]
+    assert len(stalled) == 1 and stalled[0]["step"] >= 20 and "only rank" in stalled[0]["reason"], events
+
+
 @pytest.mark.slurm
 def test_on_slurm_a_stopped_rank_on_the_second_node_is_named_with_its_host(slurm_conf, tmp_path):
     from .helpers import submit_json, wait_for_job
