@@ -69,6 +69,7 @@ def submit(ctx: click.Context, **params) -> None:
         return
     executor, now, which = executor_for(spec)
     _chains_need_support(spec, executor)
+    _restarts_here(params, executor)
     run_dir = new_run_dir(spec, now)
     check_kind(run_dir, sweep=False)
     check_not_live(run_dir, SubprocessCommands())
@@ -143,6 +144,7 @@ def _submit_sweep(params: dict, spec, sweep) -> None:
 
     check_spec(spec)
     executor, now, which = executor_for(spec)
+    _restarts_here(params, executor)
     sweep_dir = new_run_dir(spec, now)
     check_kind(sweep_dir, sweep=True)
     snap = _plan_snapshot(spec, sweep_dir, read=params["dry_run"], shipped=params["shipped"])  # one copy for all tasks
@@ -287,6 +289,18 @@ def _devices(spec, no_preflight: bool = False, dry_run: bool = False) -> None:
     from hpc_ddp.checks.preflight import gate_devices
 
     gate_devices(spec, warn, no_preflight, dry_run)
+
+
+def _restarts_here(params, executor) -> None:
+    """--max-restarts given where nothing restarts: only the batch script of the sbatch executor restarts a
+    step inside its allocation (templates/sbatch.sh.j2); elsewhere a crash ends the attempt as it always did.
+    A note, not a refusal: a profile or an alias may pass it to every executor."""
+    given = params.get("max_restarts")
+    if given is None or str(given).strip() in ("", "0") or getattr(executor, "name", None) == "sbatch":
+        return
+    name = getattr(executor, "name", "this")
+    warn(f"warning: --max-restarts {given}: the {name} executor restarts nothing inside an allocation (only sbatch's batch "
+         "script does); a crash ends the attempt, and the requeue rules decide what follows")
 
 
 def _ranks_python(spec, executor, dry_run: bool) -> None:
