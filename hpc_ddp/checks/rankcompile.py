@@ -5,9 +5,9 @@ another (`--python`, or the env that was active at submit): a script with a `mat
 on 3.12 and fails on every rank of a 3.9 env; one with 3.14's t-strings fails here on 3.11 and is fine there.
 So, before anything queues, that Python is asked for its own verdict on the bytes this check read:
 `-I -c CODE NAME` with them on its stdin runs nothing of the user's (they are compiled, not executed; `-I`
-keeps PYTHONPATH, the user's site and the current folder out), in a bounded time. Where it cannot be asked (not runnable here, looked up after the
-job's setup lines, in a container, no answer in time, an answer that is not ours), nothing is said here and
-this Python's verdict stands.
+keeps every PYTHON* variable, the user's site and the current folder out), in a bounded time. Where it
+cannot be asked (not runnable here, looked up after the job's setup lines, in a container, no answer in
+time, an answer that is not ours), nothing is said here and this Python's verdict stands.
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def verdict_for(python: str, stdout: bytes) -> RanksVerdict | None:
         return RanksVerdict(python, version, None)
     if not isinstance(msg, str):
         return None
-    msg = msg[:300]
+    msg = "".join(ch if ch.isprintable() else "?" for ch in msg[:300])  # it is shown in one line
     if kind == "syntax":
         line_no = out.get("line")
         offset = out.get("offset")
