@@ -2,7 +2,7 @@
 per optimizer step, tagged with the step and the life that trained it (attempt, srun step), so a test can
 drop the steps a crash lost and a restart redid (`trained_once`). A checkpoint every KEYS_CHECKPOINT_EVERY
 steps; KEYS_CRASH_AT=N:R makes rank R die (exit 3, no checkpoint) at step N, once per run dir; KEYS_FSDP=1
-shards the model with FSDP2."""
+shards the model with FSDP2; KEYS_DEVICES=1 records the GPU each rank takes as its own, per life."""
 import json
 import os
 import sys
@@ -41,6 +41,13 @@ accum = run.accumulation(1, batch_size=4)
 run.resume()
 life = [int(os.environ.get("SLURM_RESTART_COUNT", "0")), int(os.environ.get("SLURM_STEP_ID", "0"))]
 out = open(os.path.join(sys.argv[1], f"keys-{os.environ['HPC_DDP_JOB_ID']}-{life[0]}-{life[1]}-{run.rank}.jsonl"), "a")
+if os.environ.get("KEYS_DEVICES"):  # the GPU this rank takes as its own, in this life (fake GPUs: GRES)
+    from hpc_ddp.job.gpubind import entries, own_device
+
+    visible = entries(os.environ.get("CUDA_VISIBLE_DEVICES"))
+    with open(os.path.join(sys.argv[1], f"devices-{life[0]}-{life[1]}-{run.rank}.json"), "w") as fh:
+        json.dump({"node": os.environ.get("SLURMD_NODENAME"), "local_rank": os.environ.get("LOCAL_RANK"),
+                   "visible": visible, "own": visible[own_device(os.environ, len(visible))] if visible else None}, fh)
 crash_at, _, crash_rank = os.environ.get("KEYS_CRASH_AT", "").partition(":")
 marker = os.path.join(sys.argv[1], "crashed")
 for epoch in run.epochs(2):

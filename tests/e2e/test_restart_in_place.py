@@ -151,3 +151,34 @@ def test_a_2_4_job_that_loses_one_of_its_4_nodes_completes_exactly(slurm_conf, t
         root = tmp_path / "run" / "checkpoints"
         final = root / (root / "latest").read_text().strip()
         assert sorted(p.name for p in final.glob("__*.distcp")) == [f"__{r}_0.distcp" for r in range(3)]
+
+
+@pytest.mark.slurm
+def test_after_a_restart_in_place_with_gpus_each_rank_is_on_its_own_gpu_again(slurm_conf, tmp_path):
+    """Issue 53: `--gpus 2 --nodes 2-3` (2 ranks a node, Slurm's fake GPUs through GRES): a rank crashes,
+    the ranks start again as a new srun step with an explicit --nodes/--ntasks/--nodelist, and on every node
+    each rank takes a GPU of its own again, as in the first step."""
+    nodes = subprocess.run(["sinfo", "-h", "-p", "wide", "-o", "%D"], capture_output=True, text=True).stdout.strip()
+    if nodes != "4":
+        pytest.skip("needs the test Slurm's 4 nodes (HPC_DDP_SLURM_NODES=4, slurm-up's default)")
+    job = _submit(tmp_path, "--partition", "wide", "--nodes", "2-3", "--gpus", "2",
+                  env={"KEYS_CRASH_AT": "7:3", "KEYS_STEP_S": "0.1", "KEYS_DEVICES": "1"})
+    try:
+        assert run_through_requeues(job, timeout=300, run_dir=tmp_path / "run") == "COMPLETED"
+    finally:
+        _finish(job)
+    events = _events(tmp_path)
+    restarted = [e for e in events if e.get("event") == "restarted"]
+    assert [e["cause"] for e in restarted] == ["failed"], events
+    lives: dict[tuple[str, str], dict[str, list[str]]] = {}
+    for path in (tmp_path / "keys").glob("devices-*.json"):
+        _, restart, step, _rank = path.stem.split("-")
+        record = json.loads(path.read_text())
+        lives.setdefault((restart, step), {}).setdefault(record["node"], []).append(record["own"])
+    assert len(lives) == 2, lives  # the first srun step and the restart's
+    for life, per_node in lives.items():
+        assert len(per_node) >= 2, (life, per_node)
+        for node, owns in per_node.items():
+            assert sorted(owns) == ["0", "1"], (life, node, owns)  # two ranks, two GPUs, one each
+    world = 2 * len(next(iter(lives.values())))
+    assert trained_once(tmp_path / "keys") == uninterrupted(4 * world)
