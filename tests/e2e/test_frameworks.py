@@ -6,7 +6,8 @@ per stop, and the script resumes from its own checkpoint. Jobs run side by side 
 and one urgent job preempts them all, so the suite pays for one preemption, not one per case. A script
 that leaves with exit 0 at the time-limit warning runs under the local executor, which emulates the limit.
 
-Each script's first attempt waits at step 40 for its preemption (the test's pacing, like its sleeps): jobs
+On Slurm (FW_HOLD_AT=40) each script's first attempt waits at step 40 for its preemption (the test's
+pacing, like its sleeps; the local rehearsals that run these scripts set nothing, so nothing waits): jobs
 start at different speeds (Lightning imports for tens of seconds), and on CI a plain script once trained all
 its steps and completed while the test still waited for Lightning to reach its step, so it was never preempted.
 """
@@ -26,6 +27,7 @@ from .helpers import CREDENTIAL_SECOND_S, explain_job, hpc_ddp, job_field, start
 pytestmark = pytest.mark.e2e
 
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
+HOLD_ENV = {"FW_HOLD_AT": "40"}  # past every test's random step (7-29); the scripts read it, other tests leave it unset
 
 LIGHTNING = """
 # An unmodified Lightning 2 DDP script with Lightning's own checkpoints and resume: nothing of hpc_ddp.
@@ -36,7 +38,8 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 out = sys.argv[1]
-FIRST, HOLD = os.environ.get("SLURM_RESTART_COUNT", "0") == "0", 40
+# the test's pacing on Slurm (FW_HOLD_AT): the first attempt waits at that step for its preemption
+HOLD = int(os.environ.get("FW_HOLD_AT") or 0) if os.environ.get("SLURM_RESTART_COUNT", "0") == "0" else 0
 
 
 class Model(pl.LightningModule):
@@ -45,8 +48,8 @@ class Model(pl.LightningModule):
         self.layer = torch.nn.Linear(8, 1)
 
     def training_step(self, batch, _index):
-        while FIRST and self.global_step >= HOLD and not self.trainer.received_sigterm:
-            time.sleep(0.1)  # the test's pacing: the first attempt waits here for its preemption
+        while HOLD and self.global_step >= HOLD and not self.trainer.received_sigterm:
+            time.sleep(0.1)
         time.sleep(0.25)
         with open(os.path.join(out, f"steps-{self.global_rank}.txt"), "a") as fh:
             fh.write(f"{os.environ.get('SLURM_RESTART_COUNT', '0')} {self.global_step}\\n")
@@ -78,6 +81,8 @@ from transformers import BertConfig, BertForSequenceClassification, Trainer, Tra
 from transformers.trainer_utils import get_last_checkpoint
 
 out = sys.argv[1]
+# the test's pacing on Slurm (FW_HOLD_AT): the first attempt waits at that step for its preemption
+HOLD = int(os.environ.get("FW_HOLD_AT") or 0) if os.environ.get("SLURM_RESTART_COUNT", "0") == "0" else 0
 
 
 class Tokens(torch.utils.data.Dataset):
@@ -94,8 +99,8 @@ class Steps(TrainerCallback):
         time.sleep(0.25)
         with open(os.path.join(out, f"steps-{args.process_index}.txt"), "a") as fh:
             fh.write(f"{os.environ.get('SLURM_RESTART_COUNT', '0')} {state.global_step - 1}\\n")
-        while os.environ.get("SLURM_RESTART_COUNT", "0") == "0" and state.global_step >= 40:
-            time.sleep(0.1)  # the test's pacing: the first attempt waits here for its preemption (dies of it)
+        while HOLD and state.global_step >= HOLD:
+            time.sleep(0.1)  # the test's pacing on Slurm: the first attempt waits here for its preemption
 
 
 torch.manual_seed(0)
@@ -127,6 +132,8 @@ import torch
 from accelerate import Accelerator
 
 out = sys.argv[1]
+# the test's pacing on Slurm (FW_HOLD_AT): the first attempt waits at that step for its preemption
+HOLD = int(os.environ.get("FW_HOLD_AT") or 0) if os.environ.get("SLURM_RESTART_COUNT", "0") == "0" else 0
 latest = os.path.join(out, "latest")
 accelerator = Accelerator(cpu=True)
 torch.manual_seed(0)
@@ -146,8 +153,8 @@ for step in range(start, 60):
     time.sleep(0.25)
     with open(os.path.join(out, f"steps-{accelerator.process_index}.txt"), "a") as fh:
         fh.write(f"{os.environ.get('SLURM_RESTART_COUNT', '0')} {step}\\n")
-    while os.environ.get("SLURM_RESTART_COUNT", "0") == "0" and step + 1 >= 40:
-        time.sleep(0.1)  # the test's pacing: the first attempt waits here for its preemption (dies of it)
+    while HOLD and step + 1 >= HOLD:
+        time.sleep(0.1)  # the test's pacing on Slurm: the first attempt waits here for its preemption
     if (step + 1) % 5 == 0:
         accelerator.save_state(os.path.join(out, f"state-{step + 1}"))
         accelerator.wait_for_everyone()
@@ -169,6 +176,8 @@ import torch
 import lightning as L
 
 out = sys.argv[1]
+# the test's pacing on Slurm (FW_HOLD_AT): the first attempt waits at that step for its preemption
+HOLD = int(os.environ.get("FW_HOLD_AT") or 0) if os.environ.get("SLURM_RESTART_COUNT", "0") == "0" else 0
 fabric = L.Fabric(accelerator="cpu", devices=1, num_nodes=2, strategy="ddp")
 fabric.launch()
 torch.manual_seed(0)
@@ -188,8 +197,8 @@ for step in range(state["step"], 60):
     time.sleep(0.25)
     with open(os.path.join(out, f"steps-{fabric.global_rank}.txt"), "a") as fh:
         fh.write(f"{os.environ.get('SLURM_RESTART_COUNT', '0')} {step}\\n")
-    while os.environ.get("SLURM_RESTART_COUNT", "0") == "0" and step + 1 >= 40:
-        time.sleep(0.1)  # the test's pacing: the first attempt waits here for its preemption (dies of it)
+    while HOLD and step + 1 >= HOLD:
+        time.sleep(0.1)  # the test's pacing on Slurm: the first attempt waits here for its preemption
     if (step + 1) % 5 == 0:
         state["step"] = step + 1
         fabric.save(ckpt, state)
@@ -232,6 +241,8 @@ import json, os, signal, sys, time
 import torch, torch.distributed as dist
 
 progress = sys.argv[1]
+# the test's pacing on Slurm (FW_HOLD_AT): the first attempt waits at that step for its preemption
+HOLD = int(os.environ.get("FW_HOLD_AT") or 0) if os.environ.get("SLURM_RESTART_COUNT", "0") == "0" else 0
 dist.init_process_group("gloo")
 start = json.load(open(progress))["step"] if os.path.exists(progress) else 0
 stop = []
@@ -248,8 +259,8 @@ for step in range(start, 60):
     dist.all_reduce(t)
     time.sleep(0.25)
     save(step + 1)
-    while os.environ.get("SLURM_RESTART_COUNT", "0") == "0" and step + 1 >= 40 and not stop:
-        time.sleep(0.1)  # the test's pacing: the first attempt waits here for its preemption
+    while HOLD and step + 1 >= HOLD and not stop:
+        time.sleep(0.1)  # the test's pacing on Slurm: the first attempt waits here for its preemption
     if stop:
         print(f"rank {dist.get_rank()}: SIGTERM: saved at step {step + 1}, leaving with exit code 0", flush=True)
         sys.exit(0)
@@ -326,11 +337,11 @@ def test_unmodified_frameworks_preempted_for_real_are_run_again_and_complete(slu
         outs[name] = tmp_path / f"{name}-out"
         outs[name].mkdir()
         jobs[name] = submit_json("--executor", "sbatch", "--partition", partition, "--nodes", "2", "--run-dir", name,
-                                 f"{name}.py", str(outs[name]), cwd=tmp_path)["job_id"]
+                                 f"{name}.py", str(outs[name]), cwd=tmp_path, env=HOLD_ENV)["job_id"]
     for name, text in SHAPES.items():
         (tmp_path / f"{name}.py").write_text(text)
         jobs[name] = submit_json("--executor", "sbatch", "--partition", "grace", "--nodes", "2", "--run-dir", name,
-                                 f"{name}.py", str(tmp_path / f"{name}.json"), cwd=tmp_path)["job_id"]
+                                 f"{name}.py", str(tmp_path / f"{name}.json"), cwd=tmp_path, env=HOLD_ENV)["job_id"]
     # a random step of every job, past Lightning's first checkpoint
     at = {name: rng.randrange(7, 30) for name in jobs}
     for name in jobs:
@@ -378,7 +389,7 @@ def test_hugging_face_accelerate_and_fabric_preempted_for_real_resume_and_comple
         outs[name] = tmp_path / f"{name}-out"
         outs[name].mkdir()
         jobs[name] = submit_json("--executor", "sbatch", "--partition", partition, "--nodes", "2", "--run-dir", name,
-                                 f"{name}.py", str(outs[name]), cwd=tmp_path)["job_id"]
+                                 f"{name}.py", str(outs[name]), cwd=tmp_path, env=HOLD_ENV)["job_id"]
     at = {name: rng.randrange(7, 30) for name in jobs}
     for name in jobs:
         wait_until(lambda n=name: len(_steps(outs[n], 0)) >= at[n], 300, f"{name} step {at[name]}")
