@@ -296,7 +296,7 @@ def _restarts_here(params, executor) -> None:
     step inside its allocation (templates/sbatch.sh.j2); elsewhere a crash ends the attempt as it always did.
     A note, not a refusal: a profile or an alias may pass it to every executor."""
     given = params.get("max_restarts")
-    if given is None or str(given).strip() in ("", "0") or getattr(executor, "name", None) == "sbatch":
+    if given is None or str(given).strip() in ("", "0") or getattr(executor, "restarts_in_place", False):
         return
     name = getattr(executor, "name", "this")
     warn(f"warning: --max-restarts {given}: the {name} executor restarts nothing inside an allocation (only sbatch's batch "

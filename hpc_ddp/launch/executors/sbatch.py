@@ -34,6 +34,7 @@ class SbatchSubmission(Submission):
 
 class SbatchExecutor(SlurmControl):
     name = "sbatch"
+    restarts_in_place = True  # its batch script restarts a crashed or shrunk step inside the allocation (--max-restarts)
     chains = True  # queues jobs that wait for other jobs: --after, --chain
     arrays = True  # queues a sweep as one Slurm array (`submit_array`)
 
