@@ -1,12 +1,18 @@
 """Restarts inside the allocation: after a rank crashed or a node was lost, a new srun step on the nodes that
 are left resumes from the last checkpoint, instead of a requeue (`job.attempts` calls this at an attempt's
-end where the batch script says it can restart; `policy.decide_restart` decides)."""
+end where the batch script says it can restart; `policy.decide_restart` decides).
+
+The restart's srun names its nodes (`--nodelist`), after the user's own `--srun-arg` options, and srun keeps
+the last `--nodelist` it is given. So the user's pins are honoured here, where the nodes are chosen
+(`srun_pins`): `--exclude` nodes are never restarted on, and every node of a `--nodelist` or `--nodefile`
+must still be healthy, or there is no restart in place (the usual rules go on: a requeue)."""
 
 from __future__ import annotations
 
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +22,48 @@ from hpc_ddp.common.rundir import RunDir
 from hpc_ddp.job.policy import Attempt, decide_restart, limits_of
 from hpc_ddp.slurm.nodelist import expand_hostlist
 
-__all__ = ["restart_in_place"]
+__all__ = ["Pins", "restart_in_place", "srun_pins"]
+
+MAX_NODEFILE_BYTES = 1 << 20   # a node file longer than any allocation's list is not read
+
+
+@dataclass(frozen=True)
+class Pins:
+    """What the user's srun options say of the ranks' nodes: every one of `include` runs ranks (srun's
+    --nodelist/--nodefile: "at least these"), none of `exclude` does; `unknown` says why they could not be
+    read (then no restart in place: hpc-ddp cannot tell which nodes the user allows)."""
+    include: frozenset[str] = frozenset()
+    exclude: frozenset[str] = frozenset()
+    unknown: str | None = None
+
+
+def srun_pins(srun_args: Sequence[str], read: Callable[[str], str] | None = None) -> Pins:
+    """The node pins among `srun_args` (the spec's --srun-arg options, long forms: slurmargs checks them).
+    A --nodelist or --exclude value with a "/" is a file, as srun reads it; so is --nodefile's."""
+    read = read or _read_node_file
+    include: set[str] = set()
+    exclude: set[str] = set()
+    for arg in srun_args:
+        name, _, value = str(arg)[2:].partition("=")
+        if name not in ("nodelist", "nodefile", "exclude"):
+            continue
+        try:
+            text = read(value) if name == "nodefile" or "/" in value else value
+            hosts = [h for word in text.replace(",", " ").split() for h in expand_hostlist(word)] \
+                if name == "nodefile" or "/" in value else expand_hostlist(value)
+        except (OSError, ValueError, HpcDdpError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            return Pins(unknown=f"--srun-arg={arg}: its nodes could not be read ({why})")
+        (exclude if name == "exclude" else include).update(hosts)
+    return Pins(frozenset(include), frozenset(exclude))
+
+
+def _read_node_file(path: str) -> str:
+    with open(path, "rb") as fh:
+        data = fh.read(MAX_NODEFILE_BYTES + 1)
+    if len(data) > MAX_NODEFILE_BYTES:
+        raise ValueError(f"{path} is over {MAX_NODEFILE_BYTES} bytes")
+    return data.decode("ascii")
 
 
 def restart_in_place(run_dir: Path, attempt: int, exit_code: int, last: Attempt, lost: list[str],
@@ -32,8 +79,13 @@ def restart_in_place(run_dir: Path, attempt: int, exit_code: int, last: Attempt,
         allocation = ()
     healthy = [n for n in allocation if n not in lost and n not in lost_now(",".join(allocation))] \
         if allocation else []
+    pins = srun_pins(getattr(spec, "srun_args", ()) or ())
+    healthy = [n for n in healthy if n not in pins.exclude]   # the user's --exclude: never a rank there
     limits = limits_of(spec)
     ok, reason = decide_restart(last, limits, healthy=healthy, min_nodes=spec.nodes, checkpoint_step=checkpoint_step)
+    refused = _refused_by(pins, healthy, last) if ok else None
+    if refused:
+        ok, reason = False, refused
     if not ok:
         if last.restarts or last.cause == "node_failure" or limits.max_restarts:
             print(f"hpc-ddp: not restarted in the allocation: {reason}", file=sys.stderr, flush=True)
@@ -49,6 +101,18 @@ def restart_in_place(run_dir: Path, attempt: int, exit_code: int, last: Attempt,
                   "seconds_lost": round(max(now - since, 0.0), 3) if since else None,
                   "reason": reason})
     return tuple(healthy), reason
+
+
+def _refused_by(pins: Pins, healthy: Sequence[str], last: Attempt) -> str | None:
+    """Why the user's srun pins allow no restart on `healthy`, or None."""
+    cause = last.cause or "failed"
+    if pins.unknown:
+        return f"{cause}: {pins.unknown}"
+    missing = sorted(pins.include - set(healthy))
+    if missing:
+        return (f"{cause}: the ranks' --srun-arg pins node(s) {','.join(missing)}, not healthy in the allocation "
+                "(or also excluded)")
+    return None
 
 
 def _last_progress(events: Sequence[dict[str, Any]], last: Attempt) -> float | None:

@@ -97,6 +97,43 @@ def test_a_lost_node_of_a_range_restarts_on_the_nodes_left_and_not_for_a_fixed_s
     assert lost[0]["cause"] == "node_failure" and lost[0]["nodes"] == "hpcn3"
 
 
+@pytest.mark.parametrize("srun_args,word,reason", [
+    # the user's --exclude: the restart never puts a rank there, even when it is healthy
+    (["--exclude=hpcn4"], "restart 2 hpcn1,hpcn2", "on 2 node(s)"),
+    (["--exclude=hpcn[1-2]"], "requeue", "1 healthy node(s) left in the allocation, the job needs 2"),
+    # the user's --nodelist ("at least these"): kept when healthy, no restart in place when one is lost
+    (["--nodelist=hpcn[1-2]"], "restart 3 hpcn1,hpcn2,hpcn4", "on 3 node(s)"),
+    (["--nodelist=hpcn[2-3]"], "requeue", "pins node(s) hpcn3, not healthy in the allocation"),
+    (["--nodelist=hpcn[1-2]", "--exclude=hpcn2"], "requeue", "pins node(s) hpcn2"),
+    (["--label"], "restart 3 hpcn1,hpcn2,hpcn4", "on 3 node(s)"),
+])
+def test_a_restart_in_place_keeps_the_users_srun_node_pins(tmp_path, monkeypatch, capsys, srun_args, word, reason):
+    """Issue 53: the restart's own --nodelist comes after the user's --srun-arg options and srun keeps the
+    last one, so the nodes it names are chosen within the user's pins, or there is no restart in place."""
+    monkeypatch.setattr(attempts, "down_nodes", lambda nodes, run=None, silent=False: ["hpcn3"])  # hpcn3 is lost
+    env = {"SLURM_JOB_ID": "3", "SLURM_JOB_NODELIST": "hpcn[1-4]", "HPC_DDP_RESTART_STEP": "0"}
+    run_dir = _spec_dir(tmp_path, nodes="2-4", max_restarts=1, srun_args=srun_args)
+    assert attempts.begin(run_dir, 0, env=env)[0]
+    outcome = attempts.finish(run_dir, 0, 137, env, ask_slurm=lambda job: _show("RUNNING", "hpcn[1-2,4]"))
+    said = outcome.reason + capsys.readouterr().err   # a refused restart is said on the batch log
+    assert (outcome.word, reason in said) == (word, True), said
+
+
+def test_srun_pins_read_files_as_srun_does_and_refuse_what_cannot_be_read(tmp_path):
+    from hpc_ddp.job.restarts import Pins, srun_pins
+
+    listed = tmp_path / "nodes"
+    listed.write_text("hpcn1\nhpcn[3-4], hpcn6\n")
+    assert srun_pins([f"--nodefile={listed}", "--exclude=hpcn5", "--mpi=none"]) == \
+        Pins(frozenset({"hpcn1", "hpcn3", "hpcn4", "hpcn6"}), frozenset({"hpcn5"}))
+    assert srun_pins([f"--exclude={listed}"]).exclude == {"hpcn1", "hpcn3", "hpcn4", "hpcn6"}  # a "/": a file
+    assert "could not be read" in srun_pins([f"--nodefile={tmp_path / 'gone'}"]).unknown
+    assert "could not be read" in srun_pins(["--nodelist=n[1-20000000]"]).unknown   # never expanded
+    big = tmp_path / "big"
+    big.write_bytes(b"n1 " * 400_000)
+    assert "over" in srun_pins([f"--nodefile={big}"]).unknown
+
+
 def test_without_the_scripts_word_nothing_restarts(tmp_path, monkeypatch):
     """A site's own template has no restart loop: it never hears `restart`."""
     run_dir = _spec_dir(tmp_path, nodes=2)
