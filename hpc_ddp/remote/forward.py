@@ -29,6 +29,7 @@ from hpc_ddp.common.events import read_jsonl
 from hpc_ddp.common.registryfile import registry_path
 from hpc_ddp.common.terminal import printable
 from hpc_ddp.launch.shellwords import bash_word
+from hpc_ddp.remote.answers import parse_debug_target, parse_log_entry, parse_run_states, parse_wrote
 from hpc_ddp.remote.argv import words_of
 from hpc_ddp.remote.site import command_words
 from hpc_ddp.remote.ssh import DRAIN_S, SSH_FAILED, Ssh, check_host, classify, raise_if_lost, unbounded
@@ -257,18 +258,15 @@ def _follow_logs(ssh: Ssh, hpc_ddp: str, command: click.Command, params: dict[st
         assert proc.stdout is not None
         try:
             for raw in proc.stdout:
-                try:
-                    entry = json.loads(raw)
-                except ValueError:
-                    continue
-                if not _log_entry(entry):
+                entry = parse_log_entry(raw)
+                if entry is None:
                     continue  # not what the cluster's logs --from writes: never a traceback here
-                if not cursor.take(entry["path"], entry["end"], entry["part"], entry["parts"]):
+                if not cursor.take(entry.path, entry.end, entry.part, entry.parts):
                     continue  # shown before the connection dropped
-                shown = entry["line"] if entry.get("attempt") is None else \
-                    f"[attempt {entry['attempt']} rank {entry['rank']}] {entry['line']}"
-                click.echo(json.dumps({k: entry[k] for k in ("attempt", "rank", "line")}) if params.get("as_json")
-                           else shown)
+                shown = entry.line if entry.attempt is None else \
+                    f"[attempt {entry.attempt} rank {entry.rank}] {entry.line}"
+                click.echo(json.dumps({"attempt": entry.attempt, "rank": entry.rank, "line": entry.line})
+                           if params.get("as_json") else shown)
                 tries = 0
         except KeyboardInterrupt:
             proc.terminate()
@@ -284,16 +282,6 @@ def _follow_logs(ssh: Ssh, hpc_ddp: str, command: click.Command, params: dict[st
         time.sleep(_RECONNECT_S)
 
 
-def _log_entry(entry: Any) -> bool:
-    """Whether a line of the cluster's `logs -f --from` is an entry as it writes them, each value of its type."""
-    if not isinstance(entry, dict):
-        return False
-    ints = [entry.get(k) for k in ("end", "part", "parts")]
-    optional = [entry.get(k) for k in ("attempt", "rank")]
-    return isinstance(entry.get("path"), str) and isinstance(entry.get("line"), str) \
-        and all(type(v) is int for v in ints) and all(v is None or type(v) is int for v in optional)
-
-
 def _picture(ssh: Ssh, hpc_ddp: str, command: click.Command, params: dict[str, Any], record: dict[str, Any],
              job_param: str) -> int:
     """Draw on the cluster (into the run dir), fetch the picture here: -o, or ./COMMAND-JOB.png."""
@@ -303,8 +291,7 @@ def _picture(ssh: Ssh, hpc_ddp: str, command: click.Command, params: dict[str, A
     sys.stderr.write(printable(done.stderr.decode(errors="replace")))
     if done.returncode != 0:
         return done.returncode
-    lines = done.text.splitlines()
-    drawn = next((ln[len("Wrote "):] for ln in lines if ln.startswith("Wrote ")), None)
+    drawn, lines = parse_wrote(done.text)
     if drawn is None:
         raise UserError(f"the cluster's timeline wrote no picture: {done.text.strip()[:200]!r}")
     picture = ssh.run(f"exec cat {shlex.quote(drawn)}\n")
@@ -313,8 +300,7 @@ def _picture(ssh: Ssh, hpc_ddp: str, command: click.Command, params: dict[str, A
     except OSError as exc:
         raise UserError(f"cannot write {str(out)!r}: {exc.strerror or exc}", hint="give -o PNG") from None
     for line in lines:
-        if not line.startswith("Wrote "):
-            click.echo(printable(line))
+        click.echo(printable(line))
     click.echo(printable(f"Wrote {out} (drawn on {ssh.host}: {drawn})"))
     return 0
 
@@ -325,20 +311,11 @@ def _tunnel(ssh: Ssh, hpc_ddp: str, record: dict[str, Any]) -> int:
     serves a Unix socket of the user's on the login node and relays through srun to the rank's node; `ssh -O
     forward` (no new login) forwards the port here to that socket. Another port here where PORT is taken."""
     done = ssh.run(f"exec {hpc_ddp} status --json {shlex.quote(record['run_dir'])}\n")
-    try:
-        answer = json.loads(done.stdout)
-    except ValueError:
-        answer = None
-    debug = answer.get("debugger") if isinstance(answer, dict) else None
-    debug = debug if isinstance(debug, dict) else {}
-    node, port, sock = debug.get("node"), debug.get("port"), debug.get("login_socket")
-    # each of its type: a port of True or 99999 is no port here, a relative socket no path to forward to
-    if not (isinstance(node, str) and node and node.isprintable()) or type(port) is not int \
-            or not 0 < port < 65536 or not (isinstance(sock, str) and sock.startswith("/") and sock.isprintable()) \
-            or debug.get("owner_only") is not True:
+    target = parse_debug_target(done.stdout)
+    if target is None:
         raise UserError(f"no rank of job {record.get('job_id')} on {ssh.host} waits for a debugger now",
                         hint="submit with --debug-rank R; `hpc-ddp status` shows the rank once it waits")
-    quoted = shlex.quote(sock)
+    quoted = shlex.quote(target.login_socket)
     # One attach per rank: a second one started here finds the socket served and ends at once.
     started = ssh.run(f"setsid {hpc_ddp} attach {shlex.quote(record['run_dir'])} </dev/null >/dev/null 2>&1 &\n"
                       f"i=0; while [ ! -S {quoted} ] && [ $i -lt 100 ]; do sleep 0.1; i=$((i+1)); done\n"
@@ -346,14 +323,15 @@ def _tunnel(ssh: Ssh, hpc_ddp: str, record: dict[str, Any]) -> int:
     if started.returncode != 0:
         raise UserError(f"`hpc-ddp attach` did not start on {ssh.host} within 10 s",
                         hint=f"run it there to see why: ssh {ssh.host} {hpc_ddp} attach {record.get('job_id')}")
-    local = _free(port) or _free(0)
-    opened = ssh.bounded(["ssh", *ssh.options(), "-O", "forward", "-L", f"127.0.0.1:{local}:{sock}", "--", ssh.host])
+    local = _free(target.port) or _free(0)
+    opened = ssh.bounded(["ssh", *ssh.options(), "-O", "forward", "-L", f"127.0.0.1:{local}:{target.login_socket}",
+                          "--", ssh.host])
     if opened.returncode != 0:
-        raise UserError(f"could not open the tunnel to {sock} on {ssh.host}: "
+        raise UserError(f"could not open the tunnel to {target.login_socket} on {ssh.host}: "
                         f"{opened.stderr.decode(errors='replace').strip() or opened.returncode}",
                         hint=f"run `hpc-ddp attach {bash_word(str(record.get('job_id')))}` on {ssh.host}, then: "
-                             f"ssh -N -L {local}:{bash_word(sock)} {ssh.host}")
-    click.echo(f"tunnel open: localhost:{local} -> {node}: rank {debug.get('rank')} waits there, reached through "
+                             f"ssh -N -L {local}:{bash_word(target.login_socket)} {ssh.host}")
+    click.echo(f"tunnel open: localhost:{local} -> {target.node}: rank {target.rank} waits there, reached through "
                f"`hpc-ddp attach` on {ssh.host}, for you alone; attach VS Code or PyCharm to localhost:{local}; "
                "your project's paths are mapped to the run's copy")
     return 0
@@ -380,7 +358,7 @@ def with_remote_accounting(records: list[dict[str, Any]], env: Mapping[str, str]
         try:
             hpc_ddp = command_words(str(mine[-1].get("remote_hpc_ddp") or "hpc-ddp"))
             done = Ssh(host, env).run(f"exec {hpc_ddp} list --json -n 1000\n", timeout=60)
-            theirs = {str(r.get("job_id")): r for r in json.loads(done.stdout) if isinstance(r, dict)}
+            theirs = parse_run_states(done.stdout)
         except (UserError, ValueError) as exc:
             click.echo(printable(f"warning: the state of the runs on {host} is not known: {exc}"), err=True)
             continue
@@ -389,6 +367,6 @@ def with_remote_accounting(records: list[dict[str, Any]], env: Mapping[str, str]
             continue
         for record in mine:
             found = theirs.get(str(record.get("job_id")))
-            if found and isinstance(found.get("slurm"), dict):
-                record["slurm"] = found["slurm"]
+            if found is not None:
+                record["slurm"] = dict(found)
     return records

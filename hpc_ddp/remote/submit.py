@@ -39,6 +39,7 @@ from hpc_ddp.common.errors import HpcDdpError, UserError
 from hpc_ddp.common.registryfile import register
 from hpc_ddp.common.terminal import printable
 from hpc_ddp.common.units import MB, human_bytes
+from hpc_ddp.remote.answers import Hello, Submitted, parse_hello, parse_submitted
 from hpc_ddp.remote.site import Site, command_words, profile_toml, remote_dir_for, shell_words
 from hpc_ddp.remote.ssh import SELF_BOUNDED, SSH_FAILED, SUBMIT_SILENCE_S, Ssh, classify
 from hpc_ddp.snapshot import shipped, snapshot
@@ -66,7 +67,7 @@ def submit_over_ssh(site: Site, params: dict[str, Any], argv: list[str], job: di
     origin = f"{socket.gethostname()}:{project}"
     ssh = Ssh(site.host, env)
     hello = _hello(ssh, site, remote, listing, origin)
-    mirror = hello["dir"]
+    mirror = hello.dir
     where = cwd.relative_to(project).as_posix() if cwd.is_relative_to(project) else None
     if script_rel is not None and where is None:  # the shell is outside the project: run from the script's folder
         where = os.path.dirname(script_rel)
@@ -155,60 +156,18 @@ def _rewrite_target(argv: list[str], params: dict[str, Any], cwd: Path, project:
     return [*argv[:cut], relative, *argv[cut + 1:]]
 
 
-_JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,127}")
-
-
-def _checked_answer(answer: Any, host: str) -> dict[str, Any]:
-    """The cluster's answer, every value this laptop prints or records of its type: job ids as Slurm's
-    (never an option, a newline or an escape), run dirs absolute and printable (a registry record that names
-    "--json" would become an option of every command forwarded for it). A UserError naming the first that is
-    not: the job may be queued there all the same."""
-    def job_id(value: Any) -> bool:
-        return value is None or (type(value) in (int, str) and bool(_JOB_ID.fullmatch(str(value))))
-
-    def folder(value: Any) -> bool:
-        return value is None or (isinstance(value, str) and value.startswith("/") and value.isprintable())
-
-    def text(value: Any) -> bool:
-        return value is None or (isinstance(value, str) and value.isprintable())
-
-    problem = None
-    if not isinstance(answer, dict):
-        problem = f"a {type(answer).__name__}, not a table"
-    elif not text(answer.get("executor")):
-        problem = "its executor"
-    elif "tasks" in answer:
-        tasks = answer["tasks"]
-        if not isinstance(tasks, list) or not all(isinstance(t, dict) for t in tasks):
-            problem = "its tasks"
-        elif not folder(answer.get("sweep_dir")) or not job_id(answer.get("array_job_id")):
-            problem = "its sweep dir or array job id"
-        elif not all(job_id(t.get("job_id")) and folder(t.get("run_dir")) and isinstance(t.get("values") or {}, dict)
-                     and (t.get("task") is None or type(t.get("task")) is int) for t in tasks):
-            problem = "a task's job id, run dir, number or values"
-    elif not folder(answer.get("run_dir")) or not job_id(answer.get("job_id")):
-        problem = "its run dir or job id"
-    elif answer.get("job_ids") is not None and not (
-            isinstance(answer["job_ids"], list) and all(j is not None and job_id(j) for j in answer["job_ids"])):
-        problem = "its job ids"
-    if problem is not None:
-        raise UserError(f"the answer of {host}'s hpc-ddp cannot be used here ({problem} is not what hpc-ddp writes): "
-                        "nothing was recorded", hint=f"the job may be queued there: look with `ssh {host} hpc-ddp list`; "
-                        "install the same hpc-ddp version on both sides")
-    return answer
-
-
 def _report(site: Site, answer: dict[str, Any], params: dict[str, Any], env) -> None:
     """Print the cluster's answer as a local submit prints its own; record every job it queued."""
     host = site.host
-    answer = _checked_answer(answer, host)
+    submitted = parse_submitted(answer, host)
     if params.get("as_json"):
-        click.echo(json.dumps({**answer, "host": host}, indent=2))
+        click.echo(printable(json.dumps({**submitted.raw, "host": host}, indent=2)))
     if params.get("dry_run"):
         if not params.get("as_json"):
-            click.echo(printable(str(answer.get("script") or answer.get("plan") or json.dumps(answer, indent=2))), nl=False)
+            raw = submitted.raw
+            click.echo(printable(str(raw.get("script") or raw.get("plan") or json.dumps(raw, indent=2))), nl=False)
         return
-    records = _records(answer, host, site.hpc_ddp)
+    records = _records(submitted, host, site.hpc_ddp)
     for record in records:
         try:
             register(record, env)
@@ -216,43 +175,40 @@ def _report(site: Site, answer: dict[str, Any], params: dict[str, Any], env) -> 
             click.echo(f"warning: could not record the run in the registry: {exc}", err=True)
             break
     if not params.get("as_json"):
-        _say(answer, host)
+        _say(submitted, host)
     if params.get("debug_rank") is not None and records:
         click.echo(f"hpc-ddp: rank {params['debug_rank']} will wait for a debugger once the job runs: "
                    f"`hpc-ddp status --tunnel {records[0]['job_id']}` then opens the tunnel from here", err=True)
 
 
-def _records(answer: dict[str, Any], host: str, hpc_ddp: str) -> list[dict[str, Any]]:
+def _records(answer: Submitted, host: str, hpc_ddp: str) -> list[dict[str, Any]]:
     """A registry record per job the cluster queued: each job of a chain, each task of a sweep."""
-    common = {"executor": answer.get("executor"), "host": host, "remote_hpc_ddp": hpc_ddp}
-    if "tasks" in answer:
-        sweep = answer.get("sweep_dir")
-        return [{**common, "job_id": str(t["job_id"]), "run_dir": t.get("run_dir"), "sweep": sweep,
-                 "task": t.get("task"), "values": t.get("values") or {},
-                 **({"array_job_id": answer["array_job_id"]} if answer.get("array_job_id") else {}),
-                 "name": Path(sweep or "sweep").name} for t in answer["tasks"] if t.get("job_id")]
-    run_dir = answer.get("run_dir")
-    ids = [str(j) for j in (answer.get("job_ids") or [answer.get("job_id")]) if j]
+    common = {"executor": answer.executor, "host": host, "remote_hpc_ddp": hpc_ddp}
+    if answer.tasks is not None:
+        sweep = answer.sweep_dir
+        return [{**common, "job_id": t.job_id, "run_dir": t.run_dir, "sweep": sweep, "task": t.task,
+                 "values": dict(t.values), **({"array_job_id": answer.array_job_id} if answer.array_job_id else {}),
+                 "name": Path(sweep or "sweep").name} for t in answer.tasks if t.job_id]
+    run_dir = answer.run_dir
     name = re.sub(r"-\d{8}-\d{6}$", "", Path(run_dir).name) if run_dir else "run"
-    return [{**common, "job_id": job_id, "run_dir": run_dir, "name": name} for job_id in ids if run_dir]
+    return [{**common, "job_id": job_id, "run_dir": run_dir, "name": name} for job_id in answer.job_ids if run_dir]
 
 
-def _say(answer: dict[str, Any], host: str) -> None:
-    if "tasks" in answer:
-        tasks = answer["tasks"]
-        head = f"array job {answer['array_job_id']}" if answer.get("array_job_id") else "a sweep"
-        click.echo(f"Submitted {head} ({answer.get('executor')} on {host}): {len(tasks)} task"
-                   f"{'s' if len(tasks) != 1 else ''}, sweep dir {host}:{answer.get('sweep_dir')}")
+def _say(answer: Submitted, host: str) -> None:
+    if answer.tasks is not None:
+        tasks = answer.tasks
+        head = f"array job {answer.array_job_id}" if answer.array_job_id else "a sweep"
+        click.echo(printable(f"Submitted {head} ({answer.executor} on {host}): {len(tasks)} task"
+                             f"{'s' if len(tasks) != 1 else ''}, sweep dir {host}:{answer.sweep_dir}"))
         for t in tasks:
-            click.echo(printable(f"  task {t.get('task')}: job {t.get('job_id')}  {describe(t.get('values') or {})}"))
+            click.echo(printable(f"  task {t.task}: job {t.job_id}  {describe(dict(t.values))}"))
         return
-    ids = answer.get("job_ids") or [answer.get("job_id")]
+    ids = answer.job_ids or (None,)
     if len(ids) > 1:
-        click.echo(f"Submitted jobs {', '.join(map(str, ids))} ({answer.get('executor')} on {host}; a chain); "
-                   f"run dir {host}:{answer.get('run_dir')}")
+        click.echo(printable(f"Submitted jobs {', '.join(map(str, ids))} ({answer.executor} on {host}; a chain); "
+                             f"run dir {host}:{answer.run_dir}"))
     else:
-        click.echo(f"Submitted job {answer.get('job_id')} ({answer.get('executor')} on {host}); "
-                   f"run dir {host}:{answer.get('run_dir')}")
+        click.echo(printable(f"Submitted job {ids[0]} ({answer.executor} on {host}); run dir {host}:{answer.run_dir}"))
 
 
 # ------------------------------------------------------------------------------------------ the cluster
@@ -264,7 +220,7 @@ def _encoded(text: str) -> str:
     return "".join(f"\\0{b:03o}" for b in text.encode(errors="surrogateescape"))
 
 
-def _hello(ssh: Ssh, site: Site, remote: str, listing: Listing, origin: str) -> dict[str, str]:
+def _hello(ssh: Ssh, site: Site, remote: str, listing: Listing, origin: str) -> Hello:
     """One call: the cluster's hpc-ddp version, rsync, the mirror's folder (absolute), its state and the
     project it holds, the first folder to ship into that is a link or a file there, write access, free KB."""
     folders = sorted({p for item in listing.items if item.kind != "live"
@@ -299,47 +255,44 @@ P=$D; while [ ! -e "$P" ]; do P=$(dirname "$P"); done
 printf 'free_kb=%s\\n' "$(df -Pk "$P" 2>/dev/null | awk 'NR==2 {{print $4}}')"
 if [ -d "$P" ] && [ -w "$P" ] && [ -x "$P" ]; then echo writable=yes; else printf 'writable=no\\nunwritable=%s\\n' "$P"; fi
 """
-    out = ssh.run(script).text
-    said = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
-    version = said.get("version", "missing")
-    if version == "missing" or not version.strip():
+    said = parse_hello(ssh.run(script).text)
+    if said.version is None:
         raise UserError(f"there is no hpc-ddp on {ssh.host} (tried {site.hpc_ddp!r})",
                         hint=f"install hpc-ddp {__version__} there (pip install of a clone, or the wheel make dist builds), or name it with "
                              "remote_hpc_ddp = \"/path/to/venv/bin/hpc-ddp\" in the profile")
-    theirs = version.strip().rsplit(" ", 1)[-1]
+    theirs = said.version.rsplit(" ", 1)[-1]
     if theirs != __version__:
         raise UserError(f"{ssh.host} has hpc-ddp {_said(theirs)}, this laptop {__version__}: the two must be the same",
                         hint=f"install hpc-ddp=={__version__} on {ssh.host} (or this laptop's version there)")
-    state, mirror = said.get("state"), said.get("dir", "")
-    if not mirror.startswith("/") or not mirror.isprintable():
-        raise HpcDdpError(f"{ssh.host} gave no absolute folder for {remote!r}: {mirror!r}")
-    if state in ("foreign", "link"):
+    mirror = said.dir
+    if mirror is None:
+        raise HpcDdpError(f"{ssh.host} gave no absolute folder for {remote!r}")
+    if said.state in ("foreign", "link"):
         raise UserError(f"{ssh.host}:{mirror} exists and is not a folder hpc-ddp made (no {MARK} in it): "
                         "the project is not shipped over it", hint="set remote_dir = \"~/another/folder\" in the "
                         "profile, or move that folder away on the cluster")
-    if state == "ours" and said.get("origin") and said["origin"] != json.dumps(origin):
-        theirs_origin = _said(_decoded_origin(said["origin"]))
+    if said.state == "ours" and said.origin and said.origin != json.dumps(origin):
+        theirs_origin = _said(_decoded_origin(said.origin))
         raise UserError(f"{ssh.host}:{mirror} holds another project, shipped from {theirs_origin}",
                         hint="set remote_dir in the profile to give this project a folder of its own (or remove "
                              "that folder on the cluster if its project is gone)")
-    if said.get("mark") in ("link", "notdir"):
+    if said.mark:
         raise UserError(f"{ssh.host}:{mirror}/{MARK} (hpc-ddp's own folder there) holds a link or a file where "
                         "hpc-ddp writes its manifests and answers: nothing is written through it",
                         hint=f"remove {mirror}/{MARK} on the cluster (hpc-ddp makes it again), or set remote_dir in "
                              "the profile")
-    if said.get("blocked"):
-        rel = encoded.get(said["blocked"], said["blocked"])
-        raise UserError(f"{ssh.host}:{mirror}/{rel} is a link or a file on the cluster, where this project has a "
-                        "folder: nothing is shipped through it", hint="move it away on the cluster (the project's "
+    if said.blocked:
+        rel = encoded.get(said.blocked, said.blocked)
+        raise UserError(f"{ssh.host}:{mirror}/{_said(rel)} is a link or a file on the cluster, where this project has "
+                        "a folder: nothing is shipped through it", hint="move it away on the cluster (the project's "
                         "folders are hpc-ddp's there), or leave that folder out (--snapshot-exclude)")
-    if said.get("writable") == "no":
-        raise UserError(f"{ssh.host}:{said.get('unwritable', mirror)} is not a folder you can write to, so the "
+    if not said.writable:
+        raise UserError(f"{ssh.host}:{said.unwritable or mirror} is not a folder you can write to, so the "
                         f"project cannot go to {mirror}", hint="set remote_dir = \"~/projects\" (a folder of yours "
                                                                 "on the cluster) in the profile")
-    free = said.get("free_kb", "")
     size = listing.size
-    if free.isdigit() and int(free) * 1024 < size * _ROOM + 10 * MB:
-        raise UserError(f"{ssh.host} has {human_bytes(int(free) * 1024)} free where the project goes ({mirror}); "
+    if said.free_kb is not None and said.free_kb * 1024 < size * _ROOM + 10 * MB:
+        raise UserError(f"{ssh.host} has {human_bytes(said.free_kb * 1024)} free where the project goes ({mirror}); "
                         f"it needs {human_bytes(int(size * _ROOM + 10 * MB))}",
                         hint="free space there (or set remote_dir to a filesystem with room)")
     return said
@@ -377,24 +330,24 @@ def _local_rsync() -> str | None:
     return done.stdout.splitlines()[0] if done.returncode == 0 and done.stdout else None
 
 
-def _ship(ssh: Ssh, hello: dict[str, str], project: Path, listing: Listing, origin: str,
+def _ship(ssh: Ssh, hello: Hello, project: Path, listing: Listing, origin: str,
           checksum: bool = False) -> None:
     """The project's files and links into the mirror: rsync sends only what changed (tar all, where
     either side has no rsync 3). A transfer cut short leaves the mirror partly updated; the next submit
     finishes it, and the cluster's submit checks every file against the manifest before a job may run."""
-    mirror = shlex.quote(hello["dir"])
+    mirror = shlex.quote(hello.dir)
     ssh.run(f"mkdir -p {mirror}/{MARK}/shipped && chmod 700 {mirror}/{MARK}\n"
             f"[ -f {mirror}/{MARK}/origin ] || printf '%s\\n' {shlex.quote(json.dumps(origin))} > {mirror}/{MARK}/origin\n")
     names = b"".join(i.rel.encode(errors="surrogateescape") + b"\0" for i in listing.items if i.kind != "live")
-    if _rsync_3(hello.get("rsync")) and _rsync_3(_local_rsync()):
+    if _rsync_3(hello.rsync) and _rsync_3(_local_rsync()):
         # Bounded by what moves, not by the clock: a big first copy over a slow link may take longer than
         # any one call should, while an rsync that moves nothing for the bound is a lost connection (30).
         # rsync 3.1 on both sides prints its progress as data moves: an rsync silent for well past its own
         # --timeout waits on its remote shell, and is ended (Ssh.bounded's silence).
-        progress = _rsync_3(hello.get("rsync"), minor=1) and _rsync_3(_local_rsync(), minor=1)
+        progress = _rsync_3(hello.rsync, minor=1) and _rsync_3(_local_rsync(), minor=1)
         argv = ["rsync", "-a", "-s", *(["--checksum"] if checksum else []), "--from0", "--files-from=-",
                 *(["--info=progress2"] if progress else []),
-                f"--timeout={max(1, int(ssh.timeout_s))}", "-e", ssh.rsh(), f"{project}/", f"{ssh.host}:{hello['dir']}/"]
+                f"--timeout={max(1, int(ssh.timeout_s))}", "-e", ssh.rsh(), f"{project}/", f"{ssh.host}:{hello.dir}/"]
         done = ssh.bounded(argv, input=names, timeout=SELF_BOUNDED,
                            silence=max(1, int(ssh.timeout_s)) + RSYNC_GRACE_S if progress else None)
     else:
@@ -423,11 +376,11 @@ def _ship(ssh: Ssh, hello: dict[str, str], project: Path, listing: Listing, orig
             raise UserError(f"the connection to {ssh.host} dropped while the project was copied; nothing was "
                             "submitted", hint="submit again: the copy continues where it stopped")
         if "No space left" in said or "Disk quota exceeded" in said:
-            raise UserError(f"{ssh.host} ran out of space (or quota) while the project was copied to {hello['dir']}; "
+            raise UserError(f"{ssh.host} ran out of space (or quota) while the project was copied to {hello.dir}; "
                             "nothing was submitted", hint="free space there, or set remote_dir to another filesystem")
         lines = [ln for ln in said.strip().splitlines() if ln.strip() and not ln.startswith("rsync error:")]
         raise UserError(f"copying the project to {ssh.host} failed: {'; '.join(lines[-3:]) or done.returncode}",
-                        hint=f"fix what it names in {hello['dir']} on the cluster, then submit again")
+                        hint=f"fix what it names in {hello.dir} on the cluster, then submit again")
 
 
 # rsync's exit codes for a transfer cut short: the connection (12: protocol data stream, 255: ssh), a signal

@@ -235,7 +235,7 @@ def test_hostile_hellos_are_refused_in_one_line_or_read(listing, case):
     site = Site("c", "~/x")
     if expected == "ok":
         said = submit._hello(fake, site, "~/x/proj", listing, "laptop:/p")
-        assert said["dir"].startswith("/")
+        assert said.dir.startswith("/")
         return
     with pytest.raises(HpcDdpError) as err:
         submit._hello(fake, site, "~/x/proj", listing, "laptop:/p")

@@ -20,6 +20,7 @@ import pytest
 from hpc_ddp import __version__
 from hpc_ddp.common.errors import UserError
 from hpc_ddp.remote import forward, ssh
+from hpc_ddp.remote.answers import parse_hello
 from hpc_ddp.remote.site import site_for
 
 CLI = [sys.executable, "-m", "hpc_ddp"]
@@ -253,7 +254,7 @@ def test_an_rsync_stopped_by_a_login_banner_names_the_shell_start_up_files(tmp_p
     from hpc_ddp.snapshot.listing import list_project
     listing = list_project(tmp_path / "proj", git=Git(executable=""))
     with pytest.raises(UserError) as err:
-        remote_submit._ship(Box(), {"dir": "/m", "rsync": "rsync  version 3.2.7"}, tmp_path / "proj", listing, "o")
+        remote_submit._ship(Box(), parse_hello("dir=/m\nrsync=rsync  version 3.2.7\nversion=x\n"), tmp_path / "proj", listing, "o")
     assert "shell start-up files" in str(err.value) and ".bashrc" in err.value.hint and "\n" not in str(err.value)
 
 
@@ -282,7 +283,7 @@ def test_rsync_is_bounded_by_what_moves_not_by_the_clock(tmp_path, monkeypatch):
     from hpc_ddp.snapshot.gitinfo import Git
     from hpc_ddp.snapshot.listing import list_project
     listing = list_project(tmp_path / "proj", git=Git(executable=""))
-    remote_submit._ship(Box(), {"dir": "/m", "rsync": "rsync  version 3.2.7"}, tmp_path / "proj", listing, "o")
+    remote_submit._ship(Box(), parse_hello("dir=/m\nrsync=rsync  version 3.2.7\nversion=x\n"), tmp_path / "proj", listing, "o")
     ((argv, timeout),) = calls
     assert argv[0] == "rsync" and "--timeout=7" in argv and timeout == ssh.SELF_BOUNDED
     assert 30 in remote_submit._DROPPED

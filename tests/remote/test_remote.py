@@ -335,16 +335,18 @@ def test_folder_names_reach_the_cluster_shell_byte_for_byte(name):
 
 
 def test_every_job_queued_is_recorded_a_chain_s_and_a_sweep_s():
+    from hpc_ddp.remote.answers import parse_submitted
     from hpc_ddp.remote.submit import _records
 
-    chain = _records({"executor": "sbatch", "job_id": "5", "job_ids": ["5", "6"], "run_dir": "/r/train-20261127-010101"},
-                     "h", "hpc-ddp")
+    chain = _records(parse_submitted({"executor": "sbatch", "job_id": "5", "job_ids": ["5", "6"],
+                                      "run_dir": "/r/train-20261127-010101"}, "h"), "h", "hpc-ddp")
     assert [(r["job_id"], r["run_dir"], r["name"]) for r in chain] == [("5", "/r/train-20261127-010101", "train"),
                                                                        ("6", "/r/train-20261127-010101", "train")]
-    sweep = _records({"executor": "sbatch", "sweep_dir": "/r/sw", "array_job_id": "9",
-                      "tasks": [{"task": 0, "job_id": "9_0", "run_dir": "/r/sw/task-0", "values": {"lr": 0.1}},
-                                {"task": 1, "job_id": "9_1", "run_dir": "/r/sw/task-1", "values": {"lr": 0.2}}]},
-                     "h", "hpc-ddp")
+    sweep = _records(parse_submitted({"executor": "sbatch", "sweep_dir": "/r/sw", "array_job_id": "9",
+                                      "tasks": [{"task": 0, "job_id": "9_0", "run_dir": "/r/sw/task-0",
+                                                 "values": {"lr": 0.1}},
+                                                {"task": 1, "job_id": "9_1", "run_dir": "/r/sw/task-1",
+                                                 "values": {"lr": 0.2}}]}, "h"), "h", "hpc-ddp")
     assert [r["job_id"] for r in sweep] == ["9_0", "9_1"] and all(r["sweep"] == "/r/sw" for r in sweep)
 
 
