@@ -158,9 +158,12 @@ def _dropped(count: int, what: str) -> str:
 
 # ---- Slurm's accounting ----
 
-def parse_sacct(text: str, partition: str) -> Evidence:
-    """`sacct -X -n -P -o State,NNodes,ElapsedRaw` lines -> PREEMPTED and NODE_FAIL endings over node-hours."""
+def parse_sacct(text: str, partition: str, me: str | None = None) -> Evidence:
+    """`sacct -X -n -P -o State,NNodes,ElapsedRaw,User` lines -> PREEMPTED and NODE_FAIL endings over
+    node-hours. Where every job seen is `me`'s, the note says so: a site with PrivateData=jobs shows a user
+    only their own jobs (measured on the test Slurm: the same lines, fewer of them), so the rate is theirs."""
     count, hours, jobs, dropped = 0, 0.0, 0, 0
+    users: set[str] = set()
     for line in text.splitlines():
         parts = line.strip().split("|")
         if len(parts) < 3:
@@ -178,17 +181,21 @@ def parse_sacct(text: str, partition: str) -> Evidence:
         hours += n * seconds / 3600.0
         if state in ("PREEMPTED", "NODE_FAIL"):
             count += 1
+        if len(parts) > 3:
+            users.add(parts[3].strip())
+    own = " (yours only: the site may hide others' jobs, PrivateData=jobs)" if me and jobs and users == {me} else ""
     return Evidence("sacct", count, hours,
-                    f"partition {partition}, {jobs} jobs in {SACCT_DAYS} days" + _dropped(dropped, "line"))
+                    f"partition {partition}, {jobs} jobs in {SACCT_DAYS} days{own}" + _dropped(dropped, "line"))
 
 
 def from_sacct(partition: str | None, run: Callable[..., Any] = subprocess.run,
-               timeout: float = SACCT_TIMEOUT_S) -> Evidence:
-    """The partition's recent interruption rate from sacct, or an Evidence of nothing whose note says why."""
+               timeout: float = SACCT_TIMEOUT_S, me: str | None = None) -> Evidence:
+    """The partition's recent interruption rate from sacct, or an Evidence of nothing whose note says why.
+    `me`: the user's name (default: this process's), to say when only their own jobs were visible."""
     if not partition:
         return Evidence("sacct", 0, 0.0, "no partition (not a Slurm job): not asked")
     command = ["sacct", "-X", "-n", "-P", "-a", "-r", partition, "-S", f"now-{SACCT_DAYS}days", "-E", "now",
-               "-o", "State,NNodes,ElapsedRaw"]
+               "-o", "State,NNodes,ElapsedRaw,User"]
     try:
         done = run(command, capture_output=True, text=True, errors="replace", timeout=timeout)
     except FileNotFoundError:
@@ -201,4 +208,13 @@ def from_sacct(partition: str | None, run: Callable[..., Any] = subprocess.run,
         first = (done.stderr or "").strip().splitlines()[:1]
         return Evidence("sacct", 0, 0.0, f"sacct failed ({first[0][:120] if first else f'exit {done.returncode}'}): "
                                          "the run's history and the prior only")
-    return parse_sacct(done.stdout, partition)
+    return parse_sacct(done.stdout, partition, me if me is not None else _user())
+
+
+def _user() -> str | None:
+    import getpass
+
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return None

@@ -96,6 +96,18 @@ def test_sacct_output_is_parsed_and_its_failures_are_said():
     assert from_sacct(None).note.startswith("no partition")
 
 
+def test_a_sacct_that_shows_only_the_users_own_jobs_says_so():
+    """PrivateData=jobs: sacct -a shows a user their own jobs only (the same format, fewer lines)."""
+    mine = "COMPLETED|2|3600|ana\nPREEMPTED|4|1800|ana\n"
+    assert "yours only" in parse_sacct(mine, "gpu", me="ana").note
+    assert "yours only" not in parse_sacct(mine + "COMPLETED|1|60|ben\n", "gpu", me="ana").note
+    assert "yours only" not in parse_sacct(mine, "gpu", me="ben").note
+    assert "yours only" not in parse_sacct("", "gpu", me="ana").note
+    seen = from_sacct("gpu", run=lambda command, **kw: subprocess.CompletedProcess(command, 0, mine, ""), me="ana")
+    assert (seen.interruptions, seen.note) == (1, "partition gpu, 2 jobs in 7 days (yours only: the site may hide "
+                                                  "others' jobs, PrivateData=jobs)")
+
+
 def test_a_session_with_auto_chooses_records_and_chooses_again_once_a_save_is_measured(tmp_path, capsys):
     run = Session(tmp_path, env=from_environ({}, pid=1), checkpoint_every_minutes="auto").setup()
     try:
