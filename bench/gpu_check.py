@@ -140,8 +140,8 @@ def last_loss(run_dir: Path) -> tuple[int, float] | None:
     return (records[-1]["step"], float(records[-1]["loss"])) if records else None
 
 
-# The folders under --out that a part makes and replaces on the next run; recorded in MADE, so a run replaces
-# only what an earlier run made, never a folder of the user's of the same name.
+# What a run writes under --out (`planned`) is recorded in MADE before it is written, so a run replaces only
+# what an earlier run made, never a file or folder of the user's of the same name.
 MADE = ".gpu-check-made"
 
 
@@ -153,11 +153,34 @@ def made_here(out: Path) -> set[str]:
     return {n for n in names if isinstance(n, str)} if isinstance(names, list) else set()
 
 
-def replaceable(out: Path) -> list[str]:
-    """The folders a run would replace that it may not: there, and not made by gpu-check (MADE)."""
+PARTS = ("tests", "trainer", "bench")
+
+
+def planned(parts: list[str]) -> list[str]:
+    """Every name under --out that a run of `parts` writes or replaces (files and folders)."""
+    names = ["site", "gpu-check.json", "gpu-check.md"]
+    if "tests" in parts:
+        names += ["tests.log", "decode-race.json"]
+    if "trainer" in parts:
+        names += ["jpegs", "make-dataset.log"]
+        for data_path, precision in COMBOS:
+            name = f"trainer-{data_path}-{precision}"
+            names += [name, f"{name}.toml", f"{name}.log"]
+    if "bench" in parts:
+        names += ["bench.log", "bench-smoke"]
+    return names
+
+
+def replaceable(out: Path, parts: list[str] = list(PARTS)) -> list[str]:
+    """What a run would write over that it may not: there, and not made by gpu-check (MADE)."""
     ours = made_here(out)
-    names = ["jpegs", *(f"trainer-{data_path}-{precision}" for data_path, precision in COMBOS)]
-    return [n for n in names if ((out / n).exists() or (out / n).is_symlink()) and n not in ours]
+    return [n for n in planned(parts) if ((out / n).exists() or (out / n).is_symlink()) and n not in ours]
+
+
+def claim(out: Path, parts: list[str]) -> None:
+    """Record every name this run writes as gpu-check's, before any is written (`replaceable` found none of
+    them to be another's), so a later run replaces them and nothing else."""
+    (out / MADE).write_text(json.dumps(sorted(made_here(out) | set(planned(parts)))) + "\n")
 
 
 def fresh(out: Path, name: str) -> Path:
@@ -291,12 +314,21 @@ def main(argv: list[str] | None = None) -> int:
     parts = [part.strip() for part in args.parts.split(",") if part.strip()]
     if not parts:  # a check that ran nothing must not say "passed"
         p.error("--parts: name at least one of tests, trainer, bench")
+    unknown = [part for part in parts if part not in PARTS]
+    if unknown:  # before any part runs: a typo found after the tests' minutes wastes a lent GPU's time
+        p.error(f"--parts: {', '.join(map(repr, unknown))} is not one of tests, trainer, bench")
     out = Path(args.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    theirs = replaceable(out) if "trainer" in parts else []
+    if out.exists() and not out.is_dir():
+        p.error(f"--out {out} is a file, not a folder: nothing was touched. HINT: give a new or empty folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        p.error(f"--out {out}: cannot make it ({exc.strerror or exc}). HINT: give a folder you can write to")
+    theirs = replaceable(out, parts)
     if theirs:
         p.error(f"--out {out} holds {', '.join(theirs)}, which gpu-check did not make and would replace: "
                 "nothing was touched. HINT: give another --out (or move them away)")
+    claim(out, parts)
     site = out / "site"
     wheels = unpack_wheels(Path(args.wheels), site)
     sys.path[:0] = [str(REPO), str(site)]
@@ -304,9 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     summary = {"smoke": args.smoke, "machine": machine(), "wheels": wheels, "parts": {}}
     for part in parts:
-        runner = {"tests": part_tests, "trainer": part_trainer, "bench": part_bench}.get(part)
-        if runner is None:
-            p.error(f"--parts: {part!r} is not one of tests, trainer, bench")
+        runner = {"tests": part_tests, "trainer": part_trainer, "bench": part_bench}[part]
         print(f"gpu-check: {part} ...", flush=True)
         try:
             summary["parts"][part] = runner(out, env, args.smoke)

@@ -80,6 +80,31 @@ def test_what_an_earlier_run_made_is_replaced_and_nothing_else(tmp_path):
     assert (out / "trainer-device-bf16").is_symlink()
 
 
+@pytest.mark.parametrize("name", ["tests.log", "bench.log", "make-dataset.log", "trainer-device-bf16.toml",
+                                  "gpu-check.md", "site"])
+def test_a_file_of_the_users_of_a_name_gpu_check_writes_is_never_replaced(tmp_path, name):
+    """Issue 53 (round 5 rerun): every name a run writes, not only its folders, is checked up front."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / name).write_text("mine")
+    done = _gpu_check("--out", str(out), "--parts", "tests,trainer,bench")
+    assert done.returncode == 2 and name in done.stderr and "nothing was touched" in done.stderr, done.stderr
+    assert (out / name).read_text() == "mine" and not (out / "gpu-check.json").exists()
+
+
+def test_an_unknown_part_is_refused_before_any_part_runs(tmp_path):
+    done = _gpu_check("--out", str(tmp_path / "out"), "--parts", "tests,bogus")
+    assert done.returncode == 2 and "'bogus' is not one of" in done.stderr
+    assert "gpu-check: tests" not in done.stdout and not (tmp_path / "out").exists()
+
+
+def test_out_naming_a_file_is_one_line(tmp_path):
+    (tmp_path / "f").write_text("mine")
+    done = _gpu_check("--out", str(tmp_path / "f"))
+    assert done.returncode == 2 and "is a file" in done.stderr and "Traceback" not in done.stderr
+    assert (tmp_path / "f").read_text() == "mine"
+
+
 @pytest.mark.parametrize("parts", ["", " , "])
 def test_no_parts_is_refused_not_passed(tmp_path, parts):
     done = _gpu_check("--out", str(tmp_path / "out"), "--parts", parts)
