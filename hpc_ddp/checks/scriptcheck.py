@@ -116,7 +116,8 @@ def _syntax_error(name: str, text: str, exc: SyntaxError, by: str = "", python: 
 def _lookalikes(text: str) -> tuple[set[str], set[str]]:
     """The look-alike characters of `text` outside string literals (comments count as outside: harmless,
     but a fix there changes no meaning), and those inside string literals. Tokenized as far as the text
-    allows: past a point the tokenizer gives up at, every look-alike counts as outside."""
+    allows: past a point the tokenizer gives up at, every look-alike counts as outside, and as possibly
+    inside a string too (what follows that point is not known)."""
     every = {ch for ch in text if ch in _LOOKALIKES}
     if not every:
         return set(), set()
@@ -127,8 +128,10 @@ def _lookalikes(text: str) -> tuple[set[str], set[str]]:
                 for ch in token.string:
                     if ch in _LOOKALIKES:
                         in_strings[ch] = in_strings.get(ch, 0) + 1
-    except (tokenize.TokenError, SyntaxError, ValueError):
-        pass  # what was read up to there stands
+    except (tokenize.TokenError, SyntaxError, ValueError, IndentationError):
+        # what was read up to there stands for the message; but where the rest of the file sits in strings
+        # cannot be known, so each look-alike may be in one (no sed is offered)
+        return {ch for ch in every if text.count(ch) > in_strings.get(ch, 0)}, every
     return {ch for ch in every if text.count(ch) > in_strings.get(ch, 0)}, set(in_strings)
 
 
@@ -168,37 +171,70 @@ def _spawn_call(text: str) -> tuple[int, str] | None:
     except (SyntaxError, ValueError):
         return _spawn_call_in_lines(text)
     own = {node.name for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    modules, functions = _spawn_names(tree)
     parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
-    calls = sorted((node for node in ast.walk(tree) if isinstance(node, ast.Call) and _spawns(node.func, own)),
+    calls = sorted((node for node in ast.walk(tree)
+                    if isinstance(node, ast.Call) and _spawns(node.func, own, modules, functions)),
                    key=lambda node: (node.lineno, node.col_offset))
+    launched = _launched_names(tree)
     for call in calls:
-        if not _only_unlaunched(call, parents):
+        if not _only_unlaunched(call, parents, launched):
             return call.lineno, " ".join((ast.get_source_segment(text, call) or "").split())
     return None
 
 
-def _spawns(func: ast.expr, own: set[str]) -> bool:
-    """mp.spawn, multiprocessing.spawn, torch.multiprocessing.spawn, start_processes (not the script's own)."""
+def _spawn_names(tree: ast.AST) -> tuple[set[str], set[str]]:
+    """The names the script gives torch.multiprocessing (`mp`, `multiprocessing` and any `import
+    torch.multiprocessing as X`), and its spawn functions imported by name (`from torch.multiprocessing
+    import spawn as s`)."""
+    modules, functions = {"mp", "multiprocessing"}, set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            modules.update(a.asname for a in node.names if a.name == "torch.multiprocessing" and a.asname)
+        elif isinstance(node, ast.ImportFrom) and node.module == "torch":
+            modules.update(a.asname or a.name for a in node.names if a.name == "multiprocessing")
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch.multiprocessing"):
+            functions.update(a.asname or a.name for a in node.names if a.name in ("spawn", "start_processes"))
+    return modules, functions
+
+
+def _spawns(func: ast.expr, own: set[str], modules: set[str], functions: set[str]) -> bool:
+    """mp.spawn, multiprocessing.spawn, torch.multiprocessing.spawn (by any name the script gives it),
+    start_processes; not a function of the script's own of that name."""
     if isinstance(func, ast.Name):
-        return func.id == "start_processes" and func.id not in own
+        return func.id not in own and (func.id == "start_processes" or func.id in functions)
     if not isinstance(func, ast.Attribute):
         return False
     if func.attr == "start_processes":
         return True
     owner = func.value
     name = owner.id if isinstance(owner, ast.Name) else owner.attr if isinstance(owner, ast.Attribute) else ""
-    return func.attr == "spawn" and name in ("mp", "multiprocessing")
+    return func.attr == "spawn" and name in modules
 
 
-def _only_unlaunched(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> bool:
+def _launched_names(tree: ast.AST) -> set[str]:
+    """Variables the script binds to a launcher's variable (`rank = os.environ.get("RANK")`): a test of one
+    of them is a test of that variable."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            value = ast.unparse(node.value)
+            if "environ" in value or "getenv" in value:
+                if any(re.search(rf"['\"]{name}['\"]", value) for name in _LAUNCHED):
+                    names.add(node.targets[0].id)
+    return names
+
+
+def _only_unlaunched(node: ast.AST, parents: dict[ast.AST, ast.AST], launched: set[str] = frozenset()) -> bool:
     """Does `node` run only where no launcher set its variables (the else of `if "LOCAL_RANK" in os.environ`,
-    or the body of `if "RANK" not in os.environ`)? Only a test that names one of `_LAUNCHED` counts."""
+    or the body of `if "RANK" not in os.environ`, or of `if rank is None` after `rank = os.environ.get("RANK")`)?
+    Only a test that names one of `_LAUNCHED`, or a variable bound to one, counts."""
     child = node
     while child in parents:
         parent = parents[child]
         if isinstance(parent, (ast.If, ast.IfExp)):
             test = ast.unparse(parent.test)
-            named = any(re.search(rf"\b{name}\b", test) for name in _LAUNCHED)
+            named = any(re.search(rf"\b{name}\b", test) for name in (*_LAUNCHED, *launched))
             in_else = child in (parent.orelse if isinstance(parent.orelse, list) else [parent.orelse])
             negated = " not in " in test or test.startswith("not ") or " is None" in test or "== ''" in test \
                 or '== ""' in test

@@ -140,10 +140,16 @@ def resolve_target(script: str | None, module: str | None, args: tuple[str, ...]
     if not script:
         raise SpecError("nothing to run", hint="give a script (train.py), -m package.module, or a job file (job.toml)")
     path = (cwd / script).resolve() if not os.path.isabs(script) else Path(script)
+    if path.is_dir():
+        main = os.path.join(script, "__main__.py")
+        raise SpecError(f"{script!r} is a folder, not a script", hint=f"give the file it runs: {main!r}"
+                        if (path / "__main__.py").is_file() else "give the script in it that trains (train.py), "
+                        "or -m package.module for a package")
     if not path.is_file():
-        raise SpecError(f"script {script!r} does not exist" if not path.exists() else f"{script!r} is not a file")
+        raise SpecError(f"script {script!r} does not exist" if not path.exists() else f"{script!r} is not a file",
+                        hint="give the path of the training script, relative to this folder or absolute")
     if not os.access(path, os.R_OK):
-        raise SpecError(f"script {script!r} is not readable")
+        raise SpecError(f"script {script!r} is not readable", hint="make it readable for you (chmod u+r)")
     return Target("script", str(path), args)
 
 

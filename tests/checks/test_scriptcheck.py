@@ -174,6 +174,14 @@ def test_no_sed_is_offered_that_would_rewrite_a_string_literal():
     assert "sed -i 's/\\xc2\\xa0/ /g' 'my train.py'" in plain.hint
 
 
+def test_no_sed_is_offered_where_the_tokenizer_stopped_before_a_string():
+    """Round 5's rerun (A4): an indentation error stops the tokenizer before the string on line 5, whose
+    no-break space it then cannot see; the sed would rewrite it."""
+    text = 'x = 1\u00a0+ 1\ndef f():\n        a = 1\n    b = 2\ns = "a\u00a0b"\n'
+    (finding,) = compile_findings("t.py", text)
+    assert "U+00A0" in finding.message and "sed" not in finding.hint and "editor" in finding.hint
+
+
 DUAL_MODE = '''import os
 import torch.multiprocessing as mp
 
@@ -197,8 +205,13 @@ if __name__ == "__main__":
     "HELP = 'use mp.spawn(fn, nprocs=4) to test locally'\n",
     "x = '''\nmp.spawn(fn, nprocs=4)\n'''\n",
     "def start_processes(n):\n    return n\n\nstart_processes(8)\n",
+    # round 5's rerun: a test of a variable bound to the launcher's (D7b)
+    "import os, torch.multiprocessing as mp\nrank = os.environ.get('RANK')\nif rank is None:\n"
+    "    mp.spawn(print, nprocs=8)\nelse:\n    print(rank)\n",
+    "import os\nfrom torch.multiprocessing import spawn\nlocal = os.getenv('LOCAL_RANK')\nif local:\n    print(local)\n"
+    "else:\n    spawn(print, nprocs=8)\n",
 ], ids=["torchrun-or-spawn", "rank-is-not-none", "rank-not-in-environ", "not-local-rank", "docstring",
-        "string", "multi-line-string", "own-start-processes"])
+        "string", "multi-line-string", "own-start-processes", "rank-variable-is-none", "local-variable-else"])
 def test_what_is_not_a_spawn_under_hpc_ddp_is_left_alone(text):
     """Issue 53: a dual-mode script, a spawn named in a string, and a function of the script's own were
     refused as mp.spawn."""
@@ -211,7 +224,13 @@ def test_what_is_not_a_spawn_under_hpc_ddp_is_left_alone(text):
     "from torch.multiprocessing import start_processes\nstart_processes(print, nprocs=4)\n",
     "import torch\ntorch.multiprocessing.spawn(print, nprocs=4)\n",
     "import os, torch.multiprocessing as mp\nif 'LOCAL_RANK' in os.environ:\n    mp.spawn(print, nprocs=4)\n",
-], ids=["under-main-only", "start-processes", "torch-multiprocessing", "spawn-under-a-launcher"])
+    # round 5's rerun: spawn by another name (D7f)
+    "from torch.multiprocessing import spawn\ndef f(i):\n    pass\nspawn(f, nprocs=4)\n",
+    "from torch.multiprocessing import spawn as launch\nlaunch(print, nprocs=4)\n",
+    "import torch.multiprocessing as tmp\ntmp.spawn(print, nprocs=4)\n",
+    "from torch import multiprocessing\nmultiprocessing.spawn(print, nprocs=4)\n",
+], ids=["under-main-only", "start-processes", "torch-multiprocessing", "spawn-under-a-launcher", "imported-spawn",
+        "imported-spawn-as", "module-alias", "from-torch-import"])
 def test_a_spawn_that_runs_under_hpc_ddp_is_still_refused(text):
     (finding,) = spawn_findings(_spec(4, 4), "s.py", text)
     assert "starts its own ranks" in finding.message

@@ -259,8 +259,14 @@ def test_run_dir_refusals_hold_for_dry_run_and_render(project, command, args, me
     (["deep_table.toml"], "nests arrays or tables too deeply to read"),
     (["--profile", "deep", "train.py"], "profiles file"),
     (["huge_int.toml"], "is not valid TOML: Exceeds the limit"),
+    # round 5's rerun (issue 53, D6c): a folder Python can run is named with the file it runs
+    (["pkgdir"], "'pkgdir' is a folder, not a script HINT: give the file it runs: 'pkgdir/__main__.py'"),
+    (["emptydir"], "'emptydir' is a folder, not a script HINT: give the script in it that trains"),
 ])
 def test_bad_targets(project, args, message):
+    (project / "pkgdir").mkdir()
+    (project / "pkgdir" / "__main__.py").write_text("print('hi')\n")
+    (project / "emptydir").mkdir()
     (project / "deep.toml").write_text('script = "train.py"\nargs = ' + "[" * 5000 + "]" * 5000 + "\n")
     (project / "deep_table.toml").write_text("[train]\nx = " + "{a=" * 5000 + "1" + "}" * 5000 + "\n")
     (project / "profiles.toml").write_text("[deep]\nsetup = " + "[" * 5000 + "]" * 5000 + "\n")
