@@ -32,7 +32,7 @@ from hpc_ddp.launch.shellwords import bash_word
 from hpc_ddp.remote.answers import parse_debug_target, parse_log_entry, parse_run_states, parse_wrote
 from hpc_ddp.remote.argv import words_of
 from hpc_ddp.remote.site import command_words
-from hpc_ddp.remote.ssh import DRAIN_S, SSH_FAILED, Ssh, check_host, classify, raise_if_lost, unbounded
+from hpc_ddp.remote.ssh import DRAIN_S, SSH_FAILED, Ssh, check_host, classify, killed, raise_if_lost, unbounded
 from hpc_ddp.spec.config import profiles_path, read_toml
 
 __all__ = ["remote_run", "forward", "with_remote_accounting", "RECONNECTS"]
@@ -189,6 +189,8 @@ def _pass_through(ssh: Ssh, script: str, raw: bool = False) -> int:
     raise_if_lost(proc)
     if code == SSH_FAILED:  # hpc-ddp never exits 255: ssh could not connect, or the connection dropped
         raise classify(ssh.host, said.text())
+    if code < 0:
+        raise killed(ssh.host, code)
     return code
 
 
@@ -273,6 +275,8 @@ def _follow_logs(ssh: Ssh, hpc_ddp: str, command: click.Command, params: dict[st
             raise
         code = proc.wait()
         said.join()
+        if code < 0:
+            raise killed(ssh.host, code)
         if code != SSH_FAILED:
             return code
         tries += 1

@@ -25,6 +25,7 @@ import dataclasses
 import os
 import re
 import shlex
+import signal
 import stat
 import subprocess
 import threading
@@ -183,6 +184,8 @@ class Ssh:
                                      silence=self.silence_s if silence is None else silence)
         if done.returncode == SSH_FAILED:
             raise classify(self.host, done.stderr.decode(errors="replace"))
+        if done.returncode < 0:
+            raise killed(self.host, done.returncode)
         if check and done.returncode != 0:
             said = done.stderr.decode(errors="replace").strip().splitlines()
             raise HpcDdpError(f"on {self.host}: {said[-1] if said else f'exit code {done.returncode}'}")
@@ -317,6 +320,17 @@ _FAILURES = (
      "check that ssh {host} works by hand"),
     ("Connection reset by", "{host} reset the connection", "check that ssh {host} works by hand"),
 )
+
+
+def killed(host: str, returncode: int) -> UserError:
+    """ssh itself ended by a signal here (the OOM killer, a kill of its process group): one line. A remote
+    command's signal comes back as an exit code of 128 + N, never as this."""
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = f"signal {-returncode}"
+    return UserError(f"ssh to {host} was killed by {name} on this machine before the cluster answered",
+                     hint=f"run the command again; if it happens again, check that ssh {host} works by hand")
 
 
 def classify(host: str, stderr: str) -> UserError:

@@ -35,10 +35,11 @@ from typing import Any
 import click
 
 from hpc_ddp import __version__
-from hpc_ddp.common.errors import HpcDdpError, UserError
+from hpc_ddp.common.errors import UserError
 from hpc_ddp.common.registryfile import register
 from hpc_ddp.common.terminal import printable
 from hpc_ddp.common.units import MB, human_bytes
+from hpc_ddp.launch.shellwords import bash_word
 from hpc_ddp.remote.answers import Hello, Submitted, parse_hello, parse_submitted
 from hpc_ddp.remote.site import Site, command_words, profile_toml, remote_dir_for, shell_words
 from hpc_ddp.remote.ssh import SELF_BOUNDED, SSH_FAILED, SUBMIT_SILENCE_S, Ssh, classify
@@ -86,7 +87,10 @@ def submit_over_ssh(site: Site, params: dict[str, Any], argv: list[str], job: di
     try:
         answer = json.loads(done.stdout) if done.stdout.strip() else None
     except ValueError:
-        raise HpcDdpError(f"the cluster's hpc-ddp answered what is not JSON: {done.text.strip()[:200]!r}") from None
+        raise UserError(f"the answer of {site.host}'s hpc-ddp is not JSON: {done.text.strip()[:200]!r}",
+                        hint=f"the job may be queued there: look with `ssh {bash_word(site.host)} hpc-ddp list`; check "
+                             f"that `ssh {bash_word(site.host)} echo hi` prints only hi (a shell start-up file that prints is the usual "
+                             "cause)") from None
     if answer is None:
         return done.returncode
     _report(site, answer, params, env)
@@ -266,7 +270,9 @@ if [ -d "$P" ] && [ -w "$P" ] && [ -x "$P" ]; then echo writable=yes; else print
                         hint=f"install hpc-ddp=={__version__} on {ssh.host} (or this laptop's version there)")
     mirror = said.dir
     if mirror is None:
-        raise HpcDdpError(f"{ssh.host} gave no absolute folder for {remote!r}")
+        raise UserError(f"{ssh.host} gave no absolute folder for {remote!r}: its answer is damaged",
+                        hint=f"check that `ssh {bash_word(ssh.host)} echo hi` prints only hi (a shell start-up file that prints "
+                             "is the usual cause), and that remote_dir in the profile names a folder")
     if said.state in ("foreign", "link"):
         raise UserError(f"{ssh.host}:{mirror} exists and is not a folder hpc-ddp made (no {MARK} in it): "
                         "the project is not shipped over it", hint="set remote_dir = \"~/another/folder\" in the "

@@ -316,3 +316,19 @@ def test_a_bad_remote_hpc_ddp_is_named_as_itself(tmp_path):
     with pytest.raises(UserError) as err:
         site_for(None, "p", {"HPC_DDP_PROFILES": str(path)})
     assert str(err.value).startswith("remote_hpc_ddp ") and "remote_dir" not in str(err.value)
+
+
+def test_an_ssh_killed_by_a_signal_here_is_one_line_exit_2(tmp_path, short):
+    """Round 5's rerun (issue 53, C12): an ssh that dies of SIGKILL (the OOM killer) made `status HOST:/RUN`
+    exit 247 with nothing said."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "ssh").write_text("#!/bin/sh\ncat >/dev/null\nkill -9 $$\n")
+    (bin_dir / "ssh").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "HPC_DDP_REGISTRY": str(tmp_path / "runs.jsonl"),
+           "HPC_DDP_SSH_CONTROL_DIR": str(short / "c"), "HPC_DDP_SSH_TIMEOUT_S": "20"}
+    for command in (["status", "clusterx:/r/x"], ["cancel", "clusterx:/r/x"]):
+        done = subprocess.run([*CLI, *command], env=env, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2, (command, done.returncode, done.stderr)
+        assert "ssh to clusterx was killed by SIGKILL" in done.stderr and "HINT:" in done.stderr
+        assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
