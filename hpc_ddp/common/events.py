@@ -66,7 +66,7 @@ def read_jsonl(path: str | os.PathLike, limit: int = MAX_RECORDS_BYTES) -> list[
                 break
             try:
                 record = json.loads(line)
-            except ValueError:
+            except (ValueError, RecursionError):  # a torn line, or one nested past Python's stack: damaged
                 continue
             if isinstance(record, dict):  # a line that is JSON but no object ([1], "x", 3) is no record of ours
                 records.append(record)

@@ -147,9 +147,13 @@ def from_history(events: Sequence[Mapping[str, Any]], *, nodes: int, now: float)
 
 def _time(value: Any) -> float | None:
     """A record's time: a finite number of seconds, else None (a string, a bool, nan, 1e308's overflow)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
-    return float(value)
+    try:
+        value = float(value)   # a 401-digit int overflows here: no time either
+    except OverflowError:
+        return None
+    return value if math.isfinite(value) else None
 
 
 def _dropped(count: int, what: str) -> str:

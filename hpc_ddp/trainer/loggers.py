@@ -15,9 +15,24 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Loggers", "KNOWN", "numeric"]
+from hpc_ddp.trainer.sessionbase import UsageError
+
+__all__ = ["Loggers", "KNOWN", "check_names", "numeric"]
 
 KNOWN = ("tensorboard", "wandb")
+
+
+def check_names(names: Any) -> tuple[str, ...]:
+    """`loggers=` as a tuple of known names, or a UsageError naming the ones that are not (on every rank, so
+    a typo stops the run at its start wherever it is read)."""
+    if isinstance(names, str) or not isinstance(names, (list, tuple)):
+        raise UsageError(f"hpc_ddp.start(loggers={names!r}): loggers takes a list of names",
+                         hint=f"pass loggers=[...] with any of {', '.join(KNOWN)}")
+    unknown = [n for n in names if n not in KNOWN]
+    if unknown:
+        raise UsageError(f"hpc_ddp.start(loggers=...): unknown logger(s) {', '.join(map(repr, unknown))}",
+                         hint=f"use any of {', '.join(KNOWN)} (or none)")
+    return tuple(names)
 
 
 def numeric(record: Mapping[str, Any]) -> dict[str, float]:
@@ -28,9 +43,7 @@ def numeric(record: Mapping[str, Any]) -> dict[str, float]:
 
 class Loggers:
     def __init__(self, names: Sequence[str], run_dir: Path, log: Callable[[str], None]):
-        unknown = [n for n in names if n not in KNOWN]
-        if unknown:
-            raise ValueError(f"unknown logger(s) {', '.join(map(repr, unknown))}; known: {', '.join(KNOWN)}")
+        names = check_names(names)
         self.names, self.run_dir, self.log = list(dict.fromkeys(names)), Path(run_dir), log
         self._tb: Any = None
         self._wandb: Any = None

@@ -80,7 +80,7 @@ from hpc_ddp.trainer.asyncsave import BackgroundWriter, Snapshot, Snapshotter
 from hpc_ddp.trainer.checkpoint import CheckpointManager
 from hpc_ddp.trainer.interval import AUTO
 from hpc_ddp.trainer.lagged import LaggedFlags
-from hpc_ddp.trainer.loggers import Loggers
+from hpc_ddp.trainer.loggers import Loggers, check_names
 from hpc_ddp.trainer.sessionbase import Diverged, IncompatibleResume, Progress, UsageError
 from hpc_ddp.trainer.sessionsave import SaveAndResume
 from hpc_ddp.trainer.sessionstep import StepAndStop
@@ -180,7 +180,8 @@ class Session(StepAndStop, SaveAndResume):
         self.events = JsonLines(RunDir(self.run_dir).events, enabled=self.is_main)
         self.metrics = JsonLines(RunDir(self.run_dir).metrics, enabled=self.is_main)
         # TensorBoard / W&B (loggers.py): fed what metrics.jsonl gets, by rank 0.
-        self.loggers = Loggers(loggers if self.is_main else (), self.run_dir, log=self.log)
+        names = check_names(loggers)  # on every rank: a typo stops each at its start
+        self.loggers = Loggers(names if self.is_main else (), self.run_dir, log=self.log)
         self.device = torch.device("cpu")
         self.store: Any = None
         self.heartbeat: rendezvous.Heartbeat | None = None

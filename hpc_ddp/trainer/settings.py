@@ -6,6 +6,7 @@ disk changes, never a traceback from deep inside or a silent meaning (-1 minutes
 from __future__ import annotations
 
 import difflib
+import json
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -21,7 +22,7 @@ SETTINGS = {
     "checkpoint_every_minutes": 'a number of minutes (0: none), or "auto"',
     "keep": "a whole number of checkpoints to keep, 2 or more",
     "log_every": "a whole number of steps, 1 or more",
-    "fingerprint": "a mapping of what must match on resume",
+    "fingerprint": "a mapping of plain values (JSON: numbers, strings, lists) that must match on resume",
     "stop_lead_seconds": "a number of seconds, 0 or more",
     "stop_on_nonfinite": "True or False",
     "exit_on_stop": "True or False",
@@ -36,7 +37,13 @@ def _whole(value: Any) -> bool:
 
 
 def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    """A finite int or float (an int past a float's range, 10**400, is no number of seconds or minutes)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:
+        return False
 
 
 def _refuse(name: str, value: Any) -> UsageError:
@@ -49,6 +56,17 @@ def count_setting(name: str, value: Any, least: int) -> int:
     if not _whole(value) or value < least:
         raise _refuse(name, value)
     return value
+
+
+def _plain_table(value: Any) -> bool:
+    """A table of JSON values (the fingerprint goes into every checkpoint's manifest as JSON)."""
+    if not isinstance(value, Mapping):
+        return False
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError, RecursionError):
+        return False
+    return True
 
 
 def check_settings(settings: Mapping[str, Any]) -> dict[str, Any]:
@@ -75,7 +93,7 @@ def check_settings(settings: Mapping[str, Any]) -> dict[str, Any]:
     for name in ("stop_on_nonfinite", "exit_on_stop", "async_checkpoint"):
         if name in out and not isinstance(out[name], bool):
             raise _refuse(name, out[name])
-    if "fingerprint" in out and out["fingerprint"] is not None and not isinstance(out["fingerprint"], Mapping):
+    if "fingerprint" in out and out["fingerprint"] is not None and not _plain_table(out["fingerprint"]):
         raise _refuse("fingerprint", out["fingerprint"])
     if "loggers" in out and (isinstance(out["loggers"], str)
                              or not all(isinstance(x, str) for x in out["loggers"] or ())):

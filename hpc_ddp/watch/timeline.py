@@ -33,6 +33,7 @@ from typing import Any
 
 from hpc_ddp.common.durable import write_file
 from hpc_ddp.common.terminal import printable
+from hpc_ddp.slurm.nodelist import MAX_HOSTS
 
 __all__ = ["Span", "Timeline", "Summary", "build_timeline", "summarize", "summary_line", "draw", "save_png",
            "INTERRUPTIONS"]
@@ -220,8 +221,8 @@ def _fill(spans: list[Span], events: Sequence[Mapping[str, Any]], metrics: Seque
             span.restarts[-1].resumed_at, span.restarts[-1].resume_step = e["time"], step or 0
         elif kind == "restarted":
             count = e.get("node_count")
-            span.restarts.append(Restart(e["time"], _str(e.get("cause")), count if isinstance(count, int) else None,
-                                         None, None))
+            count = count if type(count) is int and 0 < count <= MAX_HOSTS else None  # a damaged count: unknown
+            span.restarts.append(Restart(e["time"], _str(e.get("cause")), count, None, None))
         elif kind == "checkpoint":
             span.checkpoints.append((e["time"], step or 0, _num(e.get("seconds")) or 0.0))
             span.trained_until = max(span.trained_until or 0.0, e["time"])

@@ -150,6 +150,7 @@ def test_a_damaged_hostlist_in_the_history_counts_as_the_jobs_own_nodes():
 
 
 @pytest.mark.parametrize(("start", "end"), [(0.0, 1e308), (-1e308, 1e308), ("0", "3600"), (0.0, float("nan")),
+                                            (10 ** 400, 3600.0), (0.0, -(10 ** 400)),
                                             (True, 3600.0), (5000.0, 1000.0), (0.0, 400 * 86400.0), (0.0, 1e12)])
 def test_a_damaged_attempt_in_the_history_is_left_out_and_said(start, end):
     """Issue 53: one record spanning +-1e308 s, or with string times, killed every "auto" run at rank 0's

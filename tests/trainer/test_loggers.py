@@ -116,6 +116,11 @@ def test_wandb_continues_the_run_of_the_run_id(tmp_path, monkeypatch):
     assert calls[1:] == [("log", {"loss": 0.25}, 5), ("finish",)]
 
 
-def test_unknown_logger_is_refused():
-    with pytest.raises(ValueError, match="unknown logger"):
-        Loggers(["mlflow"], "/tmp", log=print)
+def test_unknown_logger_is_refused_in_one_line_with_the_known_ones():
+    from hpc_ddp.trainer.sessionbase import UsageError
+
+    for names, said in ((["mlflow"], r"unknown logger\(s\) 'mlflow'"), ("wandb", "takes a list of names"),
+                        (None, "takes a list of names")):
+        with pytest.raises(UsageError, match=said) as err:
+            Loggers(names, "/tmp", log=print)
+        assert "tensorboard, wandb" in err.value.hint

@@ -29,6 +29,11 @@ from hpc_ddp.trainer.settings import SETTINGS, check_settings, count_setting
     ({"stop_lead_seconds": -5}, "0 or more"),
     ({"exit_on_stop": "no"}, "True or False"),
     ({"loggers": "tensorboard"}, "a list of logger names"),
+    # round 5's rerun (issue 53): an int past a float's range is no number; a fingerprint must be JSON
+    ({"checkpoint_every_minutes": 10 ** 400}, 'or "auto"'),
+    ({"stop_lead_seconds": 10 ** 400}, "0 or more"),
+    ({"fingerprint": {"a": object()}}, "a mapping of plain values"),
+    ({"fingerprint": {"lr": math.nan}}, "a mapping of plain values"),
 ])
 def test_a_wrong_setting_is_one_line_that_names_the_fix(settings, says):
     with pytest.raises(UsageError) as caught:

@@ -92,3 +92,24 @@ def test_an_unknown_executor_in_the_submissions_is_one_line_exit_2(run_dir, tmp_
 def test_list_takes_a_positive_count(n):
     done = CliRunner().invoke(cli, ["list", "-n", n])
     assert done.exit_code == 2 and "x>=1" in done.output, done.output
+
+
+# Round 5's rerun (issue 53): records of hpc-ddp's shape whose numbers or nesting no arithmetic survives.
+RAW_LINES = [
+    json.dumps({"event": "restarted", "attempt": 0, "time": 1_790_000_010.0, "node_count": 10 ** 401,
+                "nodes": "n1", "cause": "failed"}),
+    json.dumps({"event": "restarted", "attempt": 0, "time": 1_790_000_010.0, "node_count": -4, "cause": "failed"}),
+    "[" * 100_000 + "]" * 100_000,   # nested past Python's stack: RecursionError in json.loads
+    '{"event": "progress", "step": 5, "time": 1790000011, "x": ' + "[" * 50_000 + "]" * 50_000 + "}",
+]
+
+
+@pytest.mark.parametrize("line", RAW_LINES, ids=["huge-node-count", "negative-node-count", "deep-list", "deep-field"])
+def test_status_and_timeline_of_a_damaged_line_are_never_internal_errors(run_dir, tmp_path, line):
+    run = _copy(run_dir, tmp_path)
+    with open(run / "events.jsonl", "a") as fh:
+        fh.write(line + "\n")
+    runner = CliRunner()
+    for command in (["status", str(run)], ["status", "--json", str(run)], ["timeline", str(run)]):
+        done = runner.invoke(cli, command)
+        assert done.exit_code == 0, (command, done.output, done.exception)
