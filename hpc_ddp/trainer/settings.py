@@ -47,7 +47,9 @@ def _number(value: Any) -> bool:
 
 
 def _refuse(name: str, value: Any) -> UsageError:
-    return UsageError(f"hpc_ddp.start({name}={value!r}): {name} takes {SETTINGS[name]}",
+    shown = repr(value)
+    shown = shown if len(shown) <= 60 else shown[:57] + "..."   # a 400-digit number is no line to read
+    return UsageError(f"hpc_ddp.start({name}={shown}): {name} takes {SETTINGS[name]}",
                       hint=f"pass {name}= {SETTINGS[name]}")
 
 
