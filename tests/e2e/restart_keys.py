@@ -2,7 +2,11 @@
 per optimizer step, tagged with the step and the life that trained it (attempt, srun step), so a test can
 drop the steps a crash lost and a restart redid (`trained_once`). A checkpoint every KEYS_CHECKPOINT_EVERY
 steps; KEYS_CRASH_AT=N:R makes rank R die (exit 3, no checkpoint) at step N, once per run dir; KEYS_FSDP=1
-shards the model with FSDP2; KEYS_DEVICES=1 records the GPU each rank takes as its own, per life."""
+shards the model with FSDP2; KEYS_DEVICES=1 records the GPU each rank takes as its own, per life.
+KEYS_BALLAST_MB=N adds N MB of state to every checkpoint and makes them background writes, so one is in
+flight for a while; KEYS_CRASH_IN_WRITE=R makes rank R die (exit 3) the first time it sees rank 0's
+unfinished save (a `.tmp-step-*` folder in the run's checkpoints) after one was committed, once per run
+dir."""
 import json
 import os
 import sys
@@ -21,8 +25,9 @@ class Indices(torch.utils.data.Dataset):
         return torch.tensor(i)
 
 
+ballast_mb = int(os.environ.get("KEYS_BALLAST_MB", "0"))
 run = hpc_ddp.start(checkpoint_every_steps=int(os.environ.get("KEYS_CHECKPOINT_EVERY", "0")),
-                    async_checkpoint=False)
+                    async_checkpoint=bool(ballast_mb))
 if os.environ.get("KEYS_FSDP"):  # sharded: every rank checkpoints its shards, and a restart reshards them
     from torch.distributed.fsdp import fully_shard
 
@@ -36,6 +41,8 @@ else:
     if run.distributed:
         model = torch.nn.parallel.DistributedDataParallel(model)
 run.track(model=model, optimizer=opt)
+if ballast_mb:  # random, so no write is cheaper than its size; the same on every life (seeded)
+    run.track(ballast={"bytes": torch.randn(ballast_mb << 18, generator=torch.Generator().manual_seed(0))})
 loader = run.loader(Indices(), batch_size=4)
 accum = run.accumulation(1, batch_size=4)
 run.resume()
@@ -50,6 +57,15 @@ if os.environ.get("KEYS_DEVICES"):  # the GPU this rank takes as its own, in thi
                    "visible": visible, "own": visible[own_device(os.environ, len(visible))] if visible else None}, fh)
 crash_at, _, crash_rank = os.environ.get("KEYS_CRASH_AT", "").partition(":")
 marker = os.path.join(sys.argv[1], "crashed")
+crash_in_write = os.environ.get("KEYS_CRASH_IN_WRITE")
+checkpoints = os.path.join(os.environ.get("HPC_DDP_RUN_DIR", "."), "checkpoints")
+
+
+def writing() -> bool:
+    """A save in flight while an earlier one is committed (`latest`): the restart has one to resume from."""
+    names = os.listdir(checkpoints) if os.path.isdir(checkpoints) else ()
+    return "latest" in names and any(n.startswith(".tmp-step-") for n in names)
+
 for epoch in run.epochs(2):
     batches = iter(loader)
     for _ in range(len(loader) // accum):  # the loader's length is what is left of the epoch
@@ -65,6 +81,9 @@ for epoch in run.epochs(2):
         out.flush()
         if crash_at == str(run.progress.step) and str(run.rank) == crash_rank and not os.path.exists(marker):
             open(marker, "w").close()
+            os._exit(3)
+        if crash_in_write == str(run.rank) and not os.path.exists(marker) and writing():
+            open(marker, "w").write(json.dumps({"step": run.progress.step, "saw": sorted(os.listdir(checkpoints))}))
             os._exit(3)
         if run.step(batches=accum):
             break
