@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 from hpc_ddp.job.devicescan import code_only  # the one blanking of comments and strings, shared with the GPU scan
 
-__all__ = ["Note", "framework_notes", "code_only"]
+__all__ = ["Note", "framework_notes", "code_only", "lightning_size_notes"]
 
 # A line's start is `^[ \t\f]*`, never `^\s*`: \s crosses newlines, so from the start of every line of a long
 # run of blank lines it would scan the rest of the run (quadratic: 4 MB of newlines never finished).
@@ -90,19 +90,50 @@ def framework_notes(source: str, name: str) -> list[Note]:
 
 
 _MODEL_CHECKPOINT = re.compile(r"\bModelCheckpoint\s*\(")
+_TRAINER = re.compile(r"(?<![\w.])(?:(?:L|pl|lightning|pytorch_lightning)\.)?Trainer\s*\(")
+SIZED = ('L.Trainer(devices=int(os.environ.get("LOCAL_WORLD_SIZE", 1)), '
+         'num_nodes=int(os.environ.get("GROUP_WORLD_SIZE", 1)), ...)')
+
+
+def _calls(pattern: re.Pattern[str], code: str):
+    """(line, argument text) of each call `pattern` opens in `code` (comments and strings blanked)."""
+    for match in pattern.finditer(code):
+        depth, end = 1, match.end()
+        while end < len(code) and depth:
+            depth += {"(": 1, ")": -1}.get(code[end], 0)
+            end += 1
+        yield code.count("\n", 0, match.start()) + 1, code[match.end():end]
+
+
+def lightning_size_notes(source: str, name: str, nodes: int, tasks_per_node: int) -> list[Note]:
+    """A Lightning `Trainer(...)` that does not say how many processes the job has: hpc-ddp starts one per
+    task, and a Trainer left at num_nodes=1 (devices="auto": one on a CPU) on 2 nodes makes each rank a
+    trainer of its own, all writing one checkpoint folder (measured with Lightning 2.6 on the test Slurm:
+    both ranks "rank 0", each through the whole dataset, resumed at different steps). Not for a call that
+    passes `**kwargs` (its sizes may be in them) or a job of one task."""
+    code = code_only(source)
+    if framework_of(source) != "Lightning" or nodes * tasks_per_node <= 1:
+        return []
+    name = name if name.isprintable() else repr(name)
+    notes = []
+    for line, args in _calls(_TRAINER, code):
+        if "**" in args:
+            continue
+        missing = [word for word, needed in (("num_nodes", nodes > 1), ("devices", tasks_per_node > 1))
+                   if needed and not re.search(rf"\b{word}\s*=", args)]
+        if missing:
+            notes.append(Note("warning", f"{name}:{line}: Trainer(...) sets no {' or '.join(missing)}, so on "
+                                         f"{nodes} node(s) x {tasks_per_node} task(s) Lightning does not join the "
+                                         "ranks into one DDP job: each trains alone", SIZED))
+    return notes
 
 
 def _moving_checkpoints(code: str, name: str) -> list[Note]:
     """A `ModelCheckpoint(...)` without `dirpath`: Lightning saves under its logger's version_N folder, a new
     one at each attempt, so `ckpt_path="last"` finds nothing there and the job starts over (issue 54)."""
     notes = []
-    for match in _MODEL_CHECKPOINT.finditer(code):
-        depth, end = 1, match.end()
-        while end < len(code) and depth:
-            depth += {"(": 1, ")": -1}.get(code[end], 0)
-            end += 1
-        if not re.search(r"\bdirpath\s*=", code[match.end():end]):
-            line = code.count("\n", 0, match.start()) + 1
+    for line, args in _calls(_MODEL_CHECKPOINT, code):
+        if not re.search(r"\bdirpath\s*=", args):
             notes.append(Note("warning", f"{name}:{line}: ModelCheckpoint(...) has no dirpath, so Lightning saves "
                                          "under its logger's lightning_logs/version_N, a new folder at each attempt: "
                                          'ckpt_path="last" finds nothing there and the job starts over',

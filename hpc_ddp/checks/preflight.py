@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_ddp.checks.finding import Finding
-from hpc_ddp.checks.frameworks import framework_notes
+from hpc_ddp.checks.frameworks import framework_notes, lightning_size_notes
 from hpc_ddp.checks.scriptcheck import is_compile_finding, is_spawn_finding, script_findings
 from hpc_ddp.common.errors import HpcDdpError, UserError
 from hpc_ddp.common.procs import CommandRunner, slurm_unreachable
@@ -530,7 +530,13 @@ def device_findings(spec: JobSpec, ask_ranks: bool = False,
     exposure = exposure_of(spec)
     devices = [Finding(p.level, p.message, p.hint) for p in judge(scan(text), exposure, name)] if exposure else []
     return (script_findings(spec, path, data, text, ranks) + devices
-            + [Finding(*note) for note in framework_notes(text, name)])
+            + [Finding(*note) for note in framework_notes(text, name)]
+            + [Finding(*note) for note in lightning_size_notes(text, name, _most_nodes(spec), spec.tasks_per_node)])
+
+
+def _most_nodes(spec: JobSpec) -> int:
+    """The most nodes the job runs on: a range's MAX, else its node count."""
+    return max(spec.nodes, getattr(spec, "nodes_max", None) or 0)
 
 
 def _other_ranks_python(spec: JobSpec) -> bool:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from hpc_ddp.checks.frameworks import framework_notes
 
 FABRIC = """import lightning as L
@@ -81,3 +83,40 @@ def test_a_fixed_folder_or_a_lightning_dirpath_of_the_run_dir_is_left_alone():
     assert note.message.startswith("fit.py:3: ModelCheckpoint(dirpath=...) is a new folder at each attempt "
                                    "(it holds uuid.uuid4())") and '"lightning-checkpoints"' in note.hint
     assert [n.level for n in framework_notes(lightning.replace("f'ckpt/{uuid.uuid4()}'", "'ckpt'"), "fit.py")] == ["ok"]
+
+
+LIGHTNING_FIT = """import lightning as L
+trainer = L.Trainer(max_epochs=3)
+trainer.fit(model, ckpt_path="last")
+"""
+
+
+@pytest.mark.parametrize("text,nodes,tasks,missing", [
+    (LIGHTNING_FIT, 2, 1, "num_nodes"),
+    (LIGHTNING_FIT, 1, 2, "devices"),
+    (LIGHTNING_FIT, 2, 2, "num_nodes or devices"),
+    (LIGHTNING_FIT.replace("import lightning as L", "import pytorch_lightning as pl").replace("L.", "pl."), 2, 1,
+     "num_nodes"),
+    (LIGHTNING_FIT.replace("L.Trainer(", "Trainer(").replace("import lightning as L",
+                                                            "from lightning import Trainer"), 2, 1, "num_nodes"),
+])
+def test_a_lightning_trainer_that_does_not_say_its_size_is_named_on_a_job_of_several_ranks(text, nodes, tasks, missing):
+    """Issue 54's newcomer: on 2 nodes a Trainer left at num_nodes=1 made each rank a trainer of its own."""
+    from hpc_ddp.checks.frameworks import lightning_size_notes
+
+    (note,) = lightning_size_notes(text, "fit.py", nodes, tasks)
+    assert note.level == "warning" and note.message.startswith(f"fit.py:2: Trainer(...) sets no {missing}")
+    assert "each trains alone" in note.message and "GROUP_WORLD_SIZE" in note.hint
+
+
+@pytest.mark.parametrize("text,nodes,tasks", [
+    (LIGHTNING_FIT, 1, 1),                                                       # one rank: nothing to join
+    (LIGHTNING_FIT.replace("max_epochs=3", "devices=2, num_nodes=2, max_epochs=3"), 2, 2),
+    (LIGHTNING_FIT.replace("max_epochs=3", "**settings"), 2, 2),                 # its sizes may be in them
+    ("from transformers import Trainer\ntrainer = Trainer(model=m)\n", 2, 1),     # not Lightning's Trainer
+    ("import lightning as L\n# L.Trainer(max_epochs=3)\nx = 'L.Trainer(1)'\n", 2, 1),  # comments, strings
+])
+def test_a_trainer_that_says_its_size_or_is_not_lightnings_is_left_alone(text, nodes, tasks):
+    from hpc_ddp.checks.frameworks import lightning_size_notes
+
+    assert lightning_size_notes(text, "fit.py", nodes, tasks) == []

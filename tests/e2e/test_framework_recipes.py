@@ -61,12 +61,16 @@ def _preempted_once(tmp_path: Path, script: str, ready, *options: str, env: dict
 
 
 def test_the_lightning_recipe_preempted_here_goes_on_from_its_own_checkpoint(tmp_path):
+    """On 2 nodes (issue 54's newcomer: without devices and num_nodes each rank trained alone, both "rank 0",
+    resuming at different steps): the ranks join one DDP job, and both resume at the same step."""
     out = _preempted_once(tmp_path, recipe("lightning"),
-                          lambda: (tmp_path / "run" / "lightning-checkpoints" / "last.ckpt").exists())
+                          lambda: (tmp_path / "run" / "lightning-checkpoints" / "last.ckpt").exists(),
+                          "--nodes", "2", "--tasks-per-node", "1")
     ends = [e["cause"] for e in read_jsonl(tmp_path / "run" / "events.jsonl") if e.get("event") == "attempt_end"]
     assert ends == ["preempted", "completed"], (ends, out[-3000:])
+    assert out.count("MEMBER: 2/2") == 2, out[-3000:]   # each attempt: one DDP job of 2 ranks
     starts = [int(s) for s in re.findall(r"training from step (\d+)", out)]
-    assert starts[0] == 0 and len(starts) == 2 and starts[1] > 0, (starts, out[-3000:])
+    assert starts[:2] == [0, 0] and len(starts) == 4 and starts[2] == starts[3] > 0, (starts, out[-3000:])
     assert "is available on your system but is not used" not in out  # Lightning's srun remark: not here
     assert out.count("there is no last checkpoint available") == 1  # the first attempt's, which has none yet
 
