@@ -20,6 +20,7 @@ import click
 from hpc_ddp.cli.options import warn
 from hpc_ddp.cli.remote import over_ssh
 from hpc_ddp.common.errors import HpcDdpError, UserError
+from hpc_ddp.common.events import JsonLines
 from hpc_ddp.common.procs import SubprocessCommands
 from hpc_ddp.common.rundir import is_sweep_dir
 from hpc_ddp.common.terminal import printable
@@ -72,11 +73,17 @@ def preempt(job: str, sig: str | None, as_json: bool) -> None:
         message = sweep.signal_sweep(run.run_dir, executor, name, running)
     else:
         _refuse_finished(run)
+        here = getattr(executor, "ranks_here", False)
+        if name == "TERM" and not here:
+            # before the signal: the batch script's end reads it, since Slurm knows nothing of a rehearsal
+            JsonLines(run.paths.events).write({"event": "preempt_rehearsed", "signal": name})
         executor.signal(run, name)
         message = f"Sent SIG{name} to every rank of job {run.job_id}"
-        if name == "TERM" and getattr(executor, "ranks_here", False):
+        if name == "TERM" and here:
             message += ("; ranks still running 30 s later are killed and the job runs again, as after a Slurm "
                         "preemption")
+        elif name == "TERM":
+            message += "; however its program leaves, the attempt counts as preempted and the job runs again"
         elif name != "USR1":
             _ignored_by_framework(run, name)
     _done(as_json, "preempt", message, run, executor.name, signal=name)

@@ -266,6 +266,10 @@ def finish(run_dir: Path, attempt: int, exit_code: int, env: Mapping[str, str] |
             last.cause = "time_limit"
     else:
         last.cause, by_slurm = outside_cause(slurm, attempt, shell_signal)
+    if last.rehearsed and not done and last.cause in ("completed", "failed") and exit_code != REQUEUE_EXIT_CODE:
+        # `hpc-ddp preempt --signal TERM` reached the ranks, and Slurm knows nothing of it: the program left
+        # at that SIGTERM (Lightning exits 0, a plain script dies of it) as it would at a preemption
+        last.cause = "preempted"
     if slurm is None and shell_signal and last.cause == "preempted":
         # No Slurm to ask (the local and srun executors, no scontrol): a stop at the deadline is its limit.
         last.cause = _cause_from_deadline(env)
@@ -290,10 +294,11 @@ def finish(run_dir: Path, attempt: int, exit_code: int, env: Mapping[str, str] |
         record.update(nodes=",".join(lost), note=f"node {', '.join(lost)} went down (Slurm holds it down or "
                                                  "failed); the next attempt runs on nodes that are up")
     elif exit_code not in (0, REQUEUE_EXIT_CODE) and last.cause != "failed":
-        record["note"] = f"signalled from outside ({_outside_note(slurm, env)}), not the program's failure"
+        outside = REHEARSAL if last.rehearsed and not slurm_stop(slurm, attempt) else _outside_note(slurm, env)
+        record["note"] = f"signalled from outside ({outside}), not the program's failure"
     elif exit_code == 0 and last.cause != "completed":
         seen = "the time-limit warning reached its handler" if last.warned and not slurm_stop(slurm, attempt) \
-            else _outside_note(slurm, env)
+            else REHEARSAL if last.rehearsed and not slurm_stop(slurm, attempt) else _outside_note(slurm, env)
         record["note"] = f"exit code 0 after a stop reached the program ({seen}): interrupted, not completed"
     events.write(record)
     if goes_on:
@@ -403,6 +408,9 @@ def resubmit(run_dir: Path, attempt: int, why: str, env: Mapping[str, str] | Non
     events.write({"event": "requeue_fallback", "attempt": attempt, "job_id": job_id, "next_job": next_job,
                   "why": why})
     return next_job
+
+
+REHEARSAL = "hpc-ddp preempt --signal TERM, a rehearsed preemption"
 
 
 def _outside_note(slurm: Mapping[str, str] | None, env: Mapping[str, str]) -> str:

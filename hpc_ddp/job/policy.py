@@ -52,6 +52,7 @@ class Attempt:
     step_nodes: str | None = None  # the nodes of its current srun step, after a restart (comma-separated)
     step_started_at: float | None = None   # when its current srun step began, after a restart
     step_start_step: int | None = None     # the checkpoint step its current srun step resumed from
+    rehearsed: bool = False        # `hpc-ddp preempt --signal TERM` was sent to its ranks (a rehearsal)
 
     @property
     def step_trained(self) -> bool:
@@ -103,6 +104,8 @@ def attempts_from_events(events: Sequence[dict[str, Any]], chain: str | None = N
             attempts[-1].warned = True
         elif kind == "signal":
             attempts[-1].cause = event.get("cause")
+        elif kind == "preempt_rehearsed":
+            attempts[-1].rehearsed = True
         elif kind == "requeue_requested":
             attempts[-1].checkpointed = True
         elif kind == "attempt_end" and _ended(attempts, event).exit_code is None:
@@ -117,7 +120,7 @@ def attempts_from_events(events: Sequence[dict[str, Any]], chain: str | None = N
         elif kind == "restarted":  # a new srun step of the same attempt: what is known of the step starts over
             a = attempts[-1]
             a.restarts += 1
-            a.trainer = a.checkpointed = a.finished = a.warned = False
+            a.trainer = a.checkpointed = a.finished = a.warned = a.rehearsed = False
             a.cause = None
             a.step_started_at = event.get("time")
             a.step_nodes = event.get("nodes") if isinstance(event.get("nodes"), str) else a.step_nodes

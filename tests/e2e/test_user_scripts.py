@@ -209,6 +209,36 @@ def test_a_cancelled_plain_script_is_not_requeued(slurm_conf, workspace):
         assert "CANCELLED" in hpc_ddp("status", job, cwd=workspace).stdout
 
 
+# Lightning's way with SIGTERM, without its import: trap it, stop at the next step, exit 0.
+TRAPS = PLAIN.replace('dist.init_process_group("gloo")', """dist.init_process_group("gloo")
+import signal
+stop = []
+signal.signal(signal.SIGTERM, lambda *_: stop.append(1))""").replace(
+    "    t = torch.ones(1)", "    if stop:\n        print('Bypassing SIGTERM', flush=True)\n        sys.exit(0)\n    t = torch.ones(1)")
+
+
+@pytest.mark.slurm
+def test_a_rehearsed_preemption_of_a_script_that_exits_0_at_sigterm_runs_it_again(slurm_conf, workspace):
+    """Issue 54's newcomer: `hpc-ddp preempt --signal TERM` of a Lightning run on Slurm ended it COMPLETED at
+    60% of its epochs (Lightning exits 0 at SIGTERM, and Slurm knows nothing of a rehearsal). The rehearsal
+    is recorded now, so the attempt is preempted and the job runs again, to the end."""
+    from .helpers import run_through_requeues
+
+    (workspace / "traps.py").write_text(TRAPS)
+    progress = workspace / "traps-progress.json"
+    job = submit_json("--executor", "sbatch", "--nodes", "2", "--run-dir", "traps", "traps.py", str(progress),
+                      cwd=workspace)["job_id"]
+    wait_until(lambda: progress.exists() and json.loads(progress.read_text())["step"] >= 5, 120, "step 5")
+    sent = hpc_ddp("preempt", "--signal", "TERM", job, cwd=workspace)
+    assert sent.returncode == 0 and "counts as preempted" in sent.stdout + sent.stderr, sent.stdout + sent.stderr
+    assert "leaves SIGTERM alone" not in sent.stdout + sent.stderr
+    assert run_through_requeues(job, timeout=300, run_dir=workspace / "traps") == "COMPLETED"
+    assert json.loads(progress.read_text())["step"] == 40
+    ends = [e for e in read_jsonl(workspace / "traps" / "events.jsonl") if e["event"] == "attempt_end"]
+    assert [(e["cause"], e["exit_code"]) for e in ends] == [("preempted", 0), ("completed", 0)], ends
+    assert "rehearsed preemption" in ends[0]["note"]
+
+
 def test_plain_script_sigtermed_under_the_local_executor_runs_again(workspace):
     """The local executor's rehearsal of a preemption: SIGTERM to the executor reaches every rank; a
     script with no handler dies of it, and that attempt is preempted, not failed."""

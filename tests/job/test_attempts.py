@@ -221,6 +221,27 @@ def test_exit_0_after_a_stop_is_an_interruption_not_a_completion(tmp_path, case,
     assert ok == (cause in ("preempted", "time_limit")), reason
 
 
+@pytest.mark.parametrize("exit_code", [0, 143])
+def test_a_rehearsed_preemption_on_slurm_counts_as_one_however_the_program_leaves(tmp_path, exit_code):
+    """`hpc-ddp preempt --signal TERM` of a Slurm run (issue 54's newcomer, Lightning 2.6 on the test Slurm):
+    Lightning caught the SIGTERM and left with exit 0 at epoch 58 of 99, Slurm showed nothing, and the run
+    was recorded COMPLETED. The rehearsal is recorded before the signal; the attempt it reached is preempted."""
+    run_dir = _spec_dir(tmp_path)
+    env = {"SLURM_JOB_ID": "3", "HPC_DDP_SHELL_SIGNAL": ""}
+    assert attempts.begin(run_dir, 0, env=env)[0]
+    (run_dir / "events.jsonl").open("a").write(json.dumps({"event": "preempt_rehearsed", "signal": "TERM"}) + "\n")
+    outcome = attempts.finish(run_dir, 0, exit_code, env,
+                              ask_slurm=lambda job: attempts.parse_show_job(SHOW_JOB["own_crash"]))
+    assert outcome.word == "requeue", outcome.reason
+    end = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()
+           if json.loads(line)["event"] == "attempt_end"][-1]
+    assert end["cause"] == "preempted" and "rehearsed preemption" in end["note"], end
+    assert attempts.begin(run_dir, 1, env=env)[0]
+    # the next attempt is not rehearsed: its own exit 0 completes the run
+    assert attempts.finish(run_dir, 1, 0, env, ask_slurm=lambda job: attempts.parse_show_job(
+        SHOW_JOB["own_crash"])).word == "stop"
+
+
 @pytest.mark.parametrize("warned,word,cause", [(True, "requeue", "time_limit"), (False, "stop", "completed")])
 def test_exit_0_after_the_warning_reached_the_programs_handler_is_a_time_limit(tmp_path, warned, word, cause):
     """A script that handles the warning itself, saves and exits 0 before Slurm shows anything: the rank
