@@ -12,18 +12,25 @@ What hpc-ddp can observe:
   before).
 What it cannot: accelerate and Fabric loops and plain scripts print nothing of their own when they start
 from scratch; `status` cannot tell their start over from a resume.
+
+The other way round, `framework_resumes` reads where a framework says it did resume (Lightning's "Restoring
+states from the checkpoint path at ...", the Hugging Face Trainer's line), since a framework's run records
+no checkpoint step of hpc-ddp's for `status` to show.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import posixpath
 from collections.abc import Mapping
 
 from hpc_ddp.watch.timeline import Timeline
 
-__all__ = ["StartOver", "start_overs", "start_over_lines", "LIGHTNING_NONE", "HF_BANNER", "HF_RESUMED"]
+__all__ = ["StartOver", "start_overs", "start_over_lines", "framework_resumes", "LIGHTNING_NONE", "LIGHTNING_RESTORED",
+           "HF_BANNER", "HF_RESUMED"]
 
 LIGHTNING_NONE = "there is no last checkpoint available"
+LIGHTNING_RESTORED = "Restoring states from the checkpoint path at "
 HF_BANNER = "***** Running training *****"
 HF_RESUMED = ("Resuming training from checkpoint", "Continuing training from checkpoint")
 _LIGHTNING_HINT = ('give ModelCheckpoint a dirpath that stays the same across attempts, e.g. dirpath=os.path.join('
@@ -68,3 +75,20 @@ def start_overs(timeline: Timeline, logs: Mapping[int, str]) -> list[StartOver]:
 
 def start_over_lines(overs: list[StartOver]) -> list[str]:
     return [o.line() for o in overs]
+
+
+def framework_resumes(logs: Mapping[int, str]) -> dict[int, str]:
+    """attempt -> what its framework's log says it resumed from, for the attempts after the first whose rank-0
+    log head says so: "Lightning restored last.ckpt", "the Hugging Face Trainer resumed from its checkpoint"."""
+    found: dict[int, str] = {}
+    for attempt, text in sorted(logs.items()):
+        if attempt <= 0:
+            continue
+        at = text.find(LIGHTNING_RESTORED)
+        if at >= 0:
+            path = text[at + len(LIGHTNING_RESTORED):].split("\n", 1)[0].strip().rstrip(".")
+            name = posixpath.basename(path)[:80]
+            found[attempt] = f"Lightning restored {name if name.isprintable() and name else 'its checkpoint'}"
+        elif any(said in text for said in HF_RESUMED):
+            found[attempt] = "the Hugging Face Trainer resumed from its checkpoint"
+    return found

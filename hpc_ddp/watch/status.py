@@ -33,7 +33,7 @@ from hpc_ddp.launch.executors.base import Run
 from hpc_ddp.slurm.jobstate import ENDED, accounting
 from hpc_ddp.spec.sweep import describe
 from hpc_ddp.watch.classify import classify_failure
-from hpc_ddp.watch.startover import start_overs
+from hpc_ddp.watch.startover import framework_resumes, start_overs
 
 __all__ = ["run_status", "log_files", "new_log_lines", "format_status", "Eta", "estimate_eta",
            "recent_step_seconds", "progress_line", "LIVE",
@@ -335,20 +335,26 @@ def _time_accounting(run_dir: Path, events: list[dict[str, Any]], metrics: list[
     g = goodput(timeline)
     measured = summary.measured  # a script that reports no steps: no goodput to speak of, not "0%"
 
+    heads = _log_heads(run_dir)
     extra = {"goodput": round(g.ratio, 4) if g.ratio is not None and measured else None,
              "goodput_text": goodput_line(g, getattr(spec, "gpus", 0) or 0) if measured else None,
              "restarted_in_place": summary.restarted_in_place,
              "restarted_in_place_text": in_place_line(summary) if summary.restarted_in_place else None,
-             "start_overs": start_over_lines_of(run_dir, timeline)}
+             "start_overs": start_over_lines_of(run_dir, timeline, heads),
+             "framework_resumes": {str(k): v for k, v in framework_resumes(heads).items()}}
     return summary_line(summary), eta, extra
 
 
-def start_over_lines_of(run_dir: Path, timeline: Any) -> list[str]:
+def _log_heads(run_dir: Path) -> dict[int, str]:
+    """The head of rank 0's log of each attempt after the first: what a framework prints as it begins."""
+    return {attempt: read_tail(path, 200_000, head=True).decode(errors="replace")
+            for attempt, _, path in log_files(run_dir, rank=0) if attempt > 0}
+
+
+def start_over_lines_of(run_dir: Path, timeline: Any, heads: dict[int, str] | None = None) -> list[str]:
     """`watch.startover`'s lines for this run dir: from its records, and the head of rank 0's log of each
     later attempt (what a framework prints as it begins: Lightning's "no last checkpoint", HF's banner)."""
-    heads = {attempt: read_tail(path, 200_000, head=True).decode(errors="replace")
-             for attempt, _, path in log_files(run_dir, rank=0) if attempt > 0}
-    return [over.line() for over in start_overs(timeline, heads)]
+    return [over.line() for over in start_overs(timeline, _log_heads(run_dir) if heads is None else heads)]
 
 
 def _after(record: dict[str, Any], t: float) -> bool:
@@ -520,7 +526,9 @@ def format_status(s: dict[str, Any]) -> Iterator[str]:
     for n, a in enumerate(s["attempts"]):
         job = f" of job {a['job_id']}" if several_jobs and a.get("job_id") else ""
         job += f" on {a['nodes']}" if a.get("nodes") else ""
-        yield f"  attempt {a['attempt']}{job}: started at checkpoint step {a['start_step']}, ended: {a['ended']}" + (
+        said = (s.get("framework_resumes") or {}).get(str(a["attempt"])) if a["start_step"] is None else None
+        began = f"started as its log says: {said}" if said else f"started at checkpoint step {a['start_step']}"
+        yield f"  attempt {a['attempt']}{job}: {began}, ended: {a['ended']}" + (
             f" (exit code {a['exit_code']})" if a["exit_code"] not in (None, 0) else "")
         if a.get("code") or snapshots:
             new = " (a new snapshot: resubmitted)" if n and a.get("code") != previous_code else ""

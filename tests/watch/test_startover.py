@@ -36,3 +36,49 @@ def test_what_the_frameworks_print_in_a_later_attempt():
             3: f"{HF_BANNER}\n{HF_RESUMED[1]}, will skip to saved global_step"}  # transformers 4
     assert [o.attempt for o in start_overs(timeline, logs)] == [1]
     assert start_overs(timeline, {1: "epoch 3 loss 0.2\n"}) == []  # a plain script: nothing to go by
+
+
+def test_where_a_framework_says_it_resumed_status_says_so_instead_of_step_none(tmp_path):
+    """Issue 54's newcomer: a Lightning run that resumed showed "started at checkpoint step None", and only
+    the rank logs said otherwise. Lightning 2.6's line, as its log prints it on attempt 1."""
+    from hpc_ddp.watch.startover import LIGHTNING_RESTORED, framework_resumes
+
+    logs = {0: f"{LIGHTNING_RESTORED}/r/ckpt/last.ckpt", 1: f"x\n{LIGHTNING_RESTORED}/r/run/ckpt/last.ckpt\nmore",
+            2: f"{HF_BANNER}\n  {HF_RESUMED[0]} with epoch 0 and global step 20", 3: "epoch 3 loss 0.2\n",
+            4: f"{LIGHTNING_RESTORED}/r/\x1b[2J.ckpt\n"}
+    assert framework_resumes(logs) == {1: "Lightning restored last.ckpt",
+                                       2: "the Hugging Face Trainer resumed from its checkpoint",
+                                       4: "Lightning restored its checkpoint"}   # a name no terminal should obey
+
+
+def test_status_names_the_frameworks_resume_on_its_attempt_line(tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from hpc_ddp.cli.app import cli
+    from hpc_ddp.watch.startover import LIGHTNING_RESTORED
+
+    from hpc_ddp.spec.jobspec import Layer, Target, build_spec
+
+    run = tmp_path / "run"
+    (run / "logs").mkdir(parents=True)
+    spec = build_spec([Layer("c", {"executor": "local"})], target=Target("script", "/t.py"), workdir="/", python="p")
+    (run / "spec.json").write_text(json.dumps(spec.to_dict()))
+    events = [{"time": 1_790_000_000, "event": "attempt_start", "attempt": 0, "job_id": "local-1"},
+              {"time": 1_790_000_020, "event": "attempt_end", "attempt": 0, "cause": "preempted", "exit_code": 0},
+              {"time": 1_790_000_030, "event": "attempt_start", "attempt": 1, "job_id": "local-1"},
+              {"time": 1_790_000_050, "event": "attempt_end", "attempt": 1, "cause": "completed", "exit_code": 0}]
+    (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    (run / "submissions.jsonl").write_text(json.dumps({"job_id": "local-1", "executor": "local",
+                                                       "time": 1_790_000_000}) + "\n")
+    from hpc_ddp.common.rundir import RANK_LOG
+
+    for attempt, text in ((0, "training from step 0\n"), (1, f"{LIGHTNING_RESTORED}{run}/ck/last.ckpt\n")):
+        folder = run / "logs" / "job-local-1" / f"attempt-{attempt}"
+        folder.mkdir(parents=True)
+        (folder / RANK_LOG.format(rank=0)).write_text(text)
+    done = CliRunner().invoke(cli, ["status", str(run)])
+    assert done.exit_code == 0, done.output
+    assert "attempt 1: started as its log says: Lightning restored last.ckpt, ended: completed" in done.output
+    assert "attempt 0: started at checkpoint step None" in done.output
