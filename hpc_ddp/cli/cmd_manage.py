@@ -20,7 +20,6 @@ import click
 from hpc_ddp.cli.options import warn
 from hpc_ddp.cli.remote import over_ssh
 from hpc_ddp.common.errors import HpcDdpError, UserError
-from hpc_ddp.common.events import JsonLines
 from hpc_ddp.common.procs import SubprocessCommands
 from hpc_ddp.common.rundir import is_sweep_dir
 from hpc_ddp.common.terminal import printable
@@ -75,8 +74,9 @@ def preempt(job: str, sig: str | None, as_json: bool) -> None:
         _refuse_finished(run)
         here = getattr(executor, "ranks_here", False)
         if name == "TERM" and not here:
-            # before the signal: the batch script's end reads it, since Slurm knows nothing of a rehearsal
-            JsonLines(run.paths.events).write({"event": "preempt_rehearsed", "signal": name})
+            from hpc_ddp.job.attempts import record_rehearsal
+
+            record_rehearsal(run.run_dir, name)   # before the signal: the attempt's end reads it
         executor.signal(run, name)
         message = f"Sent SIG{name} to every rank of job {run.job_id}"
         if name == "TERM" and here:

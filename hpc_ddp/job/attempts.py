@@ -81,8 +81,9 @@ from hpc_ddp.common.rundir import LATEST, SCRIPT, RunDir, checkpoint_step
 from hpc_ddp.job.chain import chain_of, members, successor
 # The policy's and Slurm's names, re-exported: this module is what the batch script, the executors and
 # `status` have always imported them from.
-from hpc_ddp.job.policy import (STARTUP_S, UNRECORDED_CAUSES, Attempt, Limits, attempts_from_events,  # noqa: F401
-                                current_job, decide_begin, decide_end, decide_restart, decide_successor, limits_of)
+from hpc_ddp.job.policy import (REHEARSED, STARTUP_S, UNRECORDED_CAUSES, Attempt, Limits,  # noqa: F401
+                                attempts_from_events, current_job, decide_begin, decide_end, decide_restart,
+                                decide_successor, limits_of)
 from hpc_ddp.job.restarts import restart_in_place
 from hpc_ddp.slurm.jobview import (ACCOUNTED_CAUSES, _int, accounted_end, down_nodes, grace_preempted,  # noqa: F401
                                    lost_state, outside_cause, parse_show_job, preempt_mode, requeues_after_grace, slurm_job,
@@ -96,6 +97,12 @@ NOT_ADMITTED_EXIT_CODE = 3
 # A later job of a chain whose run already completed: nothing to do, and not a failure (the batch script
 # exits 0, so a job waiting on it with afterok still starts).
 RUN_COMPLETE_EXIT_CODE = 4
+
+
+def record_rehearsal(run_dir: Path, signal_name: str) -> None:
+    """Before `hpc-ddp preempt` sends SIGTERM to ranks that are not here (a Slurm job): the record the end
+    of the attempt reads (`policy.REHEARSED`), since Slurm shows nothing of a rehearsal."""
+    JsonLines(RunDir(run_dir).events).write({"event": REHEARSED, "signal": signal_name})
 
 
 def latest_checkpoint_step(run_dir: Path) -> int | None:

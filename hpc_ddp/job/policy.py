@@ -31,6 +31,11 @@ class Limits:
     max_restarts: int = 0         # restarts inside the allocation per attempt (rank crash, lost node)
 
 
+# The record `hpc-ddp preempt --signal TERM` leaves before it signals ranks that are not here (Slurm knows
+# nothing of a rehearsal): the attempt it reached ends preempted, however its program leaves.
+REHEARSED = "preempt_rehearsed"
+
+
 @dataclasses.dataclass
 class Attempt:
     number: int
@@ -104,7 +109,7 @@ def attempts_from_events(events: Sequence[dict[str, Any]], chain: str | None = N
             attempts[-1].warned = True
         elif kind == "signal":
             attempts[-1].cause = event.get("cause")
-        elif kind == "preempt_rehearsed":
+        elif kind == REHEARSED:
             attempts[-1].rehearsed = True
         elif kind == "requeue_requested":
             attempts[-1].checkpointed = True

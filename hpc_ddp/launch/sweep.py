@@ -212,6 +212,11 @@ def signal_sweep(sweep_dir: Path, executor, name: str, running: Callable[[Run], 
     runs = [run for run in task_runs(sweep_dir) if running(run)]
     if not runs:
         raise UserError(f"no task of sweep {sweep_dir} is running", hint="`hpc-ddp status` shows the sweep")
+    if name == "TERM" and not getattr(executor, "ranks_here", False):
+        from hpc_ddp.job.attempts import record_rehearsal
+
+        for run in runs:  # as for one run (cli preempt): each task's attempt ends preempted however it leaves
+            record_rehearsal(run.run_dir, name)
     if hasattr(executor, "signal_jobs"):
         executor.signal_jobs([str(run.job_id) for run in runs], name)
     else:

@@ -243,6 +243,14 @@ def test_preempting_a_sweep_signals_its_running_tasks_in_one_scancel_and_leaves_
     assert fake.calls[-1][0] == ("scancel", "--signal", "USR2", "4711_1", "4711_2")
     with pytest.raises(UserError, match="no task of sweep .* is running"):
         signal_sweep(tmp_path / "s", executor, "USR2", lambda run: False)
+    # a TERM rehearsal is recorded in each running task's run dir first (Slurm knows nothing of it)
+    from hpc_ddp.common.events import read_jsonl
+    from hpc_ddp.launch.sweep import task_runs
+
+    signal_sweep(tmp_path / "s", executor, "TERM", lambda run: run.job_id == "4711_1")
+    marked = {run.job_id: [e.get("signal") for e in read_jsonl(run.paths.events) if e.get("event") ==
+                           "preempt_rehearsed"] for run in task_runs(tmp_path / "s")}
+    assert marked["4711_1"] == ["TERM"] and all(v == [] for k, v in marked.items() if k != "4711_1"), marked
 
 
 def test_task_states_come_from_one_question_for_the_whole_array(tmp_path):
