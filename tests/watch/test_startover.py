@@ -57,9 +57,8 @@ def test_status_names_the_frameworks_resume_on_its_attempt_line(tmp_path):
     from click.testing import CliRunner
 
     from hpc_ddp.cli.app import cli
-    from hpc_ddp.watch.startover import LIGHTNING_RESTORED
-
     from hpc_ddp.spec.jobspec import Layer, Target, build_spec
+    from hpc_ddp.watch.startover import LIGHTNING_RESTORED
 
     run = tmp_path / "run"
     (run / "logs").mkdir(parents=True)
