@@ -480,6 +480,7 @@ def test_a_copy_cut_short_is_finished_by_the_next_submit_and_never_run(cluster):
 
 
 def test_where_the_cluster_has_no_rsync_a_tar_over_ssh_ships_the_same_files(cluster):
+    from hpc_ddp.remote.answers import parse_hello
     from hpc_ddp.remote.ssh import Ssh
     from hpc_ddp.remote.submit import _ship
 
@@ -489,7 +490,7 @@ def test_where_the_cluster_has_no_rsync_a_tar_over_ssh_ships_the_same_files(clus
     listing = list_project(project, git=Git())
     mirror = cluster["mirror"].parent / "tarred"
     env = {**os.environ, **cluster["env"]}
-    _ship(Ssh("cluster", env), {"rsync": "no", "dir": str(mirror)}, project, listing, "laptop:tarred")
+    _ship(Ssh("cluster", env), parse_hello(f"rsync=no\ndir={mirror}\n"), project, listing, "laptop:tarred")
     assert (mirror / "with space" / "it's.py").read_text() == "z = 3\n" and (mirror / "pkg" / "mod.py").read_text() == "y = 2\n"
     assert os.readlink(mirror / "alias.py") == "pkg/mod.py" and (mirror / ".hpc-ddp-mirror").is_dir()
     assert mirror.stat().st_uid == (mirror / "train.py").stat().st_uid != 0   # written by the cluster account
