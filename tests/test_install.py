@@ -127,3 +127,74 @@ def test_the_laptop_recipe_runs_as_written_from_the_wheel_without_torch(tmp_path
     probe = subprocess.run([str(home / ".local/share/hpc-ddp/bin/python"), "-c", "import torch"], env=env,
                            capture_output=True, text=True)
     assert probe.returncode != 0   # torch is not there: what the laptop runs never needed it
+
+
+def _fresh_venv_with_torch(tmp_path: Path) -> tuple[Path, dict[str, str]]:
+    """A fresh venv that has torch: this venv's packages (hpc-ddp's own and its .pth files left out) as a
+    folder of links the new venv reads through one .pth, so torch and the rest count as installed there
+    without 5.5 GB of downloads. pip never uninstalls what lies outside the venv it installs into, so
+    nothing of this venv can change."""
+    import site
+    import subprocess
+
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    for entry in Path(site.getsitepackages()[0]).iterdir():
+        if entry.suffix == ".pth" or entry.name.lower().startswith(("hpc_ddp", "hpc-ddp", "__editable__")):
+            continue
+        (linked / entry.name).symlink_to(entry)
+    venv = tmp_path / "venv"
+    subprocess.run([str(Path(sys.base_prefix) / "bin" / "python3"), "-m", "venv", str(venv)], check=True, timeout=120)
+    (next(venv.glob("lib/python3*/site-packages")) / "site-linked.pth").write_text(f"{linked}\n")
+    env = {"HOME": str(tmp_path / "home"), "PATH": f"{venv}/bin:/usr/bin:/bin", "LANG": "C.UTF-8",
+           "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+    return venv, env
+
+
+def _run_steps(steps, cwd: Path, env: dict[str, str]) -> None:
+    import subprocess
+
+    for command, expected in steps:
+        done = subprocess.run(["bash", "-c", command.split("   #", 1)[0]], cwd=cwd, env=env, capture_output=True,
+                              text=True, timeout=600)
+        assert done.returncode == 0, (command, done.stdout[-2000:], done.stderr[-2000:])
+        changed = [line for line in done.stdout.splitlines() if line.startswith(("Successfully installed",
+                                                                                  "Uninstalling", "Collecting torch"))]
+        assert not [line for line in changed if "torch" in line], (command, changed)  # the environment's torch kept
+
+
+def test_the_cluster_install_commands_run_as_written_and_keep_the_environments_torch(tmp_path):
+    """Issue 54: the README's install line and docs/install.md's clone block, command by command, in a fresh
+    venv that has torch (the training environment). `make dist` is the pip command `_wheel` runs (make's own
+    target first makes the clone's .venv). Needs PyPI for the build backend, as the cluster does. It found
+    that naming torch by `torch.__version__` fails with PyPI's torch (`2.14.1+cu130` there, `2.14.1` to
+    pip): the commands name pip's own version now."""
+    import shutil
+    import subprocess
+
+    wheel = _wheel(tmp_path)
+    clone = tmp_path / "hpc-ddp"
+    shutil.copytree(tmp_path / "src", clone)
+    (clone / "dist").mkdir()
+    shutil.copy(wheel, clone / "dist")
+    venv, env = _fresh_venv_with_torch(tmp_path)
+    readme = (REPO / "README.md").read_text()
+    block = readme[readme.index("<!-- run as written by tests/test_install.py"):].split("```console\n", 1)[1]
+    steps = [(line[2:], []) for line in block.split("```", 1)[0].splitlines() if line.startswith("$ ")]
+    assert [c.split()[:2] for c, _ in steps] == [["pip", "install"]]
+    _run_steps(steps, tmp_path, env)
+    steps = [(c, e) for c, e in _recipe("install.md", "<!-- run as written by tests/test_install.py, in a fresh venv "
+                                                      "that has torch") if not c.startswith("make dist")]
+    assert [c.split("#")[0].split() for c, _ in steps] == [["pip", "install", "."], ["pip", "install", "'.[plot]'"],
+                                                           ["pip", "install", "dist/hpc_ddp-0.1.0-py3-none-any.whl"]]
+    _run_steps(steps[:2], clone, env)
+    keeping = _recipe("install.md", "**Keeping the cluster's torch.**")   # the same line as the README's, in the clone
+    assert [c.split()[:3] for c, _ in keeping] == [["pip", "install", "."]]
+    _run_steps(keeping, clone, env)
+    (tmp_path / "wheel").mkdir()
+    other, other_env = _fresh_venv_with_torch(tmp_path / "wheel")   # the wheel, into an environment of its own
+    _run_steps(steps[2:], clone, other_env)
+    for where, where_env in ((venv, env), (other, other_env)):
+        version = subprocess.run([str(where / "bin" / "hpc-ddp"), "--version"], env=where_env, capture_output=True,
+                                 text=True)
+        assert version.stdout.strip() == "hpc-ddp, version 0.1.0", version.stderr
