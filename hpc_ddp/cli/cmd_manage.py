@@ -77,6 +77,7 @@ def preempt(job: str, sig: str | None, as_json: bool) -> None:
             from hpc_ddp.job.attempts import record_rehearsal
 
             record_rehearsal(run.run_dir, name)   # before the signal: the attempt's end reads it
+            ends = _attempt_ends(run)
         executor.signal(run, name)
         message = f"Sent SIG{name} to every rank of job {run.job_id}"
         if name == "TERM" and here:
@@ -84,9 +85,37 @@ def preempt(job: str, sig: str | None, as_json: bool) -> None:
                         "preemption")
         elif name == "TERM":
             message += "; however its program leaves, the attempt counts as preempted and the job runs again"
+            if not _attempt_ended(run, ends, REHEARSAL_KILL_WAIT_S):
+                executor.signal(run, "KILL")   # as Slurm's KillWait after a real preemption's SIGTERM
+                message += (f"; its ranks were still running {REHEARSAL_KILL_WAIT_S:g} s later and were killed, as "
+                            "Slurm kills them after a preemption")
         elif name != "USR1":
             _ignored_by_framework(run, name)
     _done(as_json, "preempt", message, run, executor.name, signal=name)
+
+
+# After a rehearsed SIGTERM, how long the ranks of a Slurm job have to leave before they are killed: Slurm's
+# default KillWait, as the local executor gives them. A program that hangs in its SIGTERM handler (Lightning
+# 2.6 under DDP can: docs/frameworks.md) would otherwise hold its nodes until the time limit.
+REHEARSAL_KILL_WAIT_S = 30.0
+
+
+def _attempt_ends(run) -> int:
+    from hpc_ddp.common.events import read_jsonl
+
+    return sum(1 for e in read_jsonl(run.paths.events) if e.get("event") == "attempt_end")
+
+
+def _attempt_ended(run, before: int, within: float) -> bool:
+    """Did the attempt the rehearsal reached record its end within `within` seconds (polled each second)?"""
+    import time
+
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if _attempt_ends(run) > before:
+            return True
+        time.sleep(1.0)
+    return _attempt_ends(run) > before
 
 
 def _refuse_finished(run) -> None:

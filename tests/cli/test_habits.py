@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -101,13 +102,21 @@ def test_cancel_json(project):
     assert (project / "scancel-calls").read_text() == "4711\n"
 
 
-def test_preempt_json(project):
+def test_preempt_json(project, monkeypatch):
+    from hpc_ddp.cli import cmd_manage
+
     run_dir = submitted(project)
     out = json.loads(invoke("preempt", "--json", "run").output)
     assert out == {"action": "preempt", "job_id": "4711", "run_dir": run_dir, "executor": "sbatch", "signal": "USR2",
                    "message": "Sent SIGUSR2 to every rank of job 4711"}
     assert (project / "scancel-calls").read_text() == "--signal USR2 4711\n"
-    assert json.loads(invoke("preempt", "--json", "--signal", "sigterm", "run").output)["signal"] == "TERM"
+    # a TERM rehearsal of a Slurm job: recorded first; ranks that have not left after KillWait are killed
+    monkeypatch.setattr(cmd_manage, "REHEARSAL_KILL_WAIT_S", 0.2)
+    term = json.loads(invoke("preempt", "--json", "--signal", "sigterm", "run").output)
+    assert term["signal"] == "TERM" and "were killed, as Slurm kills them after a preemption" in term["message"]
+    assert (project / "scancel-calls").read_text().splitlines()[1:] == ["--signal TERM 4711", "--signal KILL 4711"]
+    events = [json.loads(line) for line in (Path(run_dir) / "events.jsonl").read_text().splitlines()]
+    assert [e["signal"] for e in events if e["event"] == "preempt_rehearsed"] == ["TERM"]
 
 
 def test_cancel_and_preempt_refusals_stay_one_line_with_json(project):
