@@ -85,8 +85,9 @@ def preempt(job: str, sig: str | None, as_json: bool) -> None:
                         "preemption")
         elif name == "TERM":
             message += "; however its program leaves, the attempt counts as preempted and the job runs again"
-            if not _attempt_ended(run, ends, REHEARSAL_KILL_WAIT_S):
-                executor.signal(run, "KILL")   # as Slurm's KillWait after a real preemption's SIGTERM
+            end_steps = getattr(executor, "end_steps", None)
+            if end_steps is not None and not _attempt_ended(run, ends, REHEARSAL_KILL_WAIT_S) and end_steps(run):
+                # as Slurm's KillWait after a real preemption's SIGTERM: the ranks' step ends, the job goes on
                 message += (f"; its ranks were still running {REHEARSAL_KILL_WAIT_S:g} s later and were killed, as "
                             "Slurm kills them after a preemption")
         elif name != "USR1":

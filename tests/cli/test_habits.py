@@ -112,9 +112,11 @@ def test_preempt_json(project, monkeypatch):
     assert (project / "scancel-calls").read_text() == "--signal USR2 4711\n"
     # a TERM rehearsal of a Slurm job: recorded first; ranks that have not left after KillWait are killed
     monkeypatch.setattr(cmd_manage, "REHEARSAL_KILL_WAIT_S", 0.2)
+    (project / "bin" / "squeue").write_text("#!/bin/bash\nprintf '4711.0\\n4711.batch\\n4711.extern\\n'\n")
+    (project / "bin" / "squeue").chmod(0o755)
     term = json.loads(invoke("preempt", "--json", "--signal", "sigterm", "run").output)
     assert term["signal"] == "TERM" and "were killed, as Slurm kills them after a preemption" in term["message"]
-    assert (project / "scancel-calls").read_text().splitlines()[1:] == ["--signal TERM 4711", "--signal KILL 4711"]
+    assert (project / "scancel-calls").read_text().splitlines()[1:] == ["--signal TERM 4711", "4711.0"]
     events = [json.loads(line) for line in (Path(run_dir) / "events.jsonl").read_text().splitlines()]
     assert [e["signal"] for e in events if e["event"] == "preempt_rehearsed"] == ["TERM"]
 

@@ -4,6 +4,7 @@ submitit): squeue, then sacct, then scontrol to ask (`slurm.jobstate.scheduler_s
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from hpc_ddp.common.errors import UserError
@@ -63,6 +64,18 @@ class SlurmControl:
 
     def signal(self, run: Run, name: str) -> None:
         self._scancel(["--signal", name, _job(run)])
+
+    def end_steps(self, run: Run) -> list[str]:
+        """Cancel the job's running steps (the ranks', a guard's), never the job or its batch script, which
+        then records how the attempt ended and requeues it. `scancel --signal KILL JOB` would cancel the whole
+        job (Slurm treats SIGKILL so, measured on 22.05); a step id is cancelled on its own."""
+        job = _job(run)
+        listed = self.commands.run(["squeue", "-h", "-s", "-j", job, "-o", "%i"], timeout=30)
+        steps = [s for s in listed.stdout.split() if re.fullmatch(rf"{re.escape(job)}\.\d+", s)] \
+            if listed.returncode == 0 else []
+        if steps:
+            self._scancel(steps)
+        return steps
 
     def signal_jobs(self, job_ids: list[str], name: str) -> None:
         """Several jobs (a sweep's running tasks) in one scancel. Only running ones: scancel --signal waits
