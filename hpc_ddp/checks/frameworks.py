@@ -70,7 +70,10 @@ _FRAMEWORKS = (
 
 def framework_of(source: str) -> str | None:
     """The framework the script runs under (Lightning, the Hugging Face Trainer, accelerate), if any."""
-    code = code_only(source)
+    return _framework_in(code_only(source))
+
+
+def _framework_in(code: str) -> str | None:
     return next((framework for uses, _, framework, _, _ in _FRAMEWORKS if uses.search(code)), None)
 
 
@@ -111,8 +114,10 @@ def lightning_size_notes(source: str, name: str, nodes: int, tasks_per_node: int
     trainer of its own, all writing one checkpoint folder (measured with Lightning 2.6 on the test Slurm:
     both ranks "rank 0", each through the whole dataset, resumed at different steps). Not for a call that
     passes `**kwargs` (its sizes may be in them) or a job of one task."""
+    if nodes * tasks_per_node <= 1:
+        return []
     code = code_only(source)
-    if framework_of(source) != "Lightning" or nodes * tasks_per_node <= 1:
+    if _framework_in(code) != "Lightning":
         return []
     name = name if name.isprintable() else repr(name)
     notes = []

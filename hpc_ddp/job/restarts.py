@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hpc_ddp.common.durable import read_bounded
 from hpc_ddp.common.errors import HpcDdpError
 from hpc_ddp.common.events import JsonLines, read_jsonl
 from hpc_ddp.common.rundir import RunDir
@@ -48,9 +49,8 @@ def srun_pins(srun_args: Sequence[str], read: Callable[[str], str] | None = None
         if name not in ("nodelist", "nodefile", "exclude"):
             continue
         try:
-            text = read(value) if name == "nodefile" or "/" in value else value
-            hosts = [h for word in text.replace(",", " ").split() for h in expand_hostlist(word)] \
-                if name == "nodefile" or "/" in value else expand_hostlist(value)
+            words = read(value).replace(",", " ").split() if name == "nodefile" or "/" in value else [value]
+            hosts = [h for word in words for h in expand_hostlist(word)]
         except (OSError, ValueError, HpcDdpError) as exc:
             why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
             return Pins(unknown=f"--srun-arg={arg}: its nodes could not be read ({why})")
@@ -59,11 +59,9 @@ def srun_pins(srun_args: Sequence[str], read: Callable[[str], str] | None = None
 
 
 def _read_node_file(path: str) -> str:
-    with open(path, "rb") as fh:
-        data = fh.read(MAX_NODEFILE_BYTES + 1)
-    if len(data) > MAX_NODEFILE_BYTES:
-        raise ValueError(f"{path} is over {MAX_NODEFILE_BYTES} bytes")
-    return data.decode("ascii")
+    """A node file as srun reads it: a regular file only (a FIFO in its place is refused, never waited on),
+    at most MAX_NODEFILE_BYTES."""
+    return read_bounded(path, MAX_NODEFILE_BYTES).decode("ascii")
 
 
 def restart_in_place(run_dir: Path, attempt: int, exit_code: int, last: Attempt, lost: list[str],

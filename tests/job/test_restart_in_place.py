@@ -131,7 +131,7 @@ def test_srun_pins_read_files_as_srun_does_and_refuse_what_cannot_be_read(tmp_pa
     assert "could not be read" in srun_pins(["--nodelist=n[1-20000000]"]).unknown   # never expanded
     big = tmp_path / "big"
     big.write_bytes(b"n1 " * 400_000)
-    assert "over" in srun_pins([f"--nodefile={big}"]).unknown
+    assert "more than the 1,048,576" in srun_pins([f"--nodefile={big}"]).unknown
 
 
 def test_without_the_scripts_word_nothing_restarts(tmp_path, monkeypatch):
@@ -260,3 +260,12 @@ def test_not_responding_is_lost_only_where_asked_why_an_attempt_died(state, lost
     from hpc_ddp.slurm.jobview import lost_state
 
     assert lost_state(state) is lost and lost_state(state, silent=True) is silent
+
+
+def test_a_node_file_that_is_a_fifo_is_refused_never_waited_on(tmp_path):
+    import os
+
+    from hpc_ddp.job.restarts import srun_pins
+
+    os.mkfifo(tmp_path / "nodes")
+    assert "could not be read" in srun_pins([f"--nodefile={tmp_path / 'nodes'}"]).unknown
