@@ -108,7 +108,7 @@ def test_the_laptop_recipe_runs_as_written_from_the_wheel_without_torch(tmp_path
     base = Path(sys.base_prefix) / "bin"
     env = {"HOME": str(home), "PATH": f"{home}/.local/bin:{base}:/usr/bin:/bin", "PYTHONPATH": str(site),
            "PIP_DISABLE_PIP_VERSION_CHECK": "1", "LANG": "C.UTF-8"}
-    steps = _recipe("install.md", "<!-- run as written by tests/test_install.py")
+    steps = _recipe("install.md", "<!-- run as written by tests/test_install.py, in a fresh venv with torch made unimportable")
     assert [c.split()[0] for c, _ in steps] == ["python3", "~/.local/share/hpc-ddp/bin/pip",
                                                 "~/.local/share/hpc-ddp/bin/pip", "mkdir", "hpc-ddp"]
     for command, expected in steps:
