@@ -21,6 +21,9 @@
 # goes on: the whole run takes the longer of the two lanes, not their sum. `make test-slurm-versions` runs
 # the core set on all three, one version after another and nothing else beside it.
 #
+# HPC_DDP_TEST_JUNIT=DIR: each pytest also writes its per-test times as JUnit XML into DIR (slurm.xml,
+# local.xml, smoke-VERSION.xml; serial.xml for one lane), to see where a run's time went (CONTRIBUTING.md).
+#
 # Only the two cgroups this run made are removed at the end (rmdir of an empty cgroup; never a process killed
 # other than the local lane, if this script is interrupted).
 set -uo pipefail
@@ -31,6 +34,8 @@ CPU=/sys/fs/cgroup/cpu
 SLURM_WEIGHT=${HPC_DDP_TEST_SLURM_WEIGHT:-8192}
 LOCAL_WEIGHT=${HPC_DDP_TEST_LOCAL_WEIGHT:-1024}
 made=()
+# junit NAME: JUNIT=(the pytest option that writes NAME.xml under HPC_DDP_TEST_JUNIT), empty when it is unset.
+junit() { JUNIT=(); if [ -n "${HPC_DDP_TEST_JUNIT:-}" ]; then JUNIT=("--junitxml=$HPC_DDP_TEST_JUNIT/$1.xml"); fi; }
 
 cleanup() {
     if [ -n "${local_pid:-}" ] && kill -0 "$local_pid" 2>/dev/null; then
@@ -81,7 +86,8 @@ smoke_versions() {
             echo "make test: the Slurm $version test Slurm did not start"; rc=1; continue
         fi
         eval "$line"
-        "${PYTEST[@]}" --lane slurm -m "$mark" tests || rc=1
+        junit "smoke-$version"
+        "${PYTEST[@]}" "${JUNIT[@]}" --lane slurm -m "$mark" tests || rc=1
         echo "make test: Slurm $version ($(sinfo -V)), -m $mark, done after $((SECONDS - began)) s"
     done
     return $rc
@@ -89,7 +95,8 @@ smoke_versions() {
 
 if [ "$lanes" = serial ]; then
     echo "make test: one lane (two where a cpu cgroup can be made, unless HPC_DDP_TEST_LANES=serial)"
-    "${PYTEST[@]}" tests
+    junit serial
+    "${PYTEST[@]}" "${JUNIT[@]}" tests
     rc=$?
     smoke_versions || rc=1
     exit $rc
@@ -98,11 +105,13 @@ fi
 local_log=$(mktemp "${TMPDIR:-/tmp}/hpc-ddp-local-lane.XXXXXX")
 echo "make test: two lanes; the local lane's log ($local_log) follows the slurm lane's"
 # setsid: the local lane is its own process group, so an interrupted run stops all of it and nothing else.
+junit local
 setsid bash -c 'echo $$ > "$1/cgroup.procs" && shift && exec "$@"' lane "${made[1]}" \
-    "${PYTEST[@]}" --lane local tests >"$local_log" 2>&1 &
+    "${PYTEST[@]}" "${JUNIT[@]}" --lane local tests >"$local_log" 2>&1 &
 local_pid=$!
 start=$SECONDS
-"${PYTEST[@]}" --lane slurm tests
+junit slurm
+"${PYTEST[@]}" "${JUNIT[@]}" --lane slurm tests
 slurm_rc=$?
 echo "make test: slurm lane done after $((SECONDS - start)) s (rc $slurm_rc)"
 smoke_versions || slurm_rc=1
