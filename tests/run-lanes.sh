@@ -5,7 +5,9 @@
 #
 #   slurm lane: the tests that use the test Slurm (pytest --lane slurm), one after another, as they must:
 #               they share its four nodes, kill slurmds and preempt partitions. Its log is this script's output.
-#   local lane: every other test (--lane local), at the same time. Its log is printed when it ends.
+#   local lane: every other test (--lane local), at the same time, in HPC_DDP_TEST_LOCAL_WORKERS pytest-xdist
+#               workers (default 2; 1 for one pytest), a test file to a worker (--dist loadfile: a module's
+#               fixtures are made once). Its log is printed when it ends.
 #
 # The slurm lane spends most of its time waiting on Slurm's clocks, but when its jobs start, their ranks want
 # both cores, and a preempted rank has KillWait (5 s) to checkpoint and leave. So the lanes run in two cpu
@@ -104,10 +106,14 @@ fi
 
 local_log=$(mktemp "${TMPDIR:-/tmp}/hpc-ddp-local-lane.XXXXXX")
 echo "make test: two lanes; the local lane's log ($local_log) follows the slurm lane's"
-# setsid: the local lane is its own process group, so an interrupted run stops all of it and nothing else.
 junit local
+# Two workers: the local lane alone took 31.2 min in one pytest and 21.8 in two (2026-12-05), the same CPU
+# (38 min), since its tests wait on timeouts, subprocesses and collective timeouts as much as they compute.
+WORKERS=${HPC_DDP_TEST_LOCAL_WORKERS:-2} XDIST=()
+case "$WORKERS" in [2-9]) XDIST=(-n "$WORKERS" --dist loadfile) ;; esac
+# setsid: the local lane is its own process group, so an interrupted run stops all of it and nothing else.
 setsid bash -c 'echo $$ > "$1/cgroup.procs" && shift && exec "$@"' lane "${made[1]}" \
-    "${PYTEST[@]}" "${JUNIT[@]}" --lane local tests >"$local_log" 2>&1 &
+    "${PYTEST[@]}" "${JUNIT[@]}" "${XDIST[@]}" --lane local tests >"$local_log" 2>&1 &
 local_pid=$!
 start=$SECONDS
 junit slurm
