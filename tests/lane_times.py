@@ -26,7 +26,8 @@ def report(path: Path, files: int = 12, tests: int = 12) -> str:
     for file, _, seconds in rows:
         by_file[file] += seconds
         count[file] += 1
-    lines = [f"## {path.name}: {len(rows)} tests, {sum(s for *_, s in rows) / 60:.1f} min"]
+    # the sum of the tests' times: more than the lane's wall time where pytest-xdist ran it in workers
+    lines = [f"## {path.name}: {len(rows)} tests, {sum(s for *_, s in rows) / 60:.1f} min of test time"]
     lines += [f"{seconds:8.1f} s  {count[file]:5d}  {file}" for file, seconds in by_file.most_common(files)]
     lines.append("slowest:")
     lines += [f"{seconds:8.1f} s  {file}::{name}" for file, name, seconds in
