@@ -76,8 +76,10 @@ def _wheel(tmp_path: Path) -> Path:
 
 
 def _recipe(page: str, marker: str) -> list[tuple[str, list[str]]]:
-    """The console block after `marker` in docs/`page`: (command, the output lines after it)."""
+    """The console block after `marker` in docs/`page`: (command, the output lines after it). The marker must
+    stand once on the page: a second block with the same marker would otherwise be read in its place."""
     text = (REPO / "docs" / page).read_text()
+    assert text.count(marker) == 1, f"docs/{page}: {marker!r} stands {text.count(marker)} times, not once"
     block = text[text.index(marker):].split("```console\n", 1)[1].split("```", 1)[0]
     steps: list[tuple[str, list[str]]] = []
     for line in block.splitlines():
