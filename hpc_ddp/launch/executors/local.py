@@ -191,12 +191,14 @@ def _plan_body(spec: JobSpec, run_dir: str, job_id: str, envs: list[dict[str, st
             f"&& chmod 600 -- \"$RUN_DIR/{rundir.SPEC}\") || return",
             f"{attempt_env} {python} -m hpc_ddp.job.attempts begin \"$RUN_DIR\" 0 || return",
             "mkdir -p -- " + " ".join(q(d) for d in dict.fromkeys(env["TMPDIR"] for env in envs)) + " || return",
-            *_plan_node_setup(spec, envs), "pids=()"]
+            *_plan_node_setup(spec, envs), "pids=() stopping=0",
+            # Started with &, the ranks ignore Ctrl-C: pass it on as SIGTERM, so none is left running. Set
+            # before the first rank starts: a stop while they start stops those started, and those after.
+            "trap 'stopping=1; kill -TERM \"${pids[@]}\" 2>/dev/null' INT TERM HUP"]
     for env in envs:
         body += [" ".join(f"{k}={q(v)}" for k, v in env.items()) + f" {runner} &", 'pids+=("$!")']
     body += [
-        # Started with &, the ranks ignore Ctrl-C: pass it on as SIGTERM, so none is left running.
-        "trap 'kill -TERM \"${pids[@]}\" 2>/dev/null' INT TERM HUP",
+        '[ "$stopping" = 0 ] || kill -TERM "${pids[@]}" 2>/dev/null',
         # Polled, not `wait -n`: bash drops a rank that exits early from the job table `wait -n` reads.
         "failed=0 requeue=0",
         'while [ "${#pids[@]}" -gt 0 ]; do',
