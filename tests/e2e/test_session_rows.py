@@ -39,7 +39,12 @@ def test_rank_0_alone_saving_then_every_rank_finishing_is_one_line_each_at_once(
     assert time.monotonic() - started < 90 and "Traceback" not in out   # it hung for the collective timeout
 
 
-def test_an_error_on_one_rank_is_its_line_and_one_line_from_each_other_rank(tmp_path):
+def test_an_error_on_one_rank_is_its_line_and_at_most_one_line_from_each_other_rank(tmp_path):
+    """The other ranks say who failed and why, in the same line whichever sees it first (the heartbeat, or
+    the broken collective), or nothing: the launcher stops them when the first fails, as srun's
+    --kill-on-bad-exit does, and on a loaded machine it once stopped rank 2 before its heartbeat ran. So
+    each other rank says that line or nothing, and of the four other ranks of the two runs at least one
+    says it."""
     (tmp_path / "bad.py").write_text(
         "import os, torch, hpc_ddp\n"
         "with hpc_ddp.start() as run:\n"
@@ -52,16 +57,20 @@ def test_an_error_on_one_rank_is_its_line_and_one_line_from_each_other_rank(tmp_
         "        model(torch.randn(8, 4)).sum().backward()\n"
         "        run.step()\n"
         "    run.finish()\n")
+    said = 0
     for bad in ("0", "1"):
         done = _submit(tmp_path, "bad.py", "--nodes", "3", "--run-dir", f"run{bad}", env={"BAD_RANK": bad})
         out = done.stdout + done.stderr
         assert done.returncode != 0 and "failed (exit code 2)" in out, out
         assert f"[rank {bad}] hpc-ddp: error: track(): bad=object has no state_dict()" in out
         for other in {"0", "1", "2"} - {bad}:
-            # The same line whichever sees it first: the heartbeat, or the broken collective.
-            assert (f"[rank {other}] hpc-ddp: error: rank {other}: rank {bad} (localhost) failed: "
-                    "UsageError: track(): bad=object") in out, out
+            errors = [line for line in out.splitlines() if line.startswith(f"[rank {other}] ") and "error" in line]
+            expected = (f"[rank {other}] hpc-ddp: error: rank {other}: rank {bad} (localhost) failed: "
+                        "UsageError: track(): bad=object")
+            assert len(errors) <= 1 and all(line.startswith(expected) for line in errors), out
+            said += len(errors)
         assert "frame #" not in out and "TCPStore" not in out and "Traceback" not in out, out
+    assert said >= 1
 
 
 def test_one_long_step_under_a_3_s_stall_floor_is_no_stall_and_the_run_completes(tmp_path):
