@@ -6,8 +6,8 @@
 #   slurm lane: the tests that use the test Slurm (pytest --lane slurm), one after another, as they must:
 #               they share its four nodes, kill slurmds and preempt partitions. Its log is this script's output.
 #   local lane: every other test (--lane local), at the same time; in HPC_DDP_TEST_LOCAL_WORKERS pytest-xdist
-#               workers where that is 2 or more (default 1: one pytest), a test file to a worker (--dist
-#               loadfile: a module's fixtures are made once). Its log is printed when it ends.
+#               workers (default 2; 1: one pytest), a test file to a worker (--dist loadfile: a module's
+#               fixtures are made once). Its log is printed when it ends.
 #
 # The slurm lane spends most of its time waiting on Slurm's clocks, but when its jobs start, their ranks want
 # both cores, and a preempted rank has KillWait (5 s) to checkpoint and leave. So the lanes run in two cpu
@@ -26,16 +26,20 @@
 # HPC_DDP_TEST_JUNIT=DIR: each pytest also writes its per-test times as JUnit XML into DIR (slurm.xml,
 # local.xml, smoke-VERSION.xml; serial.xml for one lane), to see where a run's time went (CONTRIBUTING.md).
 #
-# Only the two cgroups this run made are removed at the end (rmdir of an empty cgroup; never a process killed
+# Where a cpuacct controller is mounted apart from cpu (/sys/fs/cgroup/cpuacct), each lane is also counted
+# there, and the end says how much CPU each lane used (the floor under make test's time on this machine).
+#
+# Only the cgroups this run made are removed at the end (rmdir of an empty cgroup; never a process killed
 # other than the local lane, if this script is interrupted).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 PYTEST=("$PY" -m pytest -q --durations=25 "$@")  # arguments go to both lanes: -k, -x, ...
 CPU=/sys/fs/cgroup/cpu
+ACCT=/sys/fs/cgroup/cpuacct
 SLURM_WEIGHT=${HPC_DDP_TEST_SLURM_WEIGHT:-8192}
 LOCAL_WEIGHT=${HPC_DDP_TEST_LOCAL_WEIGHT:-1024}
-made=()
+made=() counted=()
 # junit NAME: JUNIT=(the pytest option that writes NAME.xml under HPC_DDP_TEST_JUNIT), empty when it is unset.
 junit() { JUNIT=(); if [ -n "${HPC_DDP_TEST_JUNIT:-}" ]; then JUNIT=("--junitxml=$HPC_DDP_TEST_JUNIT/$1.xml"); fi; }
 
@@ -47,8 +51,8 @@ cleanup() {
     # Out of the cgroups this run made, back into their parent: this shell and what it started that is
     # still running (munged, which slurm-down.sh leaves up); then remove them.
     local group pid
-    for group in "${made[@]}"; do
-        while read -r pid; do echo "$pid" > "$CPU/cgroup.procs" 2>/dev/null; done < "$group/cgroup.procs"
+    for group in "${made[@]}" "${counted[@]}"; do
+        while read -r pid; do echo "$pid" > "$(dirname "$group")/cgroup.procs" 2>/dev/null; done < "$group/cgroup.procs"
         rmdir "$group" 2>/dev/null
     done
 }
@@ -71,7 +75,19 @@ else
         echo "$SLURM_WEIGHT" > "${made[0]}/cpu.shares" && echo "$LOCAL_WEIGHT" > "${made[1]}/cpu.shares" \
             && echo $$ > "${made[0]}/cgroup.procs" || lanes=serial
     fi
+    # CPU accounting, only where cpuacct is a hierarchy of its own (else the cpu groups above may hold it).
+    if [ "$lanes" = parallel ] && [ -w "$ACCT/cgroup.procs" ] && [ "$(readlink -f "$ACCT")" != "$(readlink -f "$CPU")" ]; then
+        for lane in slurm local; do
+            mkdir "$ACCT/hpc-ddp-test-$lane-$$" 2>/dev/null && counted+=("$ACCT/hpc-ddp-test-$lane-$$")
+        done
+        [ "${#counted[@]}" = 2 ] && echo $$ > "${counted[0]}/cgroup.procs" 2>/dev/null
+    fi
 fi
+# cpu_minutes LANE: the CPU that lane's processes used so far, in minutes ("?" where it was not counted).
+cpu_minutes() {
+    local file="$ACCT/hpc-ddp-test-$1-$$/cpuacct.usage"
+    if [ "${#counted[@]}" = 2 ] && [ -r "$file" ]; then awk '{ printf "%.1f", $1 / 6e10 }' "$file"; else echo "?"; fi
+}
 
 # The Slurm daemons start from this shell, so in the slurm lane's cgroup when there is one.
 eval "$(HPC_DDP_SLURM_VERSION=22.05 bash tests/cluster/slurm-up.sh | tail -n 1)"
@@ -107,13 +123,13 @@ fi
 local_log=$(mktemp "${TMPDIR:-/tmp}/hpc-ddp-local-lane.XXXXXX")
 echo "make test: two lanes; the local lane's log ($local_log) follows the slurm lane's"
 junit local
-# Two workers are opt-in: the local lane alone took 31.2 min in one pytest and 21.8 in two (2026-12-05), the
-# same 38 min of CPU; beside the slurm lane, 43.6 min against 53, but three timing tests failed under the
-# extra load (CONTRIBUTING.md). The default stays one pytest until they hold.
-WORKERS=${HPC_DDP_TEST_LOCAL_WORKERS:-1} XDIST=()
+# Two workers: the local lane alone took 31.2 min in one pytest and 21.8 in two (2026-12-05), the same 38 min
+# of CPU; beside the slurm lane, 43.6 min against 53 (CONTRIBUTING.md). HPC_DDP_TEST_LOCAL_WORKERS=1: one pytest.
+WORKERS=${HPC_DDP_TEST_LOCAL_WORKERS:-2} XDIST=()
 case "$WORKERS" in [2-9]) XDIST=(-n "$WORKERS" --dist loadfile) ;; esac
 # setsid: the local lane is its own process group, so an interrupted run stops all of it and nothing else.
-setsid bash -c 'echo $$ > "$1/cgroup.procs" && shift && exec "$@"' lane "${made[1]}" \
+setsid bash -c 'echo $$ > "$1/cgroup.procs" && shift && { [ -z "$1" ] || echo $$ > "$1/cgroup.procs"; } && shift && exec "$@"' \
+    lane "${made[1]}" "${counted[1]:-}" \
     "${PYTEST[@]}" "${JUNIT[@]}" "${XDIST[@]}" --lane local tests >"$local_log" 2>&1 &
 local_pid=$!
 start=$SECONDS
@@ -128,6 +144,7 @@ local_rc=$?
 local_pid=
 echo "================================ local lane ================================"
 cat "$local_log"
-echo "make test: both lanes done after $((SECONDS - start)) s (slurm rc $slurm_rc, local rc $local_rc)"
+echo "make test: both lanes done after $((SECONDS - start)) s (slurm rc $slurm_rc, local rc $local_rc);" \
+    "CPU used: slurm lane $(cpu_minutes slurm) min, local lane $(cpu_minutes local) min"
 rm -f "$local_log"
 [ "$slurm_rc" -eq 0 ] && [ "$local_rc" -eq 0 ]
