@@ -1,30 +1,32 @@
 #!/usr/bin/env bash
-# Stop the test Slurm started by slurm-up.sh (slurmctld, slurmd, slurmdbd and its MariaDB; munged is
-# left running, it is harmless), and unmount what slurm-up bound into a newer release's root (chroot.sh).
+# Stop the test Slurm started by slurm-up.sh (slurmctld, slurmd, slurmdbd and its MariaDB, and the SSH tests'
+# sshd for it; munged is left running, it is harmless), and unmount what slurm-up bound into a newer release's root (chroot.sh).
+# HPC_DDP_SLURM_INSTANCE=K: that test Slurm (tests/cluster/instance.sh); another instance's daemons, MariaDB
+# and roots are left alone.
 set -u
-ROOT=${HPC_DDP_SLURM_ROOT:-/var/tmp/hpc-ddp-slurm}
 here=$(cd "$(dirname "$0")" && pwd)
+# shellcheck source=tests/cluster/instance.sh
+. "$here/instance.sh"
 # shellcheck source=tests/cluster/chroot.sh
 . "$here/chroot.sh"
+# The roots this instance mounted (slurm-up.sh lists them in $ROOT/chroots), each only if it is one of ours.
 unmount_roots() {
-    local release
-    for release in "${CHROOT_RELEASE[@]}"; do umount_chroot "$CHROOTS/$release"; done
+    local dir release
+    if [ -f "$ROOT/chroots" ]; then
+        while read -r dir; do
+            for release in "${CHROOT_RELEASE[@]}"; do
+                [ "$dir" = "$CHROOTS/$release" ] && umount_chroot "$dir"
+            done
+        done < "$ROOT/chroots"
+        rm -f "$ROOT/chroots"
+    fi
     rm_wrappers "$ROOT/bin"
 }
-pkill -x slurmctld 2>/dev/null
-pkill -x slurmd 2>/dev/null
-pkill -x slurmdbd 2>/dev/null
+stop_our_daemons
+stop_our_sshd
 # Our MariaDB only (its own socket under $ROOT), never the system's.
 if [ -S "$ROOT/mysql.sock" ]; then
     mariadb-admin --no-defaults --socket="$ROOT/mysql.sock" -u root shutdown >/dev/null 2>&1
 fi
-for _ in $(seq 50); do
-    pgrep -x slurmctld >/dev/null || pgrep -x slurmd >/dev/null || pgrep -x slurmdbd >/dev/null || { unmount_roots; exit 0; }
-    sleep 0.1
-done
-pkill -9 -x slurmctld 2>/dev/null
-pkill -9 -x slurmd 2>/dev/null
-pkill -9 -x slurmdbd 2>/dev/null
-sleep 0.2
 unmount_roots
 exit 0

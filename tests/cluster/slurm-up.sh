@@ -8,13 +8,18 @@
 # is left running when it answers.
 # The last line printed is the `export SLURM_CONF=...` line that points sbatch/srun/squeue at it.
 #
+# HPC_DDP_SLURM_INSTANCE=K: a second (third...) test Slurm beside the first, with a folder, ports, MariaDB and
+# sshd of its own (tests/cluster/instance.sh); starting or stopping one never touches another's daemons.
+#
 # HPC_DDP_SLURM_VERSION picks the Slurm release: 22.05 (the default) is Debian bookworm's, on this machine;
 # 24.11 (Debian trixie) and 26.05 (Debian sid) run from a root of their own release (tests/cluster/chroot.sh:
 # built once with mmdebstrap from Debian's repositories, cached). Their daemons, and so every job step, run
 # inside that root; the Slurm commands on the export line's PATH ($ROOT/bin) run that release's commands.
 set -euo pipefail
 
-ROOT=${HPC_DDP_SLURM_ROOT:-/var/tmp/hpc-ddp-slurm}
+here=$(cd "$(dirname "$0")" && pwd)
+# shellcheck source=tests/cluster/instance.sh
+. "$here/instance.sh"   # ROOT, the ports, our_daemons
 # HPC_DDP_SLURM_NODES (2 to 9, default 4): nodes hpcn1...; beyond 2, a partition `wide` has them all (node
 # ranges, tests/e2e/test_elastic.py), while debug, short, grace and urgent keep hpcn1 and hpcn2 (what the
 # other tests expect: a job in urgent that takes both preempts whatever runs in debug).
@@ -24,9 +29,7 @@ NODES=() ADDRS=()
 for ((i = 1; i <= COUNT; i++)); do NODES+=("hpcn$i"); ADDRS+=("127.0.1.$((10 + i))"); done
 GPUS_PER_NODE=2
 CPUS_PER_NODE=4
-DB_PORT=3316
 DB_SOCK=$ROOT/mysql.sock
-here=$(cd "$(dirname "$0")" && pwd)
 VERSION=${HPC_DDP_SLURM_VERSION:-22.05}
 # shellcheck source=tests/cluster/chroot.sh
 . "$here/chroot.sh"
@@ -140,7 +143,7 @@ write_config() {
         local i
         for i in "${!NODES[@]}"; do
             printf 'NodeName=%s NodeAddr=%s Port=%d CPUs=%d RealMemory=4000 Gres=gpu:%d State=UNKNOWN\n' \
-                "${NODES[$i]}" "${ADDRS[$i]}" $((6830 + i)) "$CPUS_PER_NODE" "$GPUS_PER_NODE"
+                "${NODES[$i]}" "${ADDRS[$i]}" $((SLURMD_PORT + i)) "$CPUS_PER_NODE" "$GPUS_PER_NODE"
         done
         # Real preemption (PreemptType=partition_prio in slurm.conf.in): a job in `urgent` (higher
         # PriorityTier) preempts jobs in the others. debug and short: SIGTERM, then SIGKILL after KillWait
@@ -154,7 +157,8 @@ write_config() {
         printf 'PartitionName=urgent Nodes=%s MaxTime=INFINITE State=UP PriorityTier=100\n' "$first"
         [ "$COUNT" -gt 2 ] && printf 'PartitionName=wide Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=1\n'
         true
-    } | sed "s|@ROOT@|$ROOT|g" > "$ROOT/slurm.conf"
+    } | sed -e "s|@ROOT@|$ROOT|g" -e "s|@CTLD_PORT@|$CTLD_PORT|g" -e "s|@DBD_PORT@|$DBD_PORT|g" \
+        -e "s|@FIRST_JOB_ID@|$FIRST_JOB_ID|g" > "$ROOT/slurm.conf"
     : > "$ROOT/gres.conf"
     for n in "${NODES[@]}"; do
         printf 'NodeName=%s Name=gpu File=/dev/hpcddp_%s_gpu%s\n' "$n" "$n" "$gpu_range" >> "$ROOT/gres.conf"
@@ -165,7 +169,7 @@ write_config() {
     (umask 077; cat > "$ROOT/slurmdbd.conf" <<EOF
 AuthType=auth/munge
 DbdHost=localhost
-DbdPort=6819
+DbdPort=$DBD_PORT
 SlurmUser=root
 LogFile=$ROOT/log/slurmdbd.log
 PidFile=$ROOT/slurmdbd.pid
@@ -179,18 +183,10 @@ EOF
     )
 }
 
+# This test Slurm's daemons only (instance.sh: by their SLURM_CONF), never another instance's.
 stop_daemons() {
     [ -n "$CHROOT" ] || rm_wrappers "$ROOT/bin"
-    pkill -x slurmctld 2>/dev/null || true
-    pkill -x slurmd 2>/dev/null || true
-    pkill -x slurmdbd 2>/dev/null || true
-    for _ in $(seq 50); do
-        pgrep -x slurmctld >/dev/null || pgrep -x slurmd >/dev/null || pgrep -x slurmdbd >/dev/null || return 0
-        sleep 0.1
-    done
-    pkill -9 -x slurmctld 2>/dev/null || true
-    pkill -9 -x slurmd 2>/dev/null || true
-    pkill -9 -x slurmdbd 2>/dev/null || true
+    stop_our_daemons
 }
 
 start_slurmdbd() {
@@ -249,6 +245,8 @@ write_config
 if [ -n "$CHROOT" ]; then
     build_chroot "$CHROOT" "$VERSION"
     mount_chroot "$CHROOT" "$ROOT" "$here/../.." ${PY:+"$PY"}
+    # What slurm-down.sh unmounts for this instance (and no other's).
+    grep -qxF "$CHROOT" "$ROOT/chroots" 2>/dev/null || echo "$CHROOT" >> "$ROOT/chroots"
     write_wrappers "$CHROOT" "$ROOT/bin"
 fi
 start_mariadb
@@ -259,7 +257,7 @@ wait_until_idle
 in_slurm sinfo -o '%P %a %l %D %t %N %G' >&2
 log "Slurm $(in_slurm sinfo -V)${CHROOT:+ (from $CHROOT)}"
 if [ -n "$CHROOT" ]; then
-    echo "export SLURM_CONF=$ROOT/slurm.conf HPC_DDP_SLURM_VERSION=$VERSION PATH=$ROOT/bin:\$PATH"
+    echo "export SLURM_CONF=$ROOT/slurm.conf HPC_DDP_SLURM_VERSION=$VERSION ${SSHD_ENV:+$SSHD_ENV }PATH=$ROOT/bin:\$PATH"
 else
-    echo "export SLURM_CONF=$ROOT/slurm.conf HPC_DDP_SLURM_VERSION=$VERSION"
+    echo "export SLURM_CONF=$ROOT/slurm.conf HPC_DDP_SLURM_VERSION=$VERSION${SSHD_ENV:+ $SSHD_ENV}"
 fi
