@@ -126,11 +126,30 @@ def kill_at_once(pids) -> None:
                 pass
 
 
+def slurmd_pids(node: str, conf: str | None = None) -> list[int]:
+    """The slurmd of `node` in the test Slurm of SLURM_CONF (or `conf`): started as `slurmd -N node` with that
+    SLURM_CONF. Several test Slurms may run here at once with the same node names (tests/cluster/instance.sh);
+    the other's slurmd of the same name is never one of these."""
+    conf = conf or os.environ["SLURM_CONF"]
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if not entry.name.isdigit() or (entry / "comm").read_text().strip() != "slurmd":
+                continue
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        named = any(argv[i:i + 2] == [b"-N", node.encode()] for i in range(len(argv)))
+        if named and f"SLURM_CONF={conf}".encode() in environ:
+            found.append(int(entry.name))
+    return found
+
+
 def kill_node(job: str, node: str) -> None:
     """As tests/e2e/test_restart_in_place.py does: the node's slurmd, the job's processes on it and their
     slurmstepds, then State=DOWN."""
-    pids = [int(p) for p in subprocess.run(["pgrep", "-f", f"^slurmd -N {node}( |$)"], capture_output=True,
-                                           text=True).stdout.split()]
+    pids = slurmd_pids(node)
     for pid in _procs(job, node):
         pids.append(pid)
         parent = _parent(pid)
@@ -148,7 +167,7 @@ def bring_back(node: str, after_s: float = 15.0) -> threading.Thread:
     def back():
         time.sleep(after_s)
         root = Path(os.environ["SLURM_CONF"]).parent
-        if not subprocess.run(["pgrep", "-f", f"^slurmd -N {node}( |$)"], capture_output=True).stdout.strip():
+        if not slurmd_pids(node):
             subprocess.run(["slurmd", "-N", node, "-L", str(root / "log" / f"slurmd-{node}.log")])
         for _ in range(60):
             subprocess.run(["scontrol", "update", f"NodeName={node}", "State=RESUME"], capture_output=True)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.goodput_bench import kill_at_once
+from bench.goodput_bench import kill_at_once, slurmd_pids
 from hpc_ddp.common.events import read_jsonl
 
 from .helpers import SLOW_MODEL, hpc_ddp, job_field, run_through_requeues, submit_json, wait_until
@@ -54,8 +54,7 @@ def _job_processes(job_id: str) -> list[int]:
 
 
 def _slurmd_of(node: str) -> list[int]:
-    out = subprocess.run(["pgrep", "-f", f"^slurmd -N {node}( |$)"], capture_output=True, text=True).stdout
-    return [int(p) for p in out.split()]
+    return slurmd_pids(node)   # this test Slurm's, not another's of the same node name
 
 
 def _kill_node(node: str, job_id: str) -> None:

@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from bench.goodput_bench import slurmd_pids
 from hpc_ddp.common.events import read_jsonl
 from hpc_ddp.job.hostguard import SILENT_S
 
@@ -39,9 +40,9 @@ def test_a_batch_host_whose_slurmd_stops_answering_for_45_s_is_not_lost(slurm_co
                    "the job to train")
         wait_until(lambda: (tmp_path / "run" / "checkpoints" / "latest").exists(), 120, "the first checkpoint")
         host = job_field(job, "BatchHost")
-        found = subprocess.run(["pgrep", "-f", f"^slurmd -N {host}( |$)"], capture_output=True, text=True).stdout.split()
+        found = slurmd_pids(host)   # this test Slurm's, not another's of the same node name
         assert len(found) == 1, found
-        pid = int(found[0])
+        pid = found[0]
         os.kill(pid, signal.SIGSTOP)
         stopped = time.monotonic()
         # slurmctld pings a node every SlurmdTimeout / 3 (100 s by default); a reconfigure sends every slurmd
