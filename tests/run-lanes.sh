@@ -16,12 +16,14 @@
 # liveness check in a local run looks for a heartbeat within 5 s). Without a cpu cgroup we can make (no
 # cgroup v1 cpu controller, or no root), or with HPC_DDP_TEST_LANES=serial, one pytest runs everything.
 #
-# The whole suite runs on the test Slurm of this machine's Debian, 22.05. Then the version smoke: the tests
-# marked slurm_smoke (HPC_DDP_TEST_VERSIONS_MARK; CI gives slurm_core, the larger core set) on each other
-# version the project supports (HPC_DDP_TEST_SMOKE_VERSIONS, default "24.11 26.05", "" for none), on a test
-# Slurm of that version (tests/cluster/chroot.sh), one after another, in the slurm lane, while the local lane
-# goes on: the whole run takes the longer of the two lanes, not their sum. `make test-slurm-versions` runs
-# the core set on all three, one version after another and nothing else beside it.
+# The whole suite runs on the test Slurm of this machine's Debian, 22.05. Beside it, the versions lane: the
+# tests marked slurm_smoke (HPC_DDP_TEST_VERSIONS_MARK; CI gives slurm_core, the larger core set) on each
+# other version the project supports (HPC_DDP_TEST_SMOKE_VERSIONS, default "24.11 26.05", "" for none), one
+# after another, on a second test Slurm (HPC_DDP_SLURM_INSTANCE=1, tests/cluster/instance.sh: its own ports,
+# folder, job ids and sshd) of that version (tests/cluster/chroot.sh), in the slurm lane's cgroup. Its log is
+# printed when the slurm lane ends. With one lane (serial), the versions run after the suite, on the first
+# test Slurm. `make test-slurm-versions` runs the core set on all three, one version after another and nothing
+# else beside it.
 #
 # HPC_DDP_TEST_JUNIT=DIR: each pytest also writes its per-test times as JUnit XML into DIR (slurm.xml,
 # local.xml, smoke-VERSION.xml; serial.xml for one lane), to see where a run's time went (CONTRIBUTING.md).
@@ -47,7 +49,11 @@ cleanup() {
     if [ -n "${local_pid:-}" ] && kill -0 "$local_pid" 2>/dev/null; then
         kill -TERM -- "-$local_pid" 2>/dev/null || kill -TERM "$local_pid" 2>/dev/null
     fi
+    if [ -n "${versions_pid:-}" ] && kill -0 "$versions_pid" 2>/dev/null; then
+        kill -TERM -- "-$versions_pid" 2>/dev/null || kill -TERM "$versions_pid" 2>/dev/null
+    fi
     bash tests/cluster/slurm-down.sh
+    [ -z "${versions_pid+x}" ] || HPC_DDP_SLURM_INSTANCE=1 bash tests/cluster/slurm-down.sh
     # Out of the cgroups this run made, back into their parent: this shell and what it started that is
     # still running (munged, which slurm-down.sh leaves up); then remove them.
     local group pid
@@ -93,7 +99,7 @@ cpu_minutes() {
 eval "$(HPC_DDP_SLURM_VERSION=22.05 bash tests/cluster/slurm-up.sh | tail -n 1)"
 SAVED_PATH=$PATH
 
-# The version smoke, after the suite's own Slurm tests: 0 when every version passed.
+# The version smoke (on the test Slurm HPC_DDP_SLURM_INSTANCE names): 0 when every version passed.
 smoke_versions() {
     local version line rc=0 mark=${HPC_DDP_TEST_VERSIONS_MARK:-slurm_smoke} began
     for version in ${HPC_DDP_TEST_SMOKE_VERSIONS-24.11 26.05}; do
@@ -133,11 +139,28 @@ setsid bash -c 'echo $$ > "$1/cgroup.procs" && shift && { [ -z "$1" ] || echo $$
     "${PYTEST[@]}" "${JUNIT[@]}" "${XDIST[@]}" --lane local tests >"$local_log" 2>&1 &
 local_pid=$!
 start=$SECONDS
+# The versions lane: its own process group (setsid), on the second test Slurm, in this shell's cgroups.
+versions_log=$(mktemp "${TMPDIR:-/tmp}/hpc-ddp-versions-lane.XXXXXX")
+versions_pid=
+if [ -n "${HPC_DDP_TEST_SMOKE_VERSIONS-24.11 26.05}" ]; then
+    export -f smoke_versions junit
+    export SAVED_PATH PY
+    PYTEST_LINE=$(printf '%q ' "${PYTEST[@]}")
+    HPC_DDP_SLURM_INSTANCE=1 PYTEST_LINE=$PYTEST_LINE setsid bash -c \
+        'eval "PYTEST=($PYTEST_LINE)"; smoke_versions' >"$versions_log" 2>&1 &
+    versions_pid=$!
+fi
 junit slurm
 "${PYTEST[@]}" "${JUNIT[@]}" --lane slurm tests
 slurm_rc=$?
 echo "make test: slurm lane done after $((SECONDS - start)) s (rc $slurm_rc)"
-smoke_versions || slurm_rc=1
+if [ -n "$versions_pid" ]; then
+    wait "$versions_pid" || slurm_rc=1
+    versions_pid=
+    echo "================================ versions lane ================================"
+    cat "$versions_log"
+fi
+rm -f "$versions_log"
 echo "make test: version smoke done after $((SECONDS - start)) s; waiting for the local lane"
 wait "$local_pid"
 local_rc=$?
