@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import sys
 from pathlib import Path
 
@@ -11,6 +12,17 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
+
+
+def pytest_configure(config):
+    """Ctrl-C as a user's terminal gives it. make test starts its local and versions lanes as background
+    commands of a script (tests/run-lanes.sh), and bash starts those with SIGINT ignored; every process they
+    start inherits that, so a rank's bash could not trap it and a notebook's Ctrl-C never arrived: the tests
+    of what Ctrl-C does failed there, and only in a fresh xdist worker (a test before them in one pytest had
+    put a handler back). SIG_IGN is undone here, in each worker too, so what tests start gets SIGINT's
+    default again."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture
