@@ -16,14 +16,15 @@
 # liveness check in a local run looks for a heartbeat within 5 s). Without a cpu cgroup we can make (no
 # cgroup v1 cpu controller, or no root), or with HPC_DDP_TEST_LANES=serial, one pytest runs everything.
 #
-# The whole suite runs on the test Slurm of this machine's Debian, 22.05. Beside it, the versions lane: the
-# tests marked slurm_smoke (HPC_DDP_TEST_VERSIONS_MARK; CI gives slurm_core, the larger core set) on each
-# other version the project supports (HPC_DDP_TEST_SMOKE_VERSIONS, default "24.11 26.05", "" for none), one
-# after another, on a second test Slurm (HPC_DDP_SLURM_INSTANCE=1, tests/cluster/instance.sh: its own ports,
-# folder, job ids and sshd) of that version (tests/cluster/chroot.sh), in the slurm lane's cgroup. Its log is
-# printed when the slurm lane ends. With one lane (serial), the versions run after the suite, on the first
-# test Slurm. `make test-slurm-versions` runs the core set on all three, one version after another and nothing
-# else beside it.
+# The whole suite runs on the test Slurm of this machine's Debian, 22.05. Then the version smoke: the tests
+# marked slurm_smoke (HPC_DDP_TEST_VERSIONS_MARK; CI gives slurm_core, the larger core set) on each other
+# version the project supports (HPC_DDP_TEST_SMOKE_VERSIONS, default "24.11 26.05", "" for none), on a test
+# Slurm of that version (tests/cluster/chroot.sh), one after another, in the slurm lane, while the local lane
+# goes on. HPC_DDP_TEST_VERSIONS_BESIDE=1 runs them beside the 22.05 lane instead, as a versions lane on a
+# second test Slurm (HPC_DDP_SLURM_INSTANCE=1, tests/cluster/instance.sh: its own ports, folder, job ids and
+# sshd), its log printed when the slurm lane ends: the Slurm side then took 38.8 min instead of 55.4, but the
+# local lane, starved of CPU by two Slurm lanes, took 52.5 and 6 of its timing tests failed (CONTRIBUTING.md).
+# `make test-slurm-versions` runs the core set on all three, one version after another, nothing beside it.
 #
 # HPC_DDP_TEST_JUNIT=DIR: each pytest also writes its per-test times as JUnit XML into DIR (slurm.xml,
 # local.xml, smoke-VERSION.xml; serial.xml for one lane), to see where a run's time went (CONTRIBUTING.md).
@@ -139,10 +140,12 @@ setsid bash -c 'echo $$ > "$1/cgroup.procs" && shift && { [ -z "$1" ] || echo $$
     "${PYTEST[@]}" "${JUNIT[@]}" "${XDIST[@]}" --lane local tests >"$local_log" 2>&1 &
 local_pid=$!
 start=$SECONDS
-# The versions lane: its own process group (setsid), on the second test Slurm, in this shell's cgroups.
+# The versions lane, where asked for: its own process group (setsid), on the second test Slurm, in this
+# shell's cgroups.
 versions_log=$(mktemp "${TMPDIR:-/tmp}/hpc-ddp-versions-lane.XXXXXX")
-versions_pid=
-if [ -n "${HPC_DDP_TEST_SMOKE_VERSIONS-24.11 26.05}" ]; then
+beside=${HPC_DDP_TEST_VERSIONS_BESIDE:-0}
+if [ "$beside" = 1 ] && [ -n "${HPC_DDP_TEST_SMOKE_VERSIONS-24.11 26.05}" ]; then
+    versions_pid=
     export -f smoke_versions junit
     export SAVED_PATH PY
     PYTEST_LINE=$(printf '%q ' "${PYTEST[@]}")
@@ -154,11 +157,13 @@ junit slurm
 "${PYTEST[@]}" "${JUNIT[@]}" --lane slurm tests
 slurm_rc=$?
 echo "make test: slurm lane done after $((SECONDS - start)) s (rc $slurm_rc)"
-if [ -n "$versions_pid" ]; then
+if [ -n "${versions_pid:-}" ]; then
     wait "$versions_pid" || slurm_rc=1
     versions_pid=
     echo "================================ versions lane ================================"
     cat "$versions_log"
+elif [ "$beside" != 1 ]; then
+    smoke_versions || slurm_rc=1
 fi
 rm -f "$versions_log"
 echo "make test: version smoke done after $((SECONDS - start)) s; waiting for the local lane"
