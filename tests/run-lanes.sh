@@ -135,17 +135,17 @@ junit local
 WORKERS=${HPC_DDP_TEST_LOCAL_WORKERS:-2} XDIST=()
 case "$WORKERS" in [2-9]) XDIST=(-n "$WORKERS" --dist loadfile) ;; esac
 # setsid: the local lane is its own process group, so an interrupted run stops all of it and nothing else.
-setsid bash -c 'echo $$ > "$1/cgroup.procs" && shift && { [ -z "$1" ] || echo $$ > "$1/cgroup.procs"; } && shift && exec "$@"' \
+setsid bash -c 'echo $$ > "$1/cgroup.procs" && shift && { [ -z "$1" ] || echo $$ > "$1/cgroup.procs" 2>/dev/null || true; } && shift && exec "$@"' \
     lane "${made[1]}" "${counted[1]:-}" \
     "${PYTEST[@]}" "${JUNIT[@]}" "${XDIST[@]}" --lane local tests >"$local_log" 2>&1 &
 local_pid=$!
 start=$SECONDS
 # The versions lane, where asked for: its own process group (setsid), on the second test Slurm, in this
 # shell's cgroups.
-versions_log=$(mktemp "${TMPDIR:-/tmp}/hpc-ddp-versions-lane.XXXXXX")
 beside=${HPC_DDP_TEST_VERSIONS_BESIDE:-0}
 if [ "$beside" = 1 ] && [ -n "${HPC_DDP_TEST_SMOKE_VERSIONS-24.11 26.05}" ]; then
     versions_pid=
+    versions_log=$(mktemp "${TMPDIR:-/tmp}/hpc-ddp-versions-lane.XXXXXX")
     export -f smoke_versions junit
     export SAVED_PATH PY
     PYTEST_LINE=$(printf '%q ' "${PYTEST[@]}")
@@ -162,10 +162,10 @@ if [ -n "${versions_pid:-}" ]; then
     versions_pid=
     echo "================================ versions lane ================================"
     cat "$versions_log"
+    rm -f "$versions_log"
 elif [ "$beside" != 1 ]; then
     smoke_versions || slurm_rc=1
 fi
-rm -f "$versions_log"
 echo "make test: version smoke done after $((SECONDS - start)) s; waiting for the local lane"
 wait "$local_pid"
 local_rc=$?
