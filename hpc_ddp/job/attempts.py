@@ -236,11 +236,13 @@ def end(run_dir: Path, attempt: int, exit_code: int, env: dict[str, str] | None 
 
 
 def finish(run_dir: Path, attempt: int, exit_code: int, env: Mapping[str, str] | None = None,
-           ask_slurm=slurm_job, grace_requeue=None) -> Outcome:
+           ask_slurm=None, grace_requeue=None) -> Outcome:
     """Record how attempt `attempt` ended and decide whether the job runs again.
     `env` may carry HPC_DDP_SHELL_SIGNAL: a signal the batch shell (or local executor) received.
-    `ask_slurm(job_id)`: Slurm's view of the job; `grace_requeue(job, attempt, env)`: does Slurm requeue this
-    job itself once the batch script ends (`slurm_requeues_after_grace`)."""
+    `ask_slurm(job_id)`: Slurm's view of the job (`slurm_job`); `grace_requeue(job, attempt, env)`: does Slurm
+    requeue this job itself once the batch script ends (`slurm_requeues_after_grace`). Both looked up when
+    called, not when this was defined, so a test that replaces them here asks no real Slurm."""
+    ask_slurm = ask_slurm or slurm_job
     grace_requeue = grace_requeue or slurm_requeues_after_grace
     env = dict(os.environ if env is None else env)
     events = JsonLines(RunDir(run_dir).events)
