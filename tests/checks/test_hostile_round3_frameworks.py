@@ -114,17 +114,18 @@ def test_huge_and_pathological_scripts_are_read_in_bounded_time(case):
     source = HUGE[case]()
 
     def too_slow(*_):
-        raise TimeoutError("framework detection did not finish in 10 s")
+        raise TimeoutError("framework detection did not finish in 60 s")
 
     old = signal.signal(signal.SIGALRM, too_slow)
-    signal.alarm(10)
-    started = time.monotonic()
+    signal.alarm(60)   # a hang bound, in wall time; the bound the test is about is in CPU time, below
+    started = time.process_time()
     try:
         framework_notes(source, "train.py")
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
-    assert time.monotonic() - started < 3.0
+    # CPU time, not wall time: 3 s of wall ran out once on a machine starved of CPU by make test's other lanes
+    assert time.process_time() - started < 3.0
 
 
 # ------------------------------------------------------------------------ the script as a file on disk

@@ -544,7 +544,8 @@ def test_ten_thousand_empty_files_are_copied_in_seconds(tmp_path, mode):
         git(root, "init", "-q")
     started = time.monotonic()
     snap = snapshot.take(snapshot.plan(spec_for(root / "train.py"), str(tmp_path / "run" / "code"), git=Git()))
-    assert len(snap.listing.files) == 10_001 and time.monotonic() - started < 20
+    # A bound against a pathology (minutes), not a speed target: 20 s ran out once at 20.6 on a CPU-starved machine
+    assert len(snap.listing.files) == 10_001 and time.monotonic() - started < 60
 
 
 def test_a_file_growing_while_it_is_copied_stays_within_the_limit(tmp_path):
