@@ -23,7 +23,8 @@ from .helpers import hpc_ddp, last_step, wait_until
 pytestmark = pytest.mark.e2e
 
 # A user's program that checkpoints on SIGTERM and asks to be requeued (the trainer's protocol).
-# SAVE_S: how long its "save" takes; IGNORE_TERM: it never stops on SIGTERM.
+# SAVE_S: how long its "save" takes (while a file `hold` is in its folder: until it is gone, SAVE_S at most);
+# IGNORE_TERM: it never stops on SIGTERM.
 SCRIPT = """
 import os, signal, sys, time
 from pathlib import Path
@@ -31,7 +32,10 @@ rank = os.environ["RANK"]
 def stop(*_):
     if os.environ.get("IGNORE_TERM"):
         return
-    time.sleep(float(os.environ.get("SAVE_S", "0")))
+    deadline = time.monotonic() + float(os.environ.get("SAVE_S", "0"))
+    held = Path("hold").exists()
+    while time.monotonic() < deadline and (not held or Path("hold").exists()):
+        time.sleep(0.05)
     Path(f"saved-{rank}-{os.environ['HPC_DDP_RESTART_COUNT']}").write_text("x")
     sys.exit(75)
 signal.signal(signal.SIGTERM, stop)
@@ -187,21 +191,31 @@ def test_a_second_ctrl_c_stops_ranks_that_do_not_stop(ws):
 
 
 def test_cancel_twice_waits_for_the_checkpoint_instead_of_killing_it(ws):
-    proc = _start(ws, "--nodes", "1", "--tasks-per-node", "2", "--run-dir", "run", "job.py", env={"SAVE_S": "3"})
+    # The save lasts until the second cancel has had its answer (a fixed 3 s save ended before a second cancel
+    # slowed by a CPU-starved machine came: "no local job is running").
+    hold = ws / "hold"
+    hold.write_text("")
+    proc = _start(ws, "--nodes", "1", "--tasks-per-node", "2", "--run-dir", "run", "job.py",
+                  env={"SAVE_S": "60"})
     try:
         _script_ranks_up(ws)
         first = subprocess.Popen([sys.executable, "-m", "hpc_ddp", "cancel", "run"], cwd=ws, text=True,
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         wait_until(lambda: any(e.get("event") == "cancelled" for e in read_jsonl(ws / "run" / "events.jsonl")), 30,
                    "the first cancel")
-        second = hpc_ddp("cancel", "run", cwd=ws, timeout=60)
-        assert second.returncode == 0 and "already being cancelled" in second.stderr, second.stdout + second.stderr
+        # The second cancel says it waits, then waits for the save: the save ends once it has said so.
+        second = subprocess.Popen([sys.executable, "-m", "hpc_ddp", "cancel", "run"], cwd=ws, text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        said = second.stderr.readline()   # its first line, or "" if it ended without one
+        hold.unlink()
+        out2, err2 = second.communicate(timeout=60)
+        assert second.returncode == 0 and "already being cancelled" in said, said + out2 + err2
         assert first.wait(timeout=60) == 0, first.stdout.read()
         rc, out, _ = _finish(proc, 30)
     finally:
         _kill_all(proc)
     assert rc == 130, out[-3000:]
-    assert sorted(p.name for p in ws.glob("saved-*")) == ["saved-0-0", "saved-1-0"]  # both finished saving
+    assert sorted(p.name for p in ws.glob("saved-*")) == ["saved-0-0", "saved-1-0"], out[-3000:]  # both finished saving
     assert _status(ws, "run")["state"] == "CANCELLED"
 
 
