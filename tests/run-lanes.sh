@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # `make test`: the whole suite (or what the arguments select, e.g. -k preempt) on the test Slurm
-# (tests/cluster/slurm-up.sh), in two lanes at once where a cpu cgroup can be made (27-30 min on 2 cores,
-# against about 40 for one pytest); HPC_DDP_TEST_LANES=serial runs one pytest.
+# (tests/cluster/slurm-up.sh), in two lanes at once where a cpu cgroup can be made (about 50 min on 2 cores in
+# 2026-12, bound by CPU: CONTRIBUTING.md); HPC_DDP_TEST_LANES=serial runs one pytest.
 #
 #   slurm lane: the tests that use the test Slurm (pytest --lane slurm), one after another, as they must:
 #               they share its four nodes, kill slurmds and preempt partitions. Its log is this script's output.
 #   local lane: every other test (--lane local), at the same time; in HPC_DDP_TEST_LOCAL_WORKERS pytest-xdist
-#               workers (default 2; 1: one pytest), a test file to a worker (--dist loadfile: a module's
-#               fixtures are made once). Its log is printed when it ends.
+#               workers where that is 2 or more (default 1: one pytest), a test file to a worker (--dist
+#               loadfile: a module's fixtures are made once). Its log is printed when it ends.
 #
 # The slurm lane spends most of its time waiting on Slurm's clocks, but when its jobs start, their ranks want
 # both cores, and a preempted rank has KillWait (5 s) to checkpoint and leave. So the lanes run in two cpu
@@ -130,9 +130,10 @@ fi
 local_log=$(mktemp "${TMPDIR:-/tmp}/hpc-ddp-local-lane.XXXXXX")
 echo "make test: two lanes; the local lane's log ($local_log) follows the slurm lane's"
 junit local
-# Two workers: the local lane alone took 31.2 min in one pytest and 21.8 in two (2026-12-05), the same 38 min
-# of CPU; beside the slurm lane, 43.6 min against 53 (CONTRIBUTING.md). HPC_DDP_TEST_LOCAL_WORKERS=1: one pytest.
-WORKERS=${HPC_DDP_TEST_LOCAL_WORKERS:-2} XDIST=()
+# Two workers are opt-in: the local lane alone took 31.2 min in one pytest and 21.8 in two (2026-12-05), the
+# same 38 min of CPU, but beside the slurm lane the extra load cost a Slurm test its KillWait: a preempted
+# batch shell was killed before it recorded its requeue (CONTRIBUTING.md). make test is CPU-bound either way.
+WORKERS=${HPC_DDP_TEST_LOCAL_WORKERS:-1} XDIST=()
 case "$WORKERS" in [2-9]) XDIST=(-n "$WORKERS" --dist loadfile) ;; esac
 # setsid: the local lane is its own process group, so an interrupted run stops all of it and nothing else.
 setsid bash -c 'echo $$ > "$1/cgroup.procs" && shift && { [ -z "$1" ] || echo $$ > "$1/cgroup.procs" 2>/dev/null || true; } && shift && exec "$@"' \
