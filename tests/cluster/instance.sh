@@ -32,7 +32,7 @@ stop_our_sshd() {
     local pid
     pid=$(cat "$SSHD_ROOT/sshd.pid" 2>/dev/null) || return 0
     case "$pid" in '' | *[!0-9]*) return 0 ;; esac
-    [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = sshd ] && kill "$pid" 2>/dev/null
+    if [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = sshd ]; then kill "$pid" 2>/dev/null || true; fi
     rm -f "$SSHD_ROOT/sshd.pid"
     return 0
 }
@@ -57,14 +57,14 @@ stop_our_daemons() {
     pids=$(our_daemons)
     [ -n "$pids" ] || return 0
     # shellcheck disable=SC2086
-    kill $pids 2>/dev/null
+    kill $pids 2>/dev/null || true   # one may have ended since: slurm-up runs with set -e
     for _ in $(seq 50); do
         [ -n "$(our_daemons)" ] || return 0
         sleep 0.1
     done
     pids=$(our_daemons)
     # shellcheck disable=SC2086
-    [ -z "$pids" ] || kill -9 $pids 2>/dev/null
+    [ -z "$pids" ] || kill -9 $pids 2>/dev/null || true
     sleep 0.2
     return 0
 }
