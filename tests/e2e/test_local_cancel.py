@@ -282,7 +282,8 @@ def test_a_cancel_while_a_rank_never_joins_ends_the_job_in_seconds(ws):
         took = time.monotonic() - started
     finally:
         _kill_all(proc)
-    assert rc == 130 and took < 8, (took, out[-3000:])
+    # Well before the 60 s rendezvous timeout it must not wait for; 8 s ran out once (12.6) on a loaded machine
+    assert rc == 130 and took < 30, (took, out[-3000:])
     assert "stopped by SIGTERM while the ranks were meeting" in out, out[-3000:]
     assert _status(ws, "nojoin")["state"] == "CANCELLED"
 
