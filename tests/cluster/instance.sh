@@ -1,12 +1,12 @@
 # Which test Slurm this is (sourced by slurm-up.sh and slurm-down.sh; bash). Several can run on this machine at
-# once, each with its own folder, ports, MariaDB and sshd: `make test` runs the version sets on a second one
-# beside the 22.05 lane (tests/run-lanes.sh).
+# once, each with its own folder, ports, MariaDB and sshd: HPC_DDP_TEST_VERSIONS_BESIDE=1 make test runs the
+# version sets on a second one beside the 22.05 lane (tests/run-lanes.sh).
 #
 # HPC_DDP_SLURM_INSTANCE=K (0 to 4, default 0): folder /var/tmp/hpc-ddp-slurm (K=0) or /var/tmp/hpc-ddp-slurm-K
 # (HPC_DDP_SLURM_ROOT overrides it); slurmctld on 6817+100K, slurmdbd on 6819+100K, the slurmds on 6830+100K
 # and up, MariaDB on 3316+K. The node names (hpcn1...) and their loopback addresses are the same in each: a
-# slurmd is told apart by its SLURM_CONF, never by its name (our_daemons below; tests/e2e/helpers.py's
-# slurmd_pids).
+# slurmd is told apart by its SLURM_CONF, never by its name (our_daemons below; bench/goodput_bench.py's
+# slurmd_pids, which the tests use).
 
 INSTANCE=${HPC_DDP_SLURM_INSTANCE:-0}
 case "$INSTANCE" in [0-4]) ;; *) echo "slurm: HPC_DDP_SLURM_INSTANCE must be 0 to 4, not '$INSTANCE'" >&2; exit 2 ;; esac

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Stop the test Slurm started by slurm-up.sh (slurmctld, slurmd, slurmdbd and its MariaDB, and the SSH tests'
-# sshd for it; munged is left running, it is harmless), and unmount what slurm-up bound into a newer release's root (chroot.sh).
+# sshd for it; munged is left running, it is harmless), and unmount what slurm-up bound into a newer
+# release's root (chroot.sh).
 # HPC_DDP_SLURM_INSTANCE=K: that test Slurm (tests/cluster/instance.sh); another instance's daemons, MariaDB
 # and roots are left alone.
 set -u

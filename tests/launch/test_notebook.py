@@ -62,8 +62,7 @@ def gone(pid: int) -> bool:
 def assert_all_gone(run_dir: Path, expected: int) -> None:
     pids = pids_in(run_dir)
     assert len(pids) == expected
-    # An orphaned grandchild is reaped by init a moment later; a bound for a hang only (3 s ran out once on a
-    # loaded machine: make test's local lane beside the slurm lane).
+    # An orphaned grandchild is reaped by init a moment later; a bound for a hang only.
     deadline = time.monotonic() + 30
     while not all(gone(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
