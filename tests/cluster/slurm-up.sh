@@ -215,8 +215,11 @@ start_daemons() {
     rm -rf "$ROOT/state" && mkdir -p "$ROOT/state"
     in_slurm slurmctld -c -L "$ROOT/log/slurmctld.log"   # -c: clean start, no jobs left from an earlier run
     local n
+    # Each slurmd's spool emptied too: it keeps the job credentials Slurm revoked (cred_state), by job id, and
+    # the ids start again at FirstJobId after the clean start, so a new job 32 was refused "Job credential
+    # revoked" on a node whose slurmd remembered an earlier test Slurm's job 32 (2026-12-05).
     for n in "${NODES[@]}"; do
-        mkdir -p "$ROOT/spool/$n"
+        rm -rf "${ROOT:?}/spool/$n" && mkdir -p "$ROOT/spool/$n"
         in_slurm slurmd -N "$n" -L "$ROOT/log/slurmd-$n.log"
     done
 }
