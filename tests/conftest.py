@@ -67,6 +67,9 @@ def _private_registry(tmp_path_factory):
 def pytest_addoption(parser):
     parser.addoption("--lane", choices=("all", "slurm", "local"), default="all",
                      help="run only the tests that use the test Slurm (slurm), only the others (local), or all")
+    # make test passes --skip-extended unless HPC_DDP_TEST_EXTENDED=1 (tests/run-lanes.sh; CI runs them all).
+    parser.addoption("--skip-extended", action="store_true",
+                     help="leave out the tests marked extended (slow ones that CI runs; pyproject.toml says which)")
 
 
 def uses_test_slurm(item: pytest.Item) -> bool:
@@ -77,9 +80,11 @@ def uses_test_slurm(item: pytest.Item) -> bool:
 
 def pytest_collection_modifyitems(config, items):
     lane = config.getoption("lane")
-    if lane == "all":
+    extended = not config.getoption("skip_extended")
+    if lane == "all" and extended:
         return
-    keep = [item for item in items if uses_test_slurm(item) == (lane == "slurm")]
+    keep = [item for item in items if (lane == "all" or uses_test_slurm(item) == (lane == "slurm"))
+            and (extended or item.get_closest_marker("extended") is None)]
     if len(keep) != len(items):
         kept = set(map(id, keep))
         config.hook.pytest_deselected(items=[item for item in items if id(item) not in kept])

@@ -17,6 +17,7 @@ from bench.gpu_check import proved  # noqa: E402
 
 
 @pytest.mark.e2e
+@pytest.mark.extended
 def test_the_smoke_run_trains_every_row_and_compares_the_paths(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, "bench/gpu_check.py", "--smoke", "--out", str(out)], cwd=REPO,

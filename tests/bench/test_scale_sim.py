@@ -27,6 +27,7 @@ def run(tmp_path_factory) -> dict:
     return json.loads(out.read_text())["runs"]["smoke"]["sizes"]["2"]
 
 
+@pytest.mark.extended
 def test_staging_every_rank_ready_and_the_shared_fs_counted(run):
     stage = run["stage"]
     assert stage["ranks"] == 16 and stage["ranks_ready"] == 16

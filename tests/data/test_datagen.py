@@ -225,6 +225,7 @@ def best_single_pixel_accuracy(x: np.ndarray, y: np.ndarray, xt: np.ndarray, yt:
     return float((guess == yt[:, None]).mean(axis=0).max())
 
 
+@pytest.mark.extended
 def test_mnist_format_data_is_learnable_but_not_trivial(tmp_path):
     datagen.write_mnist(tmp_path, train=2000, test=500)
     train = torchvision.datasets.MNIST(tmp_path, train=True)

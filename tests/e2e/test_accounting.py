@@ -122,6 +122,7 @@ def test_a_preempted_job_in_status_list_and_timeline(accounting_up, timed_out_jo
 
 
 @pytest.mark.slurm_core
+@pytest.mark.extended
 def test_a_job_that_hit_its_time_limit(accounting_up, timed_out_job):
     job, folder = timed_out_job
     info = accounted(job, folder, "TIMEOUT", timeout=150)

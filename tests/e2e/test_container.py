@@ -81,6 +81,7 @@ def assert_in_the_container(seen: list[dict], run_dir: Path) -> None:
 
 
 @pytest.mark.slurm
+@pytest.mark.extended
 def test_ddp_in_a_container_on_two_nodes_is_preempted_and_resumed(slurm_conf, workspace):
     job = submit_json("--partition", "debug", "--run-dir", "slurm", "job.toml", cwd=workspace)["job_id"]
     run_dir = workspace / "slurm"
@@ -102,6 +103,7 @@ def test_ddp_in_a_container_on_two_nodes_is_preempted_and_resumed(slurm_conf, wo
     assert any(e["event"] == "attempt_end" and e.get("exit_code") == 75 for e in events), events
 
 
+@pytest.mark.extended
 def test_ddp_in_a_container_through_the_local_executor(workspace):
     done = hpc_ddp("submit", "--executor", "local", "--run-dir", "local", "job.toml", cwd=workspace, timeout=300,
                    env={"HPC_DDP_TEST_STEPS": "20"})

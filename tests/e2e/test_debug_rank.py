@@ -42,6 +42,7 @@ def _debugger_event(run_dir: Path):
     return next((e for e in read_jsonl(run_dir / "events.jsonl") if e.get("event") == "debugger"), None)
 
 
+@pytest.mark.extended
 def test_attach_to_rank_1_of_a_2x2_local_job(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(SCRIPT)

@@ -26,6 +26,7 @@ def _submit(tmp_path, run_dir, keys, *options, env=None):
                    str(keys), cwd=tmp_path, env=env)
 
 
+@pytest.mark.extended
 def test_a_run_resumed_on_half_its_ranks_trains_the_uninterrupted_samples(tmp_path):
     shutil.copy(SCRIPT, tmp_path)
     done = _submit(tmp_path, "whole", tmp_path / "whole-keys", "--nodes", "4")
@@ -80,6 +81,7 @@ def test_a_resume_with_another_batch_size_is_refused_in_one_line(tmp_path):
     assert "HINT: resume with batch_size=4" in out and "Traceback" not in out
 
 
+@pytest.mark.extended
 def test_a_fixed_size_run_refuses_another_size_and_names_the_range(tmp_path):
     shutil.copy(SCRIPT, tmp_path)
     stopped = _submit(tmp_path, "run", tmp_path / "keys", "--nodes", "4", "--max-preemptions", "0",
@@ -125,6 +127,7 @@ def test_on_slurm_a_range_job_preempted_on_2_nodes_resumes_on_the_1_left_free(sl
 
 
 @pytest.mark.slurm
+@pytest.mark.extended
 def test_on_slurm_a_2_4_job_started_on_4_resumes_on_the_2_left_free(slurm_conf, tmp_path):
     """Issue 32's case on 4 nodes (partition `wide`): --nodes 2-4 starts on all 4; a job in `urgent` takes
     hpcn1 and hpcn2 whole; the preempted job resumes on the 2 left free, global batch kept, samples exact."""
@@ -228,6 +231,7 @@ def test_the_trainer_resumes_on_half_its_ranks_with_the_global_batch_kept(tmp_pa
     assert "global batch kept at 32 with gradient accumulation 1 -> 2" in out and "training finished at step 16" in out
 
 
+@pytest.mark.extended
 def test_the_trainer_resumes_on_3_of_4_ranks_with_uneven_batches(tmp_path):
     """Issue 44 on the built-in trainer: a global batch of 32 (4 x 8) on 3 ranks: 2 micro-steps of 16 (6, 5,
     5 a rank), the same 8 steps per epoch, finished at step 16 (it was refused before: 32 does not split by 3)."""

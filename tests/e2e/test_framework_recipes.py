@@ -98,6 +98,7 @@ def _ends(run: Path) -> list[str]:
     return [e["cause"] for e in read_jsonl(run / "events.jsonl") if e.get("event") == "attempt_end"]
 
 
+@pytest.mark.extended
 def test_the_accelerate_recipe_preempted_on_two_ranks_goes_on_from_its_own_save(tmp_path):
     script = recipe("accelerate").replace(*SLOW_STEP)
     assert [n.level for n in framework_notes(recipe("accelerate"), "fit.py")] == ["ok"]
@@ -110,6 +111,7 @@ def test_the_accelerate_recipe_preempted_on_two_ranks_goes_on_from_its_own_save(
     assert [p.name for p in (tmp_path / "run").glob("accelerate-state-*")] == ["accelerate-state-600"]
 
 
+@pytest.mark.extended
 def test_the_fabric_recipe_preempted_on_two_ranks_goes_on_from_its_own_checkpoint(tmp_path):
     assert [n.level for n in framework_notes(recipe("fabric"), "fit.py")] == ["ok"]
     out = _preempted_once(tmp_path, recipe("fabric").replace(*SLOW_STEP),
@@ -145,6 +147,7 @@ def _plain(tmp_path: Path, name: str, steps: int) -> subprocess.CompletedProcess
     return done
 
 
+@pytest.mark.extended
 def test_after_a_save_cut_short_the_accelerate_recipe_goes_on_from_the_whole_save_before_it(tmp_path):
     (tmp_path / "run").mkdir()
     _plain(tmp_path, "accelerate", 40)

@@ -22,6 +22,7 @@ def _lines(path) -> int:
 
 
 @pytest.mark.parametrize("name,script,done", [("lightning", LIGHTNING, "done-0.txt"), ("hf", HF_TRAINER, "done.txt")])
+@pytest.mark.extended
 def test_a_framework_rehearsed_with_sigterm_runs_again_and_completes(tmp_path, name, script, done):
     (tmp_path / f"{name}.py").write_text(script)
     out = tmp_path / "out"

@@ -374,6 +374,7 @@ def test_unmodified_frameworks_preempted_for_real_are_run_again_and_complete(slu
 
 @pytest.mark.slurm
 @pytest.mark.parametrize("seed", [28])
+@pytest.mark.extended
 def test_hugging_face_accelerate_and_fabric_preempted_for_real_resume_and_complete(slurm_conf, tmp_path, seed):
     """The Hugging Face Trainer (a tiny BERT from a config, save_steps=5, resume_from_checkpoint) at
     GraceTime 0, an accelerate loop of one's own (save_state/load_state) and a Lightning Fabric loop
@@ -407,6 +408,7 @@ def test_hugging_face_accelerate_and_fabric_preempted_for_real_resume_and_comple
         assert resumed_at % 5 == 0 and resumed_at > 0, (name, resumed_at)
 
 
+@pytest.mark.extended
 def test_a_script_that_leaves_with_exit_0_at_the_warning_runs_again_under_the_local_executor(tmp_path):
     """The time-limit warning column: the script's own SIGUSR2 handler saves and exits 0 before any
     SIGTERM; the rank recorded that the warning reached it, so the attempt is a time limit, and the local

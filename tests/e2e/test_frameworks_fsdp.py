@@ -47,6 +47,7 @@ def _submit(tmp_path: Path, script: str, env: dict | None = None) -> subprocess.
 
 @pytest.mark.parametrize("script,done,seed", [("lightning_model_parallel.py", "done-0.txt", 52),
                                               ("fabric_model_parallel.py", "done.txt", 53)])
+@pytest.mark.extended
 def test_lightning_fsdp2_on_cpu_rehearsed_preemption_resumes_from_its_own_checkpoint(tmp_path, script, done, seed):
     pytest.importorskip("lightning", reason="a test-only dependency (make install puts it in .venv)")
     out = tmp_path / "out"

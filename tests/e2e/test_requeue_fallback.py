@@ -126,6 +126,7 @@ def test_a_chain_hands_over_at_a_stop_and_its_last_job_ends_at_once(slurm_conf, 
     assert "Restarts=0" in subprocess.run(["scontrol", "show", "job", jobs[0]], check=False, capture_output=True, text=True).stdout
 
 
+@pytest.mark.extended
 def test_a_chain_carries_a_run_past_short_time_limits_without_requeues(slurm_conf, workspace):
     """What --chain is for: a run longer than the time limit (1-minute jobs; 5 minutes of training), with
     no requeue allowed (--max-requeues 0). Job 1 stops at its time limit and job 2, queued up front, goes

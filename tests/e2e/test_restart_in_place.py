@@ -104,7 +104,7 @@ def _on_4(job: str, keys: Path) -> bool:
 
 
 @pytest.mark.slurm_core
-@pytest.mark.parametrize("which", ["other", "batch_host", "other-fsdp"])
+@pytest.mark.parametrize("which", ["other", "batch_host", pytest.param("other-fsdp", marks=pytest.mark.extended)])
 def test_a_2_4_job_that_loses_one_of_its_4_nodes_completes_exactly(slurm_conf, tmp_path, which):
     """`other`: a node that is not the batch host, at a random step: the ranks restart on the 3 left in the
     same allocation (uneven batches keep the global batch of 16). `batch_host`: the batch script dies with
@@ -154,6 +154,7 @@ def test_a_2_4_job_that_loses_one_of_its_4_nodes_completes_exactly(slurm_conf, t
 
 
 @pytest.mark.slurm
+@pytest.mark.extended
 def test_after_a_restart_in_place_with_gpus_each_rank_is_on_its_own_gpu_again(slurm_conf, tmp_path):
     """Issue 53: `--gpus 2 --nodes 2-3` (2 ranks a node, Slurm's fake GPUs through GRES): a rank crashes,
     the ranks start again as a new srun step with an explicit --nodes/--ntasks/--nodelist, and on every node
@@ -207,6 +208,7 @@ def test_a_restart_in_place_keeps_the_users_srun_nodelist(slurm_conf, tmp_path):
 
 
 @pytest.mark.slurm
+@pytest.mark.extended
 def test_a_rank_crash_during_rank_0s_background_write_resumes_from_a_committed_checkpoint(slurm_conf, tmp_path):
     """Issue 53: rank 1 dies while rank 0's background thread writes a checkpoint (96 MB of state, so the
     write is seen in flight: a `.tmp-step-*` folder). The step ends, the restart in place resumes from the

@@ -70,9 +70,9 @@ def baseline(workspace):
 
 @pytest.mark.parametrize("name,stop_at", [
     ("mid_epoch", "13"),
-    ("right_before_a_checkpoint", "9"),
+    pytest.param("right_before_a_checkpoint", "9", marks=pytest.mark.extended),
     ("at_a_checkpoint", "10"),
-    ("right_after_a_checkpoint", "11"),
+    pytest.param("right_after_a_checkpoint", "11", marks=pytest.mark.extended),
     ("epoch_boundary", "32"),
     ("twice", "5,47"),
 ])

@@ -73,6 +73,7 @@ def test_an_error_on_one_rank_is_its_line_and_at_most_one_line_from_each_other_r
     assert said >= 1
 
 
+@pytest.mark.extended
 def test_one_long_step_under_a_3_s_stall_floor_is_no_stall_and_the_run_completes(tmp_path):
     """Issue 43: with HPC_DDP_STALL_MIN_S=3 and one 6 s step on rank 0 the run finished, then a rank aborted
     (-6) and the run was recorded FAILED, 3 runs of 4."""

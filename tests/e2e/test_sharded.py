@@ -81,7 +81,7 @@ def test_a_4_rank_sharded_checkpoint_resumes_on_4_2_and_3_ranks_with_the_exact_s
             assert torch.allclose(whole[k], resumed[k], rtol=1e-5, atol=1e-6), (k, (whole[k] - resumed[k]).abs().max())
 
 
-@pytest.mark.parametrize("damage", ["missing", "corrupt"])
+@pytest.mark.parametrize("damage", [pytest.param("missing", marks=pytest.mark.extended), "corrupt"])
 def test_a_checkpoint_missing_a_rank_shard_or_with_a_corrupt_one_is_never_loaded(stopped, damage):
     """A second checkpoint (step 9) on top of step 5; one rank's shard of it is taken away, or one bit of it
     flipped: every rank skips it, says why, and resumes from step 5."""
@@ -106,6 +106,7 @@ def test_a_checkpoint_missing_a_rank_shard_or_with_a_corrupt_one_is_never_loaded
     assert "(step 5," in out and "(step 9," not in out
 
 
+@pytest.mark.extended
 def test_export_writes_one_file_the_unsharded_model_loads_and_its_outputs_match_the_sharded_ones(stopped):
     """`hpc-ddp export` of the uninterrupted 4-rank run: torch.load (weights only) into a plain, unsharded
     model, whose outputs on a probe are the sharded model's as the run computed them at its end."""

@@ -31,6 +31,7 @@ def _state(node: str) -> str:
 
 
 @pytest.mark.slurm
+@pytest.mark.extended
 def test_a_batch_host_whose_slurmd_stops_answering_for_45_s_is_not_lost(slurm_conf, tmp_path):
     job = _submit(tmp_path, "--partition", "debug", "--nodes", "2", env={"KEYS_STEP_S": "1.5"})
     pid = None

@@ -231,6 +231,7 @@ checkpoint_every_steps = 4
 TRAINER_STEPS = 2 * 512 // 2 // 16
 
 
+@pytest.mark.extended
 def test_the_trainer_preempted_from_the_laptop_then_inspected_and_plotted_there(cluster):
     """The built-in trainer on data that lives on the cluster: `preempt` from the laptop (its warning
     signal: checkpoint, requeue, resume), then `inspect` and `plot` of the remote run from the laptop."""

@@ -65,7 +65,7 @@ def mnist_baseline(workspace):
 
 @pytest.mark.parametrize("example,args", [
     ("linear_regression.py", ()),
-    ("spawn_mnist.py", ("--stage",)),
+    pytest.param("spawn_mnist.py", ("--stage",), marks=pytest.mark.extended),
     ("fsdp_preemptible.py", ()),   # sharded (FSDP2): every rank writes its shards, and reads them back
 ])
 def test_examples_stop_and_resume_bitwise_under_the_local_executor(workspace, example, args):
@@ -82,6 +82,7 @@ def test_examples_stop_and_resume_bitwise_under_the_local_executor(workspace, ex
     assert _sha(workspace / f"{example}-cut") == _sha(workspace / f"{example}-base")
 
 
+@pytest.mark.extended
 def test_managed_platform_example_stops_twice_and_resumes_bitwise(workspace, mnist_baseline):
     done = _mnist(workspace, "mnist-cut", env={"HPC_DDP_FAULT_STOP_AT": "23,64"})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -129,6 +130,7 @@ def wait_until_done(job_id: str, timeout: float = 400) -> str:
 
 
 @pytest.mark.slurm
+@pytest.mark.extended
 def test_adapted_example_preempted_twice_for_real_ends_bitwise_identical(slurm_conf, workspace, mnist_baseline):
     rng = random.Random(10)
     job = submit_json("--executor", "sbatch", "--partition", "debug", "--nodes", "2", "--gpus", "1",
