@@ -37,8 +37,9 @@ slurm-up:
 slurm-down:
 	@bash tests/cluster/slurm-down.sh
 
-# All tests, the real-Slurm ones included: brings the test Slurm up and takes it down again.
-# Two lanes at once, the test Slurm's and the rest (tests/run-lanes.sh, CONTRIBUTING.md); HPC_DDP_TEST_LANES=serial: one pytest.
+# The tests, the real-Slurm ones included: brings the test Slurms up and takes them down again. Two lanes at
+# once, the test Slurm's and the rest (tests/run-lanes.sh, CONTRIBUTING.md); HPC_DDP_TEST_LANES=serial: one pytest.
+# The tests marked extended only with HPC_DDP_TEST_EXTENDED=1 (CI: .ci/run runs every test).
 test: install
 	@PY=$(PY) bash tests/run-lanes.sh
 

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# `make test`: the whole suite (or what the arguments select, e.g. -k preempt) on the test Slurm
-# (tests/cluster/slurm-up.sh), in two lanes at once where a cpu cgroup can be made (about 50 min on 2 cores in
-# 2026-12, bound by CPU: CONTRIBUTING.md); HPC_DDP_TEST_LANES=serial runs one pytest.
+# `make test`: the suite (or what the arguments select, e.g. -k preempt) on the test Slurm
+# (tests/cluster/slurm-up.sh), in two lanes at once where a cpu cgroup can be made, bound by CPU on 2 cores
+# (CONTRIBUTING.md, "Where the time goes"); HPC_DDP_TEST_LANES=serial runs one pytest. The tests marked
+# `extended` (slow ones: further variants of paths that default tests run end to end, and a few slow single
+# cases; pyproject.toml) are left out unless HPC_DDP_TEST_EXTENDED=1; CI sets it (.ci/run), so every test runs
+# before anything lands.
 #
 #   slurm lane: the tests that use the test Slurm (pytest --lane slurm), one after another, as they must:
 #               they share its four nodes, kill slurmds and preempt partitions. Its log is this script's output.
@@ -16,14 +19,13 @@
 # liveness check in a local run looks for a heartbeat within 5 s). Without a cpu cgroup we can make (no
 # cgroup v1 cpu controller, or no root), or with HPC_DDP_TEST_LANES=serial, one pytest runs everything.
 #
-# The whole suite runs on the test Slurm of this machine's Debian, 22.05. Then the version smoke: the tests
+# The suite runs on the test Slurm of this machine's Debian, 22.05. Beside it, the versions lane: the tests
 # marked slurm_smoke (HPC_DDP_TEST_VERSIONS_MARK; CI gives slurm_core, the larger core set) on each other
-# version the project supports (HPC_DDP_TEST_SMOKE_VERSIONS, default "24.11 26.05", "" for none), on a test
-# Slurm of that version (tests/cluster/chroot.sh), one after another, in the slurm lane, while the local lane
-# goes on. HPC_DDP_TEST_VERSIONS_BESIDE=1 runs them beside the 22.05 lane instead, as a versions lane on a
-# second test Slurm (HPC_DDP_SLURM_INSTANCE=1, tests/cluster/instance.sh: its own ports, folder, job ids and
-# sshd), its log printed when the slurm lane ends: the Slurm side then took 38.8 min instead of 55.4, but the
-# local lane, starved of CPU by two Slurm lanes, took 52.5 and 6 of its timing tests failed (CONTRIBUTING.md).
+# version the project supports (HPC_DDP_TEST_SMOKE_VERSIONS, default "24.11 26.05", "" for none), one after
+# another, on a second test Slurm of that version (HPC_DDP_SLURM_INSTANCE=1, tests/cluster/instance.sh: its
+# own ports, folder, job ids and sshd; tests/cluster/chroot.sh), its log printed when the slurm lane ends.
+# HPC_DDP_TEST_VERSIONS_BESIDE=0 runs them after the 22.05 lane instead, in the slurm lane, while the local
+# lane goes on: CI does, for the core sets, which beside starved the local lane (CONTRIBUTING.md).
 # `make test-slurm-versions` runs the core set on all three, one version after another, nothing beside it.
 #
 # HPC_DDP_TEST_JUNIT=DIR: each pytest also writes its per-test times as JUnit XML into DIR (slurm.xml,
@@ -38,6 +40,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 PYTEST=("$PY" -m pytest -q --durations=25 "$@")  # arguments go to both lanes: -k, -x, ...
+# The tests marked extended only where HPC_DDP_TEST_EXTENDED=1: CI sets it (.ci/run).
+EXTENDED=${HPC_DDP_TEST_EXTENDED:-0}
+[ "$EXTENDED" = 1 ] || PYTEST+=(--skip-extended)
 CPU=/sys/fs/cgroup/cpu
 ACCT=/sys/fs/cgroup/cpuacct
 SLURM_WEIGHT=${HPC_DDP_TEST_SLURM_WEIGHT:-8192}
@@ -118,6 +123,7 @@ smoke_versions() {
     return $rc
 }
 
+[ "$EXTENDED" = 1 ] || echo "make test: the tests marked extended are left out (HPC_DDP_TEST_EXTENDED=1 runs them; CI does)"
 if [ "$lanes" = serial ]; then
     echo "make test: one lane (two where a cpu cgroup can be made, unless HPC_DDP_TEST_LANES=serial)"
     junit serial
@@ -141,9 +147,9 @@ setsid bash -c 'echo $$ > "$1/cgroup.procs" && shift && { [ -z "$1" ] || echo $$
     "${PYTEST[@]}" "${JUNIT[@]}" "${XDIST[@]}" --lane local tests >"$local_log" 2>&1 &
 local_pid=$!
 start=$SECONDS
-# The versions lane, where asked for: its own process group (setsid), on the second test Slurm, in this
-# shell's cgroups.
-beside=${HPC_DDP_TEST_VERSIONS_BESIDE:-0}
+# The versions lane (unless HPC_DDP_TEST_VERSIONS_BESIDE=0): its own process group (setsid), on the second
+# test Slurm, in this shell's cgroups.
+beside=${HPC_DDP_TEST_VERSIONS_BESIDE:-1}
 if [ "$beside" = 1 ] && [ -n "${HPC_DDP_TEST_SMOKE_VERSIONS-24.11 26.05}" ]; then
     versions_pid=
     versions_log=$(mktemp "${TMPDIR:-/tmp}/hpc-ddp-versions-lane.XXXXXX")

@@ -1,6 +1,6 @@
 # Which test Slurm this is (sourced by slurm-up.sh and slurm-down.sh; bash). Several can run on this machine at
-# once, each with its own folder, ports, MariaDB and sshd: HPC_DDP_TEST_VERSIONS_BESIDE=1 make test runs the
-# version sets on a second one beside the 22.05 lane (tests/run-lanes.sh).
+# once, each with its own folder, ports, MariaDB and sshd: make test runs the version smoke on a
+# second one beside the 22.05 lane (tests/run-lanes.sh; HPC_DDP_TEST_VERSIONS_BESIDE=0, as in CI, runs it after).
 #
 # HPC_DDP_SLURM_INSTANCE=K (0 to 4, default 0): folder /var/tmp/hpc-ddp-slurm (K=0) or /var/tmp/hpc-ddp-slurm-K
 # (HPC_DDP_SLURM_ROOT overrides it); slurmctld on 6817+100K, slurmdbd on 6819+100K, the slurmds on 6830+100K
