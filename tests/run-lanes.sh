@@ -9,7 +9,7 @@
 #   slurm lane: the tests that use the test Slurm (pytest --lane slurm), one after another, as they must:
 #               they share its four nodes, kill slurmds and preempt partitions. Its log is this script's output.
 #   local lane: every other test (--lane local), at the same time; in HPC_DDP_TEST_LOCAL_WORKERS pytest-xdist
-#               workers where that is 2 or more (default 1: one pytest), a test file to a worker (--dist
+#               workers where that is 2 or more (default 2; 1: one pytest), a test file to a worker (--dist
 #               loadfile: a module's fixtures are made once). Its log is printed when it ends.
 #
 # The slurm lane spends most of its time waiting on Slurm's clocks, but when its jobs start, their ranks want
@@ -136,10 +136,12 @@ fi
 local_log=$(mktemp "${TMPDIR:-/tmp}/hpc-ddp-local-lane.XXXXXX")
 echo "make test: two lanes; the local lane's log ($local_log) follows the slurm lane's"
 junit local
-# Two workers are opt-in: the local lane alone took 31.2 min in one pytest and 21.8 in two (2026-12-05), the
-# same 38 min of CPU, but beside the slurm lane the extra load cost a Slurm test its KillWait: a preempted
-# batch shell was killed before it recorded its requeue (CONTRIBUTING.md). make test is CPU-bound either way.
-WORKERS=${HPC_DDP_TEST_LOCAL_WORKERS:-1} XDIST=()
+# Two workers by default: a test that waits on a timeout or a collective leaves a core the other worker uses.
+# Without the extended tests, make test took 23.9 min with two and 36.2 with one (2026-12-05, CONTRIBUTING.md).
+# CI runs every test in one (HPC_DDP_TEST_LOCAL_WORKERS=1, .ci/run): with the extended ones and the version
+# core sets, two once cost a Slurm test its KillWait (a preempted batch shell killed before it recorded its
+# requeue), and that much work is CPU-bound either way.
+WORKERS=${HPC_DDP_TEST_LOCAL_WORKERS:-2} XDIST=()
 case "$WORKERS" in [2-9]) XDIST=(-n "$WORKERS" --dist loadfile) ;; esac
 # setsid: the local lane is its own process group, so an interrupted run stops all of it and nothing else.
 setsid bash -c 'echo $$ > "$1/cgroup.procs" && shift && { [ -z "$1" ] || echo $$ > "$1/cgroup.procs" 2>/dev/null || true; } && shift && exec "$@"' \
